@@ -1,0 +1,72 @@
+"""The device mesh (``data``, ``model``) and CPU device simulation.
+
+This module reads the process environment (``XLA_FLAGS``) on purpose: simulating devices must
+happen before jax initialises its backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from zjax.errors import ConfigError
+
+__all__ = ["DATA", "MODEL", "MeshConfig", "make_mesh", "simulate_cpu_devices"]
+
+DATA = "data"
+MODEL = "model"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Mesh axis sizes; one of them may be -1 to take all remaining devices."""
+
+    data: int = -1
+    model: int = 1
+
+    def __post_init__(self):
+        for key in ("data", "model"):
+            value = getattr(self, key)
+            if value == 0 or value < -1:
+                raise ConfigError(f"mesh.{key}: must be a positive size or -1, got {value}")
+        if self.data == -1 and self.model == -1:
+            raise ConfigError("mesh.data and mesh.model are both -1; at most one may be -1")
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Make the CPU backend expose ``n`` devices. Call before jax creates its backends."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
+    """Build the ``(data, model)`` mesh with automatic (GSPMD) axis types.
+
+    Args:
+      config: axis sizes; ``-1`` takes all devices left.
+      devices: devices to use (default: all of ``jax.devices()``).
+    """
+    config = config or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    data, model = config.data, config.model
+    if data == -1:
+        if n % model:
+            raise ConfigError(f"mesh.model: {model} does not divide the {n} devices")
+        data = n // model
+    elif model == -1:
+        if n % data:
+            raise ConfigError(f"mesh.data: {data} does not divide the {n} devices")
+        model = n // data
+    if data * model != n:
+        raise ConfigError(
+            f"mesh: data={data} x model={model} = {data * model} does not equal the {n} devices"
+        )
+    return jax.make_mesh(
+        (data, model), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices
+    )

@@ -1,0 +1,133 @@
+"""A reference decoder-only GPT in Flax NNX: pre-norm attention + MLP blocks in a ``Stack``.
+
+Weights compute in whatever dtype they arrive in (zjax hands them over in ``zero.gather_dtype``);
+normalisation statistics, softmax and logits are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zjax.errors import ConfigError
+from zjax.nn import Stack
+
+__all__ = ["GPT", "GPTConfig", "lm_loss"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of the reference GPT (the ``model`` config section)."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int | None = None  # default 4 * d_model
+    max_seq_len: int = 256
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}: must be > 0, got {getattr(self, key)}")
+        if self.d_ff is not None and self.d_ff <= 0:
+            raise ConfigError(f"model.d_ff: must be > 0, got {self.d_ff}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}"
+            )
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+def _param(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int):
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm causal self-attention and GELU MLP, no biases."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, ff = cfg.d_model, cfg.ff
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
+        self.n_heads = cfg.n_heads
+        self.ln1 = RMSNorm(d)
+        self.wq = _param(rngs, (d, d), 0.02)
+        self.wk = _param(rngs, (d, d), 0.02)
+        self.wv = _param(rngs, (d, d), 0.02)
+        self.wo = _param(rngs, (d, d), out_std)
+        self.ln2 = RMSNorm(d)
+        self.w_up = _param(rngs, (d, ff), 0.02)
+        self.w_down = _param(rngs, (ff, d), out_std)
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        h, hd = self.n_heads, d // self.n_heads
+        y = self.ln1(x)
+        q = (y @ self.wq[...]).reshape(b, t, h, hd)
+        k = (y @ self.wk[...]).reshape(b, t, h, hd)
+        v = (y @ self.wv[...]).reshape(b, t, h, hd)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(hd)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
+        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        x = x + att @ self.wo[...]
+        y = self.ln2(x)
+        return x + jax.nn.gelu(y @ self.w_up[...]) @ self.w_down[...]
+
+
+class GPT(nnx.Module):
+    """Token + learned position embeddings, a ``Stack`` of blocks, final norm, LM head."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), 0.02)
+        self.pos = _param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01)
+        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs)
+        self.ln_f = RMSNorm(cfg.d_model)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len: {t} exceeds model.max_seq_len {self.cfg.max_seq_len}"
+            )
+        embed = self.embed[...]
+        h = jnp.take(embed, tokens, axis=0) + self.pos[...][:t].astype(embed.dtype)
+        h = self.ln_f(self.blocks(h))
+        head = embed.T if self.cfg.tie_embeddings else self.head[...]
+        return (h @ head).astype(jnp.float32)
+
+
+def lm_loss(model: GPT, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Next-token cross-entropy on ``batch`` of tokens ``[B, T + 1]``.
+
+    Returns:
+      ``(sum of token losses, token count)``: zjax divides by the global count, so a sharded
+      run equals a single-device one.
+    """
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(inputs)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(logz - picked), jnp.asarray(targets.size, jnp.float32)

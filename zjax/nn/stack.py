@@ -1,0 +1,74 @@
+"""``Stack``: L identical NNX blocks with stacked params, run as one scheduled unit.
+
+Outside zjax (or at ZeRO stages 0-2) a ``Stack`` is a plain ``lax.scan`` over its layers with
+per-layer ``jax.checkpoint``. Inside a zjax stage-3 step the step binds a *runner* to each
+``Stack`` (:func:`bind_runners`), and ``__call__`` hands its stacked shards and a pure per-layer
+function to the scheduled layer scan. Params cross that boundary as pure dicts
+(``nnx.to_pure_dict``), the same layout zjax uses for the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import jax
+from flax import nnx
+from jax import lax
+
+__all__ = ["Stack", "bind_runners", "iter_stacks"]
+
+Runner = Callable[[Callable, dict, jax.Array], jax.Array]
+
+
+class Stack(nnx.Module):
+    """``n_layers`` copies of the block built by ``make_layer``, params stacked on axis 0.
+
+    Args:
+      make_layer: ``make_layer(rngs) -> nnx.Module``; the block maps ``x -> y`` with ``y``
+        of ``x``'s shape and dtype and holds only ``nnx.Param`` state.
+      n_layers: number of layers L.
+      rngs: NNX RNGs; split so every layer is initialised differently.
+      remat: checkpoint each layer in the plain scan (recompute it in the backward pass).
+    """
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], n_layers: int, *,
+                 rngs: nnx.Rngs, remat: bool = True):
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs: nnx.Rngs):
+            return make_layer(rngs)
+
+        self.layers = create(rngs)
+        self.n_layers = n_layers
+        self.remat = remat
+        self.runner: Runner | None = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        graphdef, state = nnx.split(self.layers)
+        params = nnx.to_pure_dict(state)
+
+        def layer_fn(layer_params, h):
+            return nnx.merge(graphdef, layer_params)(h)
+
+        if self.runner is not None:
+            return self.runner(layer_fn, params, x)
+
+        def body(h, layer_params):
+            return layer_fn(layer_params, h), None
+
+        if self.remat:
+            body = jax.checkpoint(body)
+        return lax.scan(body, x, params)[0]
+
+
+def iter_stacks(model: nnx.Module) -> Iterator[tuple[str, Stack]]:
+    """Yield ``(path, stack)`` for every :class:`Stack` in ``model`` (path ``/``-joined)."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Stack):
+            yield "/".join(map(str, path)), node
+
+
+def bind_runners(model: nnx.Module, make_runner: Callable[[str, Stack], Runner | None]) -> None:
+    """Give every ``Stack`` in ``model`` the runner ``make_runner(path, stack)``."""
+    for path, stack in list(iter_stacks(model)):
+        stack.runner = make_runner(path, stack)

@@ -1,0 +1,102 @@
+"""The ``zero`` config section: what DeepSpeed calls ``zero_optimization``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from zjax._schema import choices
+from zjax.errors import ConfigError, did_you_mean
+
+__all__ = ["DTYPES", "ZeroConfig", "resolve_dtype"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str, *, key: str) -> np.dtype:
+    """Map a dtype name from a config to a numpy dtype, naming ``key`` if it is not allowed."""
+    if name not in DTYPES:
+        raise ConfigError(
+            f"{key}: unknown dtype {name!r}{did_you_mean(name, DTYPES)}; "
+            f"choose one of {', '.join(DTYPES)}"
+        )
+    return np.dtype(getattr(jnp, name))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """ZeRO placement and scheduling options.
+
+    Attributes:
+      stage: 0 replicates everything (DDP); 1 shards optimizer state; 2 also reduce-scatters
+        gradients; 3 also shards parameters and gathers them on use.
+      param_persistence_threshold: leaves (per layer, for stacked leaves) with fewer elements
+        stay replicated and their gradients are all-reduced (DeepSpeed
+        ``stage3_param_persistence_threshold``).
+      gather_dtype: dtype of the working weights: every parameter all-gather moves this dtype
+        and the model computes in it. At stages 0-2 the replicated working copy is stored in it.
+      reduce_dtype: dtype in which gradients are reduce-scattered / all-reduced; they are
+        accumulated in float32 whatever this is.
+      prefetch_layers: how many layers ahead the scheduled layer scan gathers (0 = gather
+        just before use). Mutually exclusive with ``prefetch_bucket_size``.
+      prefetch_bucket_size: prefetch budget in bytes of gathered weights (DeepSpeed
+        ``stage3_prefetch_bucket_size``); converted to whole layers.
+      max_live_parameters: cap on gathered parameter elements alive at once (DeepSpeed
+        ``stage3_max_live_parameters``); lowers the prefetch depth if needed.
+    """
+
+    stage: int = choices(0, 1, 2, 3, default=3)
+    param_persistence_threshold: int = 4096
+    gather_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    prefetch_layers: int | None = None
+    prefetch_bucket_size: int | None = None
+    max_live_parameters: int | None = None
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero.stage: {self.stage!r} is not allowed; choose one of 0, 1, 2, 3")
+        resolve_dtype(self.gather_dtype, key="zero.gather_dtype")
+        resolve_dtype(self.reduce_dtype, key="zero.reduce_dtype")
+        for key in ("param_persistence_threshold", "prefetch_layers", "prefetch_bucket_size"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"zero.{key}: must be >= 0, got {value}")
+        if self.max_live_parameters is not None and self.max_live_parameters <= 0:
+            raise ConfigError(
+                f"zero.max_live_parameters: must be > 0, got {self.max_live_parameters}"
+            )
+        if self.prefetch_layers is not None and self.prefetch_bucket_size is not None:
+            raise ConfigError(
+                "zero.prefetch_layers and zero.prefetch_bucket_size both set "
+                f"({self.prefetch_layers}, {self.prefetch_bucket_size}); set only one"
+            )
+
+    @property
+    def gather(self) -> np.dtype:
+        return resolve_dtype(self.gather_dtype, key="zero.gather_dtype")
+
+    @property
+    def reduce(self) -> np.dtype:
+        return resolve_dtype(self.reduce_dtype, key="zero.reduce_dtype")
+
+    def prefetch_depth(self, *, layer_elements: int, n_layers: int) -> int:
+        """Resolve the prefetch options into a layer count for a stack.
+
+        Args:
+          layer_elements: parameter elements of one gathered layer.
+          n_layers: layers in the stack (the depth never exceeds ``n_layers - 1``).
+        """
+        if self.prefetch_layers is not None:
+            depth = self.prefetch_layers
+        elif self.prefetch_bucket_size is not None:
+            layer_bytes = max(1, layer_elements * self.gather.itemsize)
+            depth = self.prefetch_bucket_size // layer_bytes
+        else:
+            depth = 1
+        if self.max_live_parameters is not None:
+            # backward holds (2 + depth) gathered layers: the one in use, its recompute, prefetch
+            depth = min(depth, self.max_live_parameters // max(1, layer_elements) - 2)
+        return int(max(0, min(depth, n_layers - 1)))

@@ -1,0 +1,131 @@
+"""The gather primitive and gather-on-access for any params pytree.
+
+``gather`` is a ``custom_vjp``: forward all-gathers a shard in ``gather_dtype``; backward
+reduce-scatters the cotangent in ``reduce_dtype`` and returns it in the shard's own dtype
+(float32 accumulation). Gathered values are tagged with :data:`GATHERED` so that a remat policy
+that refuses to save them (:data:`REMAT_POLICY`) makes the backward pass gather again instead of
+keeping every gathered weight alive from forward to backward.
+
+A leaf used twice (tied embeddings, DeepSpeed's external parameters) must be gathered once per
+*loss*, not per use site: :func:`gather_tree` gathers each leaf once, so JAX sums the cotangents
+of all its uses before the single reduce-scatter in the backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+__all__ = ["GATHERED", "REMAT_POLICY", "gather", "gather_on_access", "gather_tree"]
+
+GATHERED = "zjax_gathered"
+REMAT_POLICY = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype):
+    return lax.all_gather(x.astype(gather_dtype), axis_name, axis=dim, tiled=True)
+
+
+def _gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype):
+    # the zero-size residual carries the shard's dtype for the backward cast
+    return _gather(x, dim, axis_name, gather_dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
+
+
+def _gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, like, g):
+    shard = lax.psum_scatter(g.astype(reduce_dtype), axis_name, scatter_dimension=dim, tiled=True)
+    return (shard.astype(like.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather(
+    x: jax.Array,
+    *,
+    dim: int | None,
+    axis_name: str = "data",
+    gather_dtype=None,
+    reduce_dtype=None,
+) -> jax.Array:
+    """All-gather shard ``x`` along ``dim`` over ``axis_name`` (inside ``shard_map``).
+
+    Args:
+      x: the local shard.
+      dim: the sharded dimension; None means ``x`` is replicated and is only cast.
+      axis_name: the mesh axis the shards are spread over.
+      gather_dtype: dtype of the communicated and returned weight (default: ``x.dtype``).
+      reduce_dtype: dtype of the reduce-scatter of its cotangent (default: ``x.dtype``).
+
+    Returns:
+      The full weight in ``gather_dtype``. Its cotangent comes back to ``x`` reduce-scattered
+      (summed over ``axis_name``) and cast to ``x.dtype``.
+    """
+    gather_dtype = np.dtype(gather_dtype or x.dtype)
+    reduce_dtype = np.dtype(reduce_dtype or x.dtype)
+    if not _is_float(x.dtype):
+        return x
+    if dim is None:
+        return x.astype(gather_dtype)
+    return _gather(x, dim, axis_name, gather_dtype, reduce_dtype)
+
+
+def gather_tree(
+    shards: Any,
+    dims: Any,
+    *,
+    axis_name: str = "data",
+    gather_dtype=None,
+    reduce_dtype=None,
+) -> Any:
+    """Gather every leaf of ``shards`` once; tags each result with :data:`GATHERED`.
+
+    ``dims`` is a pytree with the structure of ``shards`` holding each leaf's sharded
+    dimension or None.
+    """
+
+    def one(x, dim):
+        y = gather(x, dim=dim, axis_name=axis_name, gather_dtype=gather_dtype,
+                   reduce_dtype=reduce_dtype)
+        return checkpoint_name(y, GATHERED) if dim is not None else y
+
+    leaves, treedef = jax.tree.flatten(shards)
+    dim_leaves = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
+    if len(dim_leaves) != len(leaves):
+        raise ValueError(f"dims has {len(dim_leaves)} leaves, params have {len(leaves)}")
+    return jax.tree.unflatten(treedef, [one(x, d) for x, d in zip(leaves, dim_leaves, strict=True)])
+
+
+def gather_on_access(
+    fn: Callable[..., Any],
+    dims: Any,
+    *,
+    axis_name: str = "data",
+    gather_dtype=None,
+    reduce_dtype=None,
+    remat: bool = True,
+) -> Callable[..., Any]:
+    """Wrap ``fn(params, *args)`` so it runs on shards: ``fn(shards, *args)``.
+
+    The wrapped function gathers each sharded leaf once (summing the gradients of repeated
+    uses before one reduce-scatter). With ``remat`` the backward pass re-gathers instead of
+    keeping the gathered weights alive across the step.
+    """
+
+    def wrapped(shards, *args):
+        full = gather_tree(shards, dims, axis_name=axis_name, gather_dtype=gather_dtype,
+                           reduce_dtype=reduce_dtype)
+        return fn(full, *args)
+
+    return jax.checkpoint(wrapped, policy=REMAT_POLICY) if remat else wrapped

@@ -1,0 +1,256 @@
+"""ShardPlan: where each parameter leaf lives, and the specs of everything derived from it.
+
+The plan is built from an *abstract* params pytree (``jax.ShapeDtypeStruct`` leaves, nothing
+allocated), the ``zero`` config section and the mesh. For each leaf it picks one dimension to
+shard along the ``data`` axis (the largest one that the axis size divides, never the
+stacked-layer dimension) or says why the leaf stays replicated. From that it derives the
+PartitionSpecs of stored params, gradients, fp32 master params and optax state per ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zjax.errors import ConfigError
+from zjax.mesh import DATA
+from zjax.partition.config import ZeroConfig
+
+__all__ = ["LeafPlan", "ShardPlan", "bytes_per_device", "make_plan", "path_str"]
+
+
+def path_str(path) -> str:
+    """``a/b/0/c`` for a jax key path."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """Placement of one parameter leaf.
+
+    Attributes:
+      path: ``/``-joined key path of the leaf.
+      shape: full (global) shape.
+      dtype: dtype of the leaf as initialised (the master dtype).
+      stacked: whether dimension 0 is a stacked-layer dimension (a ``Stack``'s leaf).
+      dim: the dimension sharded over ``data``, or None if the leaf stays replicated.
+      reason: why it is replicated (empty when sharded).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    stacked: bool
+    dim: int | None
+    reason: str = ""
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def spec(self) -> P:
+        """PartitionSpec of the leaf when sharded (``P()`` when it stays replicated)."""
+        if self.dim is None:
+            return P()
+        return P(*([None] * self.dim + [DATA]))
+
+
+def _choose_dim(shape, *, n: int, stacked: bool, threshold: int) -> tuple[int | None, str]:
+    per_layer = int(np.prod(shape[1:] if stacked else shape, dtype=np.int64))
+    if n == 1:
+        return None, "data axis has size 1"
+    if per_layer < threshold:
+        what = "elements per layer" if stacked else "elements"
+        return None, f"persistent: {per_layer} {what} < param_persistence_threshold {threshold}"
+    first = 1 if stacked else 0
+    candidates = [d for d in range(first, len(shape)) if shape[d] % n == 0]
+    if not candidates:
+        dims = shape[first:]
+        return None, f"no dimension of {tuple(dims)} divisible by data={n}"
+    # largest dimension; the last one on ties (keeps contiguous shards for row-major matmuls)
+    best = max(candidates, key=lambda d: (shape[d], d))
+    return best, ""
+
+
+def bytes_per_device(abstract: Any, shardings: Any) -> int:
+    """Bytes each device holds of ``abstract`` placed by ``shardings`` (matching trees)."""
+    total = 0
+    for leaf, sharding in zip(
+        jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding)), strict=True
+    ):
+        shard = sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """Per-leaf placements plus the specs derived from them for one ZeRO stage.
+
+    Use :func:`make_plan` to build one.
+    """
+
+    zero: ZeroConfig
+    mesh: Mesh
+    leaves: tuple[LeafPlan, ...]
+    treedef: Any
+
+    # ---- per-leaf views -------------------------------------------------------------------
+    @property
+    def n_data(self) -> int:
+        return self.mesh.shape[DATA]
+
+    def tree(self, values) -> Any:
+        return jax.tree.unflatten(self.treedef, list(values))
+
+    @property
+    def dims(self) -> Any:
+        """Pytree of sharded dimension (int) or None per leaf, when the stage shards it."""
+        return self.tree(leaf.dim for leaf in self.leaves)
+
+    @property
+    def sharded_specs(self) -> Any:
+        return self.tree(leaf.spec for leaf in self.leaves)
+
+    @property
+    def replicated_specs(self) -> Any:
+        return self.tree(P() for _ in self.leaves)
+
+    # ---- what is stored, per stage ----------------------------------------------------------
+    @property
+    def param_specs(self) -> Any:
+        """Specs of the stored params: shards at stage 3, replicated below."""
+        return self.sharded_specs if self.zero.stage == 3 else self.replicated_specs
+
+    @property
+    def grad_specs(self) -> Any:
+        """Specs of the gradients leaving the backward pass."""
+        return self.sharded_specs if self.zero.stage >= 2 else self.replicated_specs
+
+    @property
+    def state_specs(self) -> Any:
+        """Specs of per-param optimizer state and fp32 master params."""
+        return self.sharded_specs if self.zero.stage >= 1 else self.replicated_specs
+
+    def stored_param_dtype(self, leaf: LeafPlan) -> np.dtype:
+        """Stage 3 stores the master (no working copy); stages 0-2 a working copy."""
+        if self.zero.stage == 3 or not np.issubdtype(leaf.dtype, np.floating):
+            return leaf.dtype
+        return self.zero.gather
+
+    @property
+    def has_master(self) -> bool:
+        """Whether a separate fp32 master copy is stored (stages 0-2 with a narrower working dtype)."""
+        return self.zero.stage < 3 and any(
+            self.stored_param_dtype(leaf) != leaf.dtype for leaf in self.leaves
+        )
+
+    def opt_specs(self, tx: optax.GradientTransformation, opt_state: Any) -> Any:
+        """Specs for an optax state: per-param leaves follow :attr:`state_specs`, others replicate."""
+        return optax.tree_map_params(
+            tx,
+            lambda _, spec: spec,
+            opt_state,
+            self.state_specs,
+            transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def shardings(self, specs: Any) -> Any:
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    # ---- reporting --------------------------------------------------------------------------
+    @property
+    def replicated(self) -> list[LeafPlan]:
+        return [leaf for leaf in self.leaves if leaf.dim is None]
+
+    def summary(self, *, opt_state: Any = None, tx=None) -> str:
+        """A readable table: bytes per device per category, and the replicated leaves."""
+        params = sum(self._leaf_bytes(leaf, self.stored_param_dtype(leaf), self.zero.stage == 3)
+                     for leaf in self.leaves)
+        grads = sum(self._leaf_bytes(leaf, np.dtype(np.float32), self.zero.stage >= 2)
+                    for leaf in self.leaves)
+        master = 0
+        if self.has_master:
+            master = sum(self._leaf_bytes(leaf, leaf.dtype, self.zero.stage >= 1)
+                         for leaf in self.leaves)
+        opt = 0
+        if opt_state is not None and tx is not None:
+            opt = bytes_per_device(opt_state, self.shardings(self.opt_specs(tx, opt_state)))
+        total = sum(leaf.size for leaf in self.leaves)
+        lines = [
+            f"ZeRO stage {self.zero.stage} on data={self.n_data}: {total:,} parameters in "
+            f"{len(self.leaves)} leaves, {len(self.leaves) - len(self.replicated)} sharded",
+            f"  params      {params / 2**20:10.2f} MiB/device",
+            f"  grads       {grads / 2**20:10.2f} MiB/device (transient, float32)",
+            f"  master      {master / 2**20:10.2f} MiB/device",
+            f"  optimizer   {opt / 2**20:10.2f} MiB/device",
+        ]
+        if self.replicated:
+            rep_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in self.replicated)
+            lines.append(
+                f"  replicated leaves ({len(self.replicated)}, {rep_bytes:,} bytes each device):"
+            )
+            lines += [f"    {leaf.path} {leaf.shape}: {leaf.reason}" for leaf in self.replicated]
+        return "\n".join(lines)
+
+    def _leaf_bytes(self, leaf: LeafPlan, dtype, sharded: bool) -> int:
+        n = self.n_data if sharded and leaf.dim is not None else 1
+        return leaf.size // n * np.dtype(dtype).itemsize
+
+
+def make_plan(
+    abstract_params: Any,
+    zero: ZeroConfig,
+    mesh: Mesh,
+    *,
+    stacked: Callable[[str], bool] | None = None,
+) -> ShardPlan:
+    """Decide the placement of every parameter leaf.
+
+    Args:
+      abstract_params: params pytree of ``jax.ShapeDtypeStruct`` (or arrays).
+      zero: the ``zero`` config section.
+      mesh: a mesh with a ``data`` axis.
+      stacked: predicate on a leaf's path: True for leaves whose dimension 0 stacks layers.
+
+    Returns:
+      The :class:`ShardPlan`.
+
+    Raises:
+      ConfigError: stage 3 was asked for but no leaf can be sharded.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    n = mesh.shape[DATA]
+    leaves = []
+    for key_path, leaf in flat:
+        path = path_str(key_path)
+        is_stacked = bool(stacked and stacked(path))
+        shape = tuple(leaf.shape)
+        if zero.stage == 0:
+            dim, reason = None, "stage 0 replicates everything"
+        elif not np.issubdtype(leaf.dtype, np.floating):
+            dim, reason = None, f"not a float leaf ({leaf.dtype})"
+        else:
+            dim, reason = _choose_dim(
+                shape, n=n, stacked=is_stacked, threshold=zero.param_persistence_threshold
+            )
+        leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason))
+    plan = ShardPlan(zero, mesh, tuple(leaves), treedef)
+    if zero.stage == 3 and n > 1 and len(plan.replicated) == len(leaves):
+        raise ConfigError(
+            f"zero.stage: 3 has nothing to shard: every leaf stays replicated on data={n} "
+            f"(e.g. {leaves[0].path}: {leaves[0].reason}); lower "
+            f"zero.param_persistence_threshold ({zero.param_persistence_threshold}) or use stage 0"
+        )
+    return plan

@@ -1,0 +1,165 @@
+"""The scheduled layer scan: ZeRO-3 over a stack of L identical layers.
+
+One ``jax.custom_vjp`` over the whole stack (params stacked ``[L, ...]``, held as shards):
+
+- forward: ``lax.scan``; iteration i runs layer i on weights gathered earlier and issues the
+  gather of layer ``i + k`` (``k`` = prefetch depth). Only the layer inputs are saved.
+- backward: a reverse ``lax.scan``; iteration i recomputes layer i from its saved input on
+  weights gathered earlier, issues the gather of layer ``i - k``, takes the layer VJP and
+  reduce-scatters ``dW_i`` into the shard gradient at once.
+
+So the gathered working set is ``1 + k`` layers forward and ``2 + k`` backward (the layer's
+gathered weights, its full-size gradient, and the prefetched ones) whatever L is, and the
+collectives are exactly 2 all-gathers and 1 reduce-scatter of every sharded layer leaf.
+The first (last) ``k`` gathers are issued before the loop and the last ``k`` layers run after
+it, so no gather is ever wasted on a layer that does not exist.
+
+Leaves with ``dim`` None (persistent, replicated) are sliced and cast, never communicated; their
+gradients are returned un-reduced (each replica's local sum) for the caller to all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["ScheduleSpec", "scheduled_scan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+    """Static description of how a stack's leaves are laid out and moved.
+
+    Attributes:
+      dims: per flattened leaf, the sharded dimension of the *stacked* leaf (>= 1), or None.
+      axis_name: mesh axis the shards are spread over.
+      gather_dtype: dtype weights are gathered and computed in.
+      reduce_dtype: dtype gradients are reduce-scattered in.
+      prefetch: how many layers ahead to gather.
+    """
+
+    dims: tuple[int | None, ...]
+    axis_name: str = "data"
+    gather_dtype: Any = np.float32
+    reduce_dtype: Any = np.float32
+    prefetch: int = 1
+
+
+def _slice(leaf, i):
+    return lax.dynamic_index_in_dim(leaf, i, 0, keepdims=False)
+
+
+def scheduled_scan(
+    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    stacked_params: Any,
+    x: jax.Array,
+    *,
+    spec: ScheduleSpec,
+) -> jax.Array:
+    """Run ``x`` through L layers whose params are stacked shards (inside ``shard_map``).
+
+    Args:
+      layer_fn: ``layer_fn(params_of_one_layer, x) -> y`` with ``y`` like ``x``; pure.
+      stacked_params: pytree of local shards with leading layer dimension L.
+      x: the activations entering layer 0.
+      spec: leaf layout, dtypes and prefetch depth.
+
+    Returns:
+      The output of layer L-1. Differentiable: cotangents of sharded leaves come back
+      reduce-scattered over ``spec.axis_name`` in each leaf's own dtype.
+    """
+    leaves, treedef = jax.tree.flatten(stacked_params)
+    if len(leaves) != len(spec.dims):
+        raise ValueError(f"spec has {len(spec.dims)} dims for {len(leaves)} stacked leaves")
+    if not leaves:
+        raise ValueError("scheduled_scan needs at least one stacked leaf")
+    n_layers = leaves[0].shape[0]
+    k = min(spec.prefetch, n_layers - 1)
+    gather_dtype = np.dtype(spec.gather_dtype)
+    reduce_dtype = np.dtype(spec.reduce_dtype)
+
+    def gather_layer(leaves, i):
+        out = []
+        for leaf, dim in zip(leaves, spec.dims, strict=True):
+            w = _slice(leaf, i)
+            if jnp.issubdtype(w.dtype, jnp.floating):
+                w = w.astype(gather_dtype)
+            if dim is not None:
+                w = lax.all_gather(w, spec.axis_name, axis=dim - 1, tiled=True)
+            out.append(w)
+        return tuple(out)
+
+    def apply(ws, h):
+        return layer_fn(jax.tree.unflatten(treedef, list(ws)), h)
+
+    def forward(leaves, x, *, save: bool):
+        buf = tuple(gather_layer(leaves, j) for j in range(k))
+        xs = jnp.zeros((n_layers, *x.shape), x.dtype) if save else None
+
+        def body(carry, i):
+            h, buf, xs = carry
+            if k:
+                ws, buf = buf[0], (*buf[1:], gather_layer(leaves, i + k))
+            else:
+                ws = gather_layer(leaves, i)
+            if save:
+                xs = lax.dynamic_update_index_in_dim(xs, h, i, 0)
+            return (apply(ws, h), buf, xs), None
+
+        (h, buf, xs), _ = lax.scan(body, (x, buf, xs), jnp.arange(n_layers - k))
+        for j in range(k):  # the last k layers: their weights are already here
+            if save:
+                xs = lax.dynamic_update_index_in_dim(xs, h, n_layers - k + j, 0)
+            h = apply(buf[j], h)
+        return h, xs
+
+    @jax.custom_vjp
+    def run(leaves, x):
+        return forward(leaves, x, save=False)[0]
+
+    def run_fwd(leaves, x):
+        y, xs = forward(leaves, x, save=True)
+        return y, (leaves, xs)
+
+    def run_bwd(res, dy):
+        leaves, xs = res
+
+        def layer_vjp(ws, i, dy, grads):
+            _, vjp = jax.vjp(apply, ws, _slice(xs, i))
+            dws, dx = vjp(dy)
+            new = []
+            for g, dw, dim, leaf in zip(grads, dws, spec.dims, leaves, strict=True):
+                if dim is not None:
+                    dw = lax.psum_scatter(
+                        dw.astype(reduce_dtype), spec.axis_name, scatter_dimension=dim - 1,
+                        tiled=True,
+                    )
+                new.append(lax.dynamic_update_index_in_dim(g, dw.astype(leaf.dtype), i, 0))
+            return dx, tuple(new)
+
+        grads = tuple(jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves)
+        buf = tuple(gather_layer(leaves, n_layers - 1 - j) for j in range(k))
+
+        def body(carry, t):
+            dy, buf, grads = carry
+            i = n_layers - 1 - t
+            if k:
+                ws, buf = buf[0], (*buf[1:], gather_layer(leaves, i - k))
+            else:
+                ws = gather_layer(leaves, i)
+            dy, grads = layer_vjp(ws, i, dy, grads)
+            return (dy, buf, grads), None
+
+        (dy, buf, grads), _ = lax.scan(body, (dy, buf, grads), jnp.arange(n_layers - k))
+        for j in range(k):  # layers k-1 .. 0, already gathered
+            dy, grads = layer_vjp(buf[j], k - 1 - j, dy, grads)
+        return grads, dy
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(tuple(leaves), x)

@@ -1,0 +1,212 @@
+"""The train step: pjit outside, explicit ZeRO inside.
+
+1. ``jax.jit`` with in/out shardings from the :class:`~zjax.partition.ShardPlan`, state donated.
+2. Inside, ``jax.shard_map`` manual over ``data`` runs loss and grads per replica on its local
+   batch (micro-batched for gradient accumulation). At stage 3 params enter as shards and are
+   gathered on use; gradients leave reduce-scattered (stage 2-3) or all-reduced.
+3. The optax update runs outside the ``shard_map`` on sharded arrays, so global reductions
+   (``clip_by_global_norm``) see the whole tree.
+
+Mixed precision: master params and optimizer state are float32. Stage 3 stores only the float32
+master shards (the cast to ``gather_dtype`` happens at the gather). Stages 0-2 store a replicated
+working copy in ``gather_dtype`` and, when that is narrower, a float32 master placed like the
+optimizer state (sharded from stage 1); the new working copy is cast before it is all-gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zjax.errors import ConfigError
+from zjax.mesh import DATA
+from zjax.partition.config import ZeroConfig
+from zjax.partition.plan import ShardPlan, make_plan
+from zjax.trainable import Trainable
+
+__all__ = ["TrainState", "ZeroStep", "make_step"]
+
+
+class TrainState(NamedTuple):
+    """Everything a step updates.
+
+    Attributes:
+      step: number of optimizer steps taken.
+      params: stored params (stage 3: float32 master shards; stages 0-2: working copy).
+      master: float32 master params when stored apart from ``params``, else None.
+      opt_state: the optax state.
+    """
+
+    step: jax.Array
+    params: Any
+    master: Any
+    opt_state: Any
+
+
+def _cast_tree(tree, dtypes):
+    return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroStep:
+    """A compiled-on-demand ZeRO train step and everything needed to place its state.
+
+    Attributes:
+      plan: the per-leaf placement.
+      state_shardings: ``TrainState`` of ``NamedSharding`` (the jit's in/out shardings).
+      abstract_state: ``TrainState`` of ``ShapeDtypeStruct`` with those shardings.
+      batch_sharding: how the global batch is laid out (split over ``data``).
+      init: ``init(rng) -> TrainState``, created directly into its shards (``zero.Init``).
+      step: ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
+    """
+
+    plan: ShardPlan
+    state_shardings: TrainState
+    abstract_state: TrainState
+    batch_sharding: NamedSharding
+    init: Callable[[jax.Array], TrainState]
+    step: Callable[[TrainState, Any], tuple[TrainState, dict]]
+
+    def lower(self, batch: jax.ShapeDtypeStruct):
+        """Lower the step from abstract values only (nothing is allocated)."""
+        batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=self.batch_sharding)
+        return self.step.lower(self.abstract_state, batch)
+
+
+def _reduce_grads(grads, plan: ShardPlan, *, reduced_in_backward: bool):
+    """All-reduce / reduce-scatter the local grads over ``data``; results in float32."""
+    rd = plan.zero.reduce
+    out = []
+    for g, leaf in zip(jax.tree.leaves(grads), plan.leaves, strict=True):
+        if leaf.dim is not None and plan.zero.stage == 3 and reduced_in_backward:
+            pass  # the gather primitive / layer schedule reduce-scattered it already
+        elif leaf.dim is not None and plan.zero.stage >= 2:
+            g = lax.psum_scatter(g.astype(rd), DATA, scatter_dimension=leaf.dim, tiled=True)
+        else:
+            g = lax.psum(g.astype(rd), DATA)
+        out.append(g.astype(jnp.float32))
+    return plan.tree(out)
+
+
+def make_step(
+    trainable: Trainable,
+    tx: optax.GradientTransformation,
+    *,
+    zero: ZeroConfig,
+    mesh: Mesh,
+    micro_batches: int = 1,
+) -> ZeroStep:
+    """Build the sharded init and train step for ``trainable`` under ``zero`` on ``mesh``.
+
+    Args:
+      trainable: the model (:func:`zjax.from_nnx` / :func:`zjax.from_pytree`).
+      tx: the optax optimizer; it updates float32 master params.
+      zero: the ZeRO config section.
+      mesh: a ``(data, model)`` mesh.
+      micro_batches: gradient accumulation steps per optimizer step (the local batch is split
+        into this many micro-batches).
+
+    Returns:
+      A :class:`ZeroStep`.
+    """
+    if micro_batches < 1:
+        raise ConfigError(f"train.grad_accum: must be >= 1, got {micro_batches}")
+    abstract_params = jax.eval_shape(trainable.init, jax.random.key(0))
+    plan = make_plan(abstract_params, zero, mesh, stacked=trainable.stacked)
+    stored_dtypes = plan.tree(plan.stored_param_dtype(leaf) for leaf in plan.leaves)
+
+    def init_fn(rng):
+        master = trainable.init(rng)
+        params = _cast_tree(master, stored_dtypes)
+        return TrainState(jnp.zeros((), jnp.int32), params,
+                          master if plan.has_master else None, tx.init(master))
+
+    abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    specs = TrainState(
+        P(), plan.param_specs, plan.state_specs if plan.has_master else None,
+        plan.opt_specs(tx, abstract.opt_state),
+    )
+    shardings = plan.shardings(specs)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    batch_sharding = NamedSharding(mesh, P(DATA))
+    state_sharded = plan.shardings(plan.state_specs)
+
+    def local_grads(params, batch):
+        n_local = batch.shape[0]
+        if n_local % micro_batches:
+            raise ConfigError(
+                f"train.grad_accum: {micro_batches} micro-batches do not divide the local batch "
+                f"of {n_local} (data.batch_size / mesh.data)"
+            )
+        reduce_each = plan.zero.stage >= 2  # sharded grads are reduced per micro-batch
+        def loss_and_aux(p, b):
+            loss_sum, count = trainable.loss(p, b, plan)
+            return loss_sum, (loss_sum, count)
+
+        grad_fn = jax.grad(loss_and_aux, has_aux=True)
+
+        def one(mb):
+            g, (loss_sum, count) = grad_fn(params, mb)
+            if reduce_each:
+                g = _reduce_grads(g, plan, reduced_in_backward=True)
+            else:
+                g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+            return g, loss_sum, count
+
+        if micro_batches == 1:
+            g, loss_sum, count = one(batch)
+        else:
+            mbs = batch.reshape(micro_batches, n_local // micro_batches, *batch.shape[1:])
+
+            def body(acc, mb):
+                g, s, c = one(mb)
+                return jax.tree.map(jnp.add, acc, (g, s, c)), None
+
+            zeros = jax.eval_shape(one, mbs[0])
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zeros)
+            (g, loss_sum, count), _ = lax.scan(body, zeros, mbs)
+        if not reduce_each:
+            g = _reduce_grads(g, plan, reduced_in_backward=False)
+        return g, lax.psum(loss_sum, DATA), lax.psum(count, DATA)
+
+    sharded_grads = jax.shard_map(
+        local_grads,
+        mesh=mesh,
+        in_specs=(plan.param_specs, P(DATA)),
+        out_specs=(plan.grad_specs, P(), P()),
+        axis_names={DATA},
+        check_vma=False,
+    )
+
+    def step_fn(state: TrainState, batch):
+        grads, loss_sum, count = sharded_grads(state.params, batch)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        grads = jax.lax.with_sharding_constraint(grads, state_sharded)  # update on own shard
+        target = state.master if plan.has_master else state.params
+        updates, opt_state = tx.update(grads, state.opt_state, target)
+        new = optax.apply_updates(target, updates)
+        if plan.has_master:
+            master = jax.lax.with_sharding_constraint(new, state_sharded)
+            # cast on the shard, then all-gather the narrow working copy
+            params = jax.lax.with_sharding_constraint(_cast_tree(master, stored_dtypes),
+                                                      state_sharded)
+        else:
+            master, params = None, _cast_tree(new, stored_dtypes)
+        metrics = {"loss": loss_sum / count, "grad_norm": optax.global_norm(grads),
+                   "tokens": count}
+        return TrainState(state.step + 1, params, master, opt_state), metrics
+
+    init = jax.jit(init_fn, out_shardings=shardings)
+    step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, None), donate_argnums=0)
+    return ZeroStep(plan, shardings, abstract, batch_sharding, init, step)

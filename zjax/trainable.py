@@ -1,0 +1,154 @@
+"""What zjax trains: an init function, a loss over params, and which leaves are stacked layers.
+
+Two ways in:
+
+- :func:`from_nnx`: an NNX model (its ``Stack`` layers run through the scheduled layer scan at
+  stage 3; every other sharded leaf is gathered on access where the model is merged).
+- :func:`from_pytree`: any params pytree plus a pure loss (a Flax Linen module, a third-party
+  Flax model): every sharded leaf is gathered on access, no change to the model's code.
+
+A loss returns ``(sum of per-example losses, count)``; zjax divides by the global count so the
+sharded run equals the single-device one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from zjax.errors import NotGatheredError
+from zjax.nn import Stack, bind_runners, iter_stacks
+from zjax.partition.gather import REMAT_POLICY, gather_tree
+from zjax.partition.plan import ShardPlan, path_str
+from zjax.partition.schedule import ScheduleSpec, scheduled_scan
+
+__all__ = ["Trainable", "from_nnx", "from_pytree"]
+
+Params = Any
+LossOut = tuple[jax.Array, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """A model as zjax sees it.
+
+    Attributes:
+      init: ``init(rng) -> params`` (float32 master params; pure, traceable).
+      loss: ``loss(params, batch, plan) -> (loss_sum, count)``: ``params`` as stored by the plan
+        (shards at stage 3), run inside the step's ``shard_map``.
+      stacked: predicate on a leaf path: True where dimension 0 stacks layers.
+    """
+
+    init: Callable[[jax.Array], Params]
+    loss: Callable[[Params, Any, ShardPlan], LossOut]
+    stacked: Callable[[str], bool] = lambda path: False
+
+
+def _zero_args(plan: ShardPlan) -> dict:
+    return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.zero.reduce)
+
+
+def _shape_guard(fn: Callable[..., LossOut], plan: ShardPlan) -> Callable[..., LossOut]:
+    """Turn XLA's shape errors from un-gathered shards into an error naming the leaf."""
+
+    @functools.wraps(fn)
+    def guarded(params, *args):
+        try:
+            return fn(params, *args)
+        except (TypeError, ValueError) as e:
+            if plan.zero.stage != 3 or "shape" not in str(e).lower():
+                raise
+            sharded = [leaf for leaf in plan.leaves if leaf.dim is not None]
+            shards = {f"{leaf.path} {leaf.shape}->dim {leaf.dim}/{plan.n_data}" for leaf in sharded}
+            raise NotGatheredError(
+                f"the model failed on a shape mismatch under ZeRO stage 3 ({e}); a sharded "
+                f"parameter was probably used without being gathered (e.g. a Stack's params used "
+                f"outside the Stack). Sharded leaves: {', '.join(sorted(shards)[:8])}"
+            ) from e
+
+    return guarded
+
+
+def from_pytree(
+    init: Callable[[jax.Array], Params],
+    loss_fn: Callable[[Params, Any], LossOut],
+) -> Trainable:
+    """Train any params pytree with a pure ``loss_fn(params, batch) -> (sum, count)``.
+
+    At stage 3 every sharded leaf is gathered once on access (re-gathered in backward) and its
+    gradient reduce-scattered; a leaf used several times has its gradients summed first.
+    """
+
+    def loss(params, batch, plan: ShardPlan):
+        if plan.zero.stage < 3:
+            return loss_fn(params, batch)
+
+        def run(shards, batch):
+            return loss_fn(gather_tree(shards, plan.dims, **_zero_args(plan)), batch)
+
+        return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
+
+    return Trainable(init=init, loss=loss)
+
+
+def from_nnx(
+    make_model: Callable[[nnx.Rngs], nnx.Module],
+    loss_fn: Callable[[nnx.Module, Any], LossOut],
+) -> Trainable:
+    """Train an NNX model built by ``make_model(rngs)`` with ``loss_fn(model, batch)``.
+
+    Params are the model's ``nnx.Param`` state as a pure dict. Leaves of every
+    :class:`zjax.nn.Stack` are stacked; the rest are gathered on access.
+    """
+    abstract = nnx.eval_shape(lambda: make_model(nnx.Rngs(0)))
+    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("zjax trains models whose state is nnx.Param only; found other state")
+    prefixes = tuple(f"{path}/layers/" for path, _ in iter_stacks(abstract))
+
+    def stacked(path: str) -> bool:
+        return path.startswith(prefixes)
+
+    def init(rng):
+        model = make_model(nnx.Rngs(params=rng))
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def loss(params, batch, plan: ShardPlan):
+        if plan.zero.stage < 3:
+            return loss_fn(nnx.merge(graphdef, params), batch)
+        by_path = {leaf.path: leaf for leaf in plan.leaves}
+        args = _zero_args(plan)
+
+        def gather_non_stacked(shards):
+            leaves = jax.tree.leaves(shards)
+            out = [x if leaf.stacked else gather_tree(x, leaf.dim, **args)
+                   for x, leaf in zip(leaves, plan.leaves, strict=True)]
+            return plan.tree(out)
+
+        def runner(path: str, stack: Stack):
+            _, state = nnx.split(stack.layers)
+            flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+            layer_leaves = [by_path[f"{path}/layers/{path_str(p)}"] for p, _ in flat]
+            per_layer = sum(leaf.size // leaf.shape[0] for leaf in layer_leaves)
+            spec = ScheduleSpec(
+                dims=tuple(leaf.dim for leaf in layer_leaves),
+                prefetch=plan.zero.prefetch_depth(layer_elements=per_layer,
+                                                  n_layers=stack.n_layers),
+                **args,
+            )
+            return functools.partial(scheduled_scan, spec=spec)
+
+        def run(shards, batch):
+            # non-stack leaves gathered here once; stack leaves stay shards for the schedule
+            model = nnx.merge(graphdef, gather_non_stacked(shards))
+            bind_runners(model, runner)
+            return loss_fn(model, batch)
+
+        return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
+
+    return Trainable(init=init, loss=loss, stacked=stacked)
