@@ -32,7 +32,12 @@ from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.trainable import Trainable
 
-__all__ = ["TrainState", "ZeroStep", "make_step"]
+__all__ = ["COMPILER_OPTIONS", "TrainState", "ZeroStep", "make_step"]
+
+# XLA:CPU's ``cse_barrier_expander`` strips the remat barriers, after which CSE merges the
+# backward re-gather of a non-Stack leaf (a tied embedding) into its forward gather and keeps the
+# gathered weight alive across the whole step. Other backends do not run the pass.
+COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
 class TrainState(NamedTuple):
@@ -208,5 +213,6 @@ def make_step(
 
     init = jax.jit(init_fn, out_shardings=shardings)
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, None), donate_argnums=0)
+                   out_shardings=(shardings, None), donate_argnums=0,
+                   compiler_options=COMPILER_OPTIONS)
     return ZeroStep(plan, shardings, abstract, batch_sharding, init, step)

@@ -23,32 +23,74 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["GATHERED", "REMAT_POLICY", "gather", "gather_on_access", "gather_tree"]
+__all__ = ["GATHERED", "REMAT_POLICY", "all_gather", "gather", "gather_on_access", "gather_tree"]
 
 GATHERED = "zjax_gathered"
-REMAT_POLICY = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+_SAVE_ALL_BUT_GATHERED = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+# Views of a value are recomputed from it rather than saved: otherwise ``w.T`` (a residual of
+# ``x @ w.T``) would be saved and keep a gathered weight alive from forward to backward.
+_VIEWS = frozenset({"transpose", "reshape", "convert_element_type", "broadcast_in_dim",
+                    "squeeze", "expand_dims", "copy", "copy_p", "bitcast_convert_type",
+                    "reduce_precision"})
+
+
+def _is_gather_call(params) -> bool:
+    jaxpr = getattr(params.get("call_jaxpr"), "jaxpr", None)
+    return jaxpr is not None and any(
+        eqn.primitive.name == "name" and eqn.params.get("name") == GATHERED for eqn in jaxpr.eqns
+    )
+
+
+def REMAT_POLICY(prim, *avals, **params) -> bool:  # noqa: N802 (a constant-like policy)
+    """Remat policy: save everything but gathered weights and views (re-gather in backward)."""
+    if prim.name in _VIEWS:
+        return False
+    if prim.name == "custom_vjp_call" and _is_gather_call(params):
+        return False  # the gather primitive, seen from outside as one call
+    return _SAVE_ALL_BUT_GATHERED(prim, *avals, **params)
 
 
 def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = None) -> jax.Array:
+    """Tiled all-gather that moves exactly ``x.dtype``'s bytes.
+
+    XLA's algebraic simplifier moves a float convert that follows an all-gather in front of
+    it (so a bf16 gather feeding f32 math would move f32). Gathering the bits as unsigned
+    integers of the same width pins the communicated dtype. ``name`` tags the gathered bits
+    with ``checkpoint_name`` (the bitcasts around them are views the remat policy recomputes).
+    """
+    tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return tag(lax.all_gather(x, axis_name, axis=axis, tiled=True))
+    bits = lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    full = tag(lax.all_gather(bits, axis_name, axis=axis, tiled=True))
+    return lax.bitcast_convert_type(full, x.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype):
-    return lax.all_gather(x.astype(gather_dtype), axis_name, axis=dim, tiled=True)
+def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype):
+    # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
+    # the gathered value itself (the custom call's output would otherwise be saved)
+    return all_gather(x.astype(gather_dtype), axis_name, axis=dim, name=GATHERED)
 
 
-def _gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype):
+def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype):
     # the zero-size residual carries the shard's dtype for the backward cast
-    return _gather(x, dim, axis_name, gather_dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
+    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
 
 
-def _gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, like, g):
+def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, like, g):
     shard = lax.psum_scatter(g.astype(reduce_dtype), axis_name, scatter_dimension=dim, tiled=True)
     return (shard.astype(like.dtype),)
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+_zjax_gather.defvjp(_zjax_gather_fwd, _zjax_gather_bwd)
 
 
 def gather(
@@ -78,7 +120,7 @@ def gather(
         return x
     if dim is None:
         return x.astype(gather_dtype)
-    return _gather(x, dim, axis_name, gather_dtype, reduce_dtype)
+    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype)
 
 
 def gather_tree(
@@ -89,16 +131,15 @@ def gather_tree(
     gather_dtype=None,
     reduce_dtype=None,
 ) -> Any:
-    """Gather every leaf of ``shards`` once; tags each result with :data:`GATHERED`.
+    """Gather every leaf of ``shards`` once (each gathered value is tagged :data:`GATHERED`).
 
     ``dims`` is a pytree with the structure of ``shards`` holding each leaf's sharded
     dimension or None.
     """
 
     def one(x, dim):
-        y = gather(x, dim=dim, axis_name=axis_name, gather_dtype=gather_dtype,
-                   reduce_dtype=reduce_dtype)
-        return checkpoint_name(y, GATHERED) if dim is not None else y
+        return gather(x, dim=dim, axis_name=axis_name, gather_dtype=gather_dtype,
+                      reduce_dtype=reduce_dtype)
 
     leaves, treedef = jax.tree.flatten(shards)
     dim_leaves = jax.tree.leaves(dims, is_leaf=lambda d: d is None)

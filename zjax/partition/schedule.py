@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zjax.partition.gather import all_gather
+
 __all__ = ["ScheduleSpec", "scheduled_scan"]
 
 
@@ -91,7 +93,7 @@ def scheduled_scan(
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(gather_dtype)
             if dim is not None:
-                w = lax.all_gather(w, spec.axis_name, axis=dim - 1, tiled=True)
+                w = all_gather(w, spec.axis_name, axis=dim - 1)
             out.append(w)
         return tuple(out)
 

@@ -1,0 +1,137 @@
+"""Collective traffic read off a compiled program's HLO text.
+
+Loop bodies are weighted by their trip count (``known_trip_count`` in the while's backend
+config), so a scan over L layers counts each per-layer collective L times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+import numpy as np
+
+__all__ = ["CollectiveBytes", "collective_bytes"]
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16}
+_KINDS = {"all-gather": "all_gather", "all-gather-start": "all_gather",
+          "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
+          "all-reduce-start": "all_reduce", "all-to-all": "all_to_all",
+          "collective-permute": "collective_permute",
+          "collective-permute-start": "collective_permute"}
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->.*\{\s*$")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([\w\-]+)\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveBytes:
+    """Bytes of tensors moved by each kind of collective in one execution of a program.
+
+    All-gather and reduce-scatter count the full (gathered / pre-scatter) tensor; all-reduce
+    counts its tensor once (``wire`` counts it twice, as a ring all-reduce moves it twice).
+    """
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+    all_to_all: int = 0
+    collective_permute: int = 0
+    counts: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def wire(self) -> int:
+        return (self.all_gather + self.reduce_scatter + 2 * self.all_reduce + self.all_to_all
+                + self.collective_permute)
+
+    def as_dict(self) -> dict:
+        return {"all_gather_bytes": self.all_gather, "reduce_scatter_bytes": self.reduce_scatter,
+                "all_reduce_bytes": self.all_reduce, "all_to_all_bytes": self.all_to_all,
+                "collective_permute_bytes": self.collective_permute, "wire_bytes": self.wire,
+                "counts": dict(self.counts)}
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype in _DTYPE_BYTES:
+            n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+            total += n * _DTYPE_BYTES[dtype]
+    return total
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    return 1
+
+
+def collective_bytes(hlo_text: str) -> CollectiveBytes:
+    """Sum collective tensor bytes of a compiled module (``compiled.as_text()``)."""
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line.strip())
+        if m and not line.startswith(" "):
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+
+    weight: dict[str, float] = defaultdict(float)
+
+    def visit(name: str, w: float, depth: int = 0) -> None:
+        if name not in comps or depth > 64:
+            return
+        weight[name] += w
+        for line in comps[name]:
+            trips = 1
+            if " while(" in line:
+                t = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                trips = int(t.group(1)) if t else 1
+                body = re.search(r"body=%?([\w.\-]+)", line)
+                cond = re.search(r"condition=%?([\w.\-]+)", line)
+                if body:
+                    visit(body.group(1), w * trips, depth + 1)
+                if cond:
+                    visit(cond.group(1), w * (trips + 1), depth + 1)
+                continue
+            for key in ("calls", "to_apply"):
+                for callee in re.findall(rf"{key}=%?([\w.\-]+)", line):
+                    visit(callee, w, depth + 1)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:
+                for callee in branches.group(1).split(","):
+                    visit(callee.strip().lstrip("%"), w, depth + 1)
+
+    visit(entry, 1.0)
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, float] = defaultdict(float)
+    for name, w in weight.items():
+        for line in comps[name]:
+            m = _OP.match(_COMMENT.sub("", line))
+            if not m or m.group(2) not in _KINDS:
+                continue
+            kind = _KINDS[m.group(2)]
+            nbytes = _shape_bytes(m.group(1))
+            if m.group(2).endswith("-start"):
+                nbytes //= 2  # async start returns (operand, result)
+            if kind == "reduce_scatter":
+                nbytes *= _group_size(line)
+            sums[kind] += w * nbytes
+            counts[kind] += w
+    return CollectiveBytes(**{k: int(v) for k, v in sums.items()},
+                           counts={k: int(v) for k, v in counts.items()})
