@@ -51,6 +51,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} keys, got {value!r}")
         return from_dict(tp, value, prefix=key)
+    if tp in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-3 as a string
+            value = float(value) if tp is float else int(value)
+        except ValueError:
+            pass
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r} ({type(value).__name__})")
@@ -77,7 +82,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, prefix: str = "")
     for key in data:
         if key not in fields:
             raise ConfigError(
-                f"unknown key {dotted(key)!r}{did_you_mean(key, fields)}; "
+                f"unknown key {dotted(key)!r}"
+                f"{did_you_mean(dotted(key), [dotted(f) for f in fields])}; "
                 f"valid keys: {', '.join(sorted(fields))}"
             )
     kwargs = {}

@@ -71,6 +71,7 @@ class ZeroStep:
       batch_sharding: how the global batch is laid out (split over ``data``).
       init: ``init(rng) -> TrainState``, created directly into its shards (``zero.Init``).
       step: ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
+      evaluate: ``evaluate(params, batch) -> mean loss``, the same sharded forward, no update.
     """
 
     plan: ShardPlan
@@ -79,6 +80,7 @@ class ZeroStep:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, Any], tuple[TrainState, dict]]
+    evaluate: Callable[[Any, Any], jax.Array]
 
     def lower(self, batch: jax.ShapeDtypeStruct):
         """Lower the step from abstract values only (nothing is allocated)."""
@@ -88,7 +90,7 @@ class ZeroStep:
 
 def _reduce_grads(grads, plan: ShardPlan, *, reduced_in_backward: bool):
     """All-reduce / reduce-scatter the local grads over ``data``; results in float32."""
-    rd = plan.zero.reduce
+    rd = plan.reduce_dtype
     out = []
     for g, leaf in zip(jax.tree.leaves(grads), plan.leaves, strict=True):
         if leaf.dim is not None and plan.zero.stage == 3 and reduced_in_backward:
@@ -194,6 +196,11 @@ def make_step(
     )
 
     def step_fn(state: TrainState, batch):
+        if batch.shape[0] % plan.n_data:
+            raise ConfigError(
+                f"data.batch_size: the global batch of {batch.shape[0]} is not divisible by the "
+                f"data axis (mesh.data = {plan.n_data}); use a multiple of {plan.n_data}"
+            )
         grads, loss_sum, count = sharded_grads(state.params, batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, state_sharded)  # update on own shard
@@ -207,12 +214,21 @@ def make_step(
                                                       state_sharded)
         else:
             master, params = None, _cast_tree(new, stored_dtypes)
-        metrics = {"loss": loss_sum / count, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
                    "tokens": count}
         return TrainState(state.step + 1, params, master, opt_state), metrics
 
+    def local_loss(params, batch):
+        loss_sum, count = trainable.loss(params, batch, plan)
+        return lax.psum(loss_sum, DATA) / lax.psum(count, DATA)
+
+    evaluate = jax.jit(
+        jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs, P(DATA)),
+                      out_specs=P(), axis_names={DATA}, check_vma=False),
+        in_shardings=(shardings.params, batch_sharding),
+    )
     init = jax.jit(init_fn, out_shardings=shardings)
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0,
                    compiler_options=COMPILER_OPTIONS)
-    return ZeroStep(plan, shardings, abstract, batch_sharding, init, step)
+    return ZeroStep(plan, shardings, abstract, batch_sharding, init, step, evaluate)

@@ -50,7 +50,7 @@ class Trainable:
 
 
 def _zero_args(plan: ShardPlan) -> dict:
-    return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.zero.reduce)
+    return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.reduce_dtype)
 
 
 def _shape_guard(fn: Callable[..., LossOut], plan: ShardPlan) -> Callable[..., LossOut]:

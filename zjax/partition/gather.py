@@ -41,7 +41,7 @@ def _is_gather_call(params) -> bool:
     )
 
 
-def REMAT_POLICY(prim, *avals, **params) -> bool:  # noqa: N802 (a constant-like policy)
+def REMAT_POLICY(prim, *avals, **params) -> bool:
     """Remat policy: save everything but gathered weights and views (re-gather in backward)."""
     if prim.name in _VIEWS:
         return False

@@ -112,6 +112,23 @@ class ShardPlan:
         return jax.tree.unflatten(self.treedef, list(values))
 
     @property
+    def reduce_dtype(self) -> np.dtype:
+        """The dtype gradients are actually reduced in on this mesh's backend.
+
+        XLA:CPU (jaxlib 0.10) aborts compiling any 16-bit all-reduce or reduce-scatter
+        ("Invalid binary instruction opcode copy" in ChangeOpDataType), so on CPU a 16-bit
+        ``zero.reduce_dtype`` reduces in float32; the summary says so.
+        """
+        rd = self.zero.reduce
+        if rd.itemsize < 4 and self.mesh.devices.flat[0].platform == "cpu":
+            return np.dtype(np.float32)
+        return rd
+
+    @property
+    def leaves_by_path(self) -> dict[str, LeafPlan]:
+        return {leaf.path: leaf for leaf in self.leaves}
+
+    @property
     def dims(self) -> Any:
         """Pytree of sharded dimension (int) or None per leaf, when the stage shards it."""
         return self.tree(leaf.dim for leaf in self.leaves)
@@ -195,6 +212,9 @@ class ShardPlan:
             f"  grads       {grads / 2**20:10.2f} MiB/device (transient, float32)",
             f"  master      {master / 2**20:10.2f} MiB/device",
             f"  optimizer   {opt / 2**20:10.2f} MiB/device",
+            f"  gather in {self.zero.gather.name}, reduce in {self.reduce_dtype.name}"
+            + ("" if self.reduce_dtype == self.zero.reduce else
+               f" (zero.reduce_dtype {self.zero.reduce.name} is not supported by XLA:CPU)"),
         ]
         if self.replicated:
             rep_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in self.replicated)

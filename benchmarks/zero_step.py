@@ -1,0 +1,299 @@
+"""ZeRO stages 0-3 against plain-JAX data-parallel baselines on one GPT config.
+
+Prints one JSON object on stdout (progress goes to stderr). Rows:
+
+- ``zjax_stage{0,1,2,3}``: :func:`zjax.make_step` (bf16 gathers, fp32 reduce, prefetch 1).
+- ``ddp``: replicated params and optimizer state, batch split over ``data``, fp32, the GPT's
+  own ``Stack`` scan with per-layer ``jax.checkpoint``.
+- ``gspmd_fsdp``: params and optimizer state sharded over ``data`` with zjax's placements,
+  activations constrained to batch sharding in every scanned layer, XLA inserts the gathers
+  (what MaxText-style FSDP gives); per-layer ``jax.checkpoint``, fp32.
+- ``gspmd_fsdp_noremat``: the same without the per-layer checkpoint.
+
+Per row: per-device argument / output / temp bytes from ``compiled.memory_analysis()``, train
+state bytes per device, collective bytes read off the HLO, median step time, and ratios to
+``gspmd_fsdp``. ``targets`` checks stage 3 against ``gspmd_fsdp``.
+
+Usage: ``python benchmarks/zero_step.py [--repeats 3] [--no-time] [--layers 4,8,16]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zjax import ZeroConfig, from_nnx, make_mesh, make_plan, make_step, simulate_cpu_devices
+from zjax.hlo import collective_bytes
+from zjax.mesh import DATA
+from zjax.models.gpt import GPT, GPTConfig, lm_loss
+from zjax.nn import bind_runners
+from zjax.partition import bytes_per_device
+from zjax.trainable import Trainable
+
+BASELINE = "gspmd_fsdp"
+
+
+def log(msg: str) -> None:
+    print(f"[zero_step] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Built:
+    """One compiled train step, ready to measure.
+
+    Attributes:
+      name: row name.
+      compiled: the AOT-compiled step ``(state, batch) -> (state, metrics)``; state donated.
+      init: ``init() -> state`` placed with the step's shardings.
+      abstract_state: the state as ``ShapeDtypeStruct``s with shardings.
+      compile_s: seconds spent lowering and compiling.
+    """
+
+    name: str
+    compiled: Any
+    init: Callable[[], Any]
+    abstract_state: Any
+    compile_s: float
+
+
+def make_tx() -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+
+
+def gpt_trainable(args: argparse.Namespace, n_layers: int) -> tuple[Trainable, Any]:
+    """The zjax view of the GPT and its NNX graphdef (for the baselines' merge)."""
+    cfg = GPTConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=n_layers,
+                    n_heads=args.n_heads, max_seq_len=args.seq_len)
+    make = lambda rngs: GPT(cfg, rngs=rngs)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))), nnx.Param)
+    return from_nnx(make, lm_loss), graphdef
+
+
+def _with_shardings(abstract: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+
+
+def build_zjax(stage: int, trainable: Trainable, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> Built:
+    """zjax's step at ``stage``, compiled with its own ``COMPILER_OPTIONS``."""
+    zero = ZeroConfig(stage=stage, gather_dtype="bfloat16", reduce_dtype="float32",
+                      prefetch_layers=1)
+    zs = make_step(trainable, make_tx(), zero=zero, mesh=mesh)
+    t0 = time.perf_counter()
+    compiled = zs.lower(batch).compile()
+    return Built(f"zjax_stage{stage}", compiled, lambda: zs.init(jax.random.key(0)),
+                 zs.abstract_state, time.perf_counter() - t0)
+
+
+def _constrained_scan(layer_fn: Callable, params: Any, x: jax.Array, *,
+                      sharding: NamedSharding, remat: bool) -> jax.Array:
+    """A ``Stack`` runner: plain scan with the hidden state pinned to batch sharding."""
+    pin = lambda h: lax.with_sharding_constraint(h, sharding)
+
+    def body(h, layer_params):
+        return pin(layer_fn(layer_params, pin(h))), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    return lax.scan(body, pin(x), params)[0]
+
+
+def build_baseline(kind: str, trainable: Trainable, graphdef: Any, mesh: Mesh,
+                   batch: jax.ShapeDtypeStruct) -> Built:
+    """Plain ``jax.jit`` baselines: ``ddp``, ``gspmd_fsdp``, ``gspmd_fsdp_noremat``."""
+    tx = make_tx()
+    act = NamedSharding(mesh, P(DATA))
+    fsdp = kind.startswith("gspmd_fsdp")
+    runner = functools.partial(_constrained_scan, sharding=act, remat=not kind.endswith("noremat"))
+
+    def loss_fn(params, tokens):
+        model = nnx.merge(graphdef, params)
+        if fsdp:
+            bind_runners(model, lambda path, stack: runner)
+        loss_sum, count = lm_loss(model, tokens)
+        return loss_sum / count
+
+    def init_fn(rng):
+        params = trainable.init(rng)
+        return params, tx.init(params)
+
+    def step_fn(state, tokens):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    # identical placements to zjax stage 3 (largest divisible dim, never the layer dim)
+    plan = make_plan(abstract[0], ZeroConfig(stage=3), mesh, stacked=trainable.stacked)
+    specs = plan.sharded_specs if fsdp else plan.replicated_specs
+    opt_specs = plan.opt_specs(tx, abstract[1]) if fsdp else jax.tree.map(lambda _: P(),
+                                                                          abstract[1])
+    shardings = plan.shardings((specs, opt_specs))
+    jit_step = jax.jit(step_fn, in_shardings=(shardings, act), out_shardings=(shardings, None),
+                       donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = jit_step.lower(_with_shardings(abstract, shardings), batch).compile()
+    init = jax.jit(init_fn, out_shardings=shardings)
+    return Built(kind, compiled, lambda: init(jax.random.key(0)),
+                 _with_shardings(abstract, shardings), time.perf_counter() - t0)
+
+
+def total_bytes(abstract: Any) -> int:
+    return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(abstract))
+
+
+def time_step(built: Built, tokens: jax.Array, repeats: int, warmup: int = 2) -> float:
+    """Median wall seconds of one step on real arrays (state donated and threaded through)."""
+    state = built.init()
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        state, metrics = built.compiled(state, tokens)
+        jax.block_until_ready((state, metrics))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    del state
+    return statistics.median(times)
+
+
+def measure(built: Built, tokens: jax.Array | None, repeats: int) -> dict:
+    """Memory, state, collective and time figures of one compiled step."""
+    mem = built.compiled.memory_analysis()
+    shardings = jax.tree.map(lambda a: a.sharding, built.abstract_state)
+    coll = collective_bytes(built.compiled.as_text())
+    row = {
+        "name": built.name,
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "state_bytes": bytes_per_device(built.abstract_state, shardings),
+        "total_state_bytes": total_bytes(built.abstract_state),
+        "collectives": {"all_gather": coll.all_gather, "reduce_scatter": coll.reduce_scatter,
+                        "all_reduce": coll.all_reduce, "wire": coll.wire,
+                        "other": coll.all_to_all + coll.collective_permute,
+                        "counts": coll.counts},
+        "compile_s": round(built.compile_s, 2),
+    }
+    if tokens is not None:
+        row["step_time_s"] = time_step(built, tokens, repeats)
+    return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 4)
+
+
+def _check(value: float | None, limit: float | None) -> dict:
+    ok = None if value is None or limit is None else bool(value <= limit)
+    return {"value": value, "limit": limit, "pass": ok}
+
+
+def targets(rows: dict[str, dict], n_devices: int) -> dict:
+    """The issue's targets for stage 3 against ``gspmd_fsdp``."""
+    s3, base = rows["zjax_stage3"], rows[BASELINE]
+    t3, tb = s3.get("step_time_s"), base.get("step_time_s")
+    return {
+        "state_bytes": _check(s3["state_bytes"], 1.02 * s3["total_state_bytes"] / n_devices),
+        "temp_bytes": _check(s3["temp_bytes"], base["temp_bytes"]),
+        "wire_bytes": _check(s3["collectives"]["wire"], 0.6 * base["collectives"]["wire"]),
+        "step_time": _check(t3, None if tb is None else 1.10 * tb),
+    }
+
+
+def sweep(args: argparse.Namespace, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> list[dict]:
+    """Temp bytes of stage 3 and ``gspmd_fsdp`` per layer count (compile only)."""
+    out = []
+    for n_layers in args.layers:
+        trainable, graphdef = gpt_trainable(args, n_layers)
+        log(f"sweep L={n_layers}")
+        s3 = build_zjax(3, trainable, mesh, batch).compiled.memory_analysis()
+        base = build_baseline(BASELINE, trainable, graphdef, mesh, batch)
+        base_mem = base.compiled.memory_analysis()
+        out.append({"n_layers": n_layers, "zjax_stage3_temp_bytes": int(s3.temp_size_in_bytes),
+                    f"{BASELINE}_temp_bytes": int(base_mem.temp_size_in_bytes)})
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=16)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="global batch size")
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+    p.add_argument("--stages", default="0,1,2,3", help="zjax stages to run")
+    p.add_argument("--layers", default="", help="comma-separated L sweep, e.g. 4,8,16")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps (after 2 warmups)")
+    p.add_argument("--no-time", action="store_true", help="compile and analyse only")
+    args = p.parse_args(argv)
+    args.stages = [int(s) for s in args.stages.split(",") if s]
+    args.layers = [int(n) for n in args.layers.split(",") if n]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    simulate_cpu_devices(args.devices)  # before jax creates its backends
+    mesh = make_mesh()
+    batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
+                                 sharding=NamedSharding(mesh, P(DATA)))
+    tokens = None
+    if not args.no_time:
+        host = np.random.default_rng(0).integers(0, args.vocab, batch.shape, dtype=np.int32)
+        tokens = jax.device_put(host, batch.sharding)
+    trainable, graphdef = gpt_trainable(args, args.n_layers)
+    n_params = sum(int(np.prod(a.shape)) for a in
+                   jax.tree.leaves(jax.eval_shape(trainable.init, jax.random.key(0))))
+    rows: dict[str, dict] = {}
+    builders: list[tuple[str, Callable[[], Built]]] = [
+        (f"zjax_stage{s}", functools.partial(build_zjax, s, trainable, mesh, batch))
+        for s in args.stages
+    ] + [(k, functools.partial(build_baseline, k, trainable, graphdef, mesh, batch))
+         for k in ("ddp", BASELINE, "gspmd_fsdp_noremat")]
+    for name, build in builders:
+        log(f"{name}: compiling")
+        built = build()
+        log(f"{name}: compiled in {built.compile_s:.1f}s" + ("" if args.no_time else "; timing"))
+        rows[name] = measure(built, tokens, args.repeats)
+        del built
+    base = rows[BASELINE]
+    for row in rows.values():
+        row["time_ratio"] = _ratio(row.get("step_time_s"), base.get("step_time_s"))
+        row["wire_ratio"] = _ratio(row["collectives"]["wire"], base["collectives"]["wire"])
+        row["temp_ratio"] = _ratio(row["temp_bytes"], base["temp_bytes"])
+    result: dict[str, Any] = {
+        "config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "vocab",
+                                                  "seq_len", "batch", "devices", "repeats")},
+        "params": n_params,
+        "backend": jax.default_backend(),
+        "rows": list(rows.values()),
+    }
+    if "zjax_stage3" in rows:
+        result["targets"] = targets(rows, args.devices)
+    if args.layers:
+        result["sweep"] = sweep(args, mesh, batch)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Shared test helpers: the one tree-compare, and a single-device optax reference.
+
+Tolerances (documented once, used everywhere):
+- ``FP32``: sharded fp32 runs vs the single-device reference. Reductions happen in another
+  order (per-shard partial sums, reduce-scatter, sum-then-divide instead of mean), so results
+  differ by rounding only. rtol 2e-5, atol 1e-5: Adam's update ``mu / (sqrt(nu) + eps)``
+  amplifies the rounding of near-zero gradients (the tests use eps 1e-5 so a gradient of 1e-9
+  cannot flip a whole step), and 1e-5 is 1/300 of one step at the tests' lr 3e-3.
+  A wrong reduction (a missing psum, a double count) is off by whole steps, far outside.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+FP32 = {"rtol": 2e-5, "atol": 1e-5}
+
+
+def assert_trees_close(actual, expected, *, rtol: float, atol: float, what: str = "tree"):
+    """Assert two pytrees have equal structure and allclose leaves; names the worst leaf."""
+    a_flat, a_def = jax.tree_util.tree_flatten_with_path(actual)
+    e_flat, e_def = jax.tree_util.tree_flatten_with_path(expected)
+    assert a_def == e_def, f"{what}: structures differ\n{a_def}\n{e_def}"
+    for (path, a), (_, e) in zip(a_flat, e_flat, strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, f"{what}{jax.tree_util.keystr(path)}: {a.shape} != {e.shape}"
+        np.testing.assert_allclose(
+            a, e, rtol=rtol, atol=atol, err_msg=f"{what}{jax.tree_util.keystr(path)}"
+        )
+
+
+def reference_run(init, loss_fn, tx, batches, *, seed: int = 0):
+    """Plain single-device optax: ``loss_fn(params, batch) -> (sum, count)``, mean loss."""
+    params = init(jax.random.key(seed))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        def mean_loss(p):
+            s, c = loss_fn(p, batch)
+            return s / c
+
+        loss, grads = jax.value_and_grad(mean_loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    with jax.default_device(jax.devices()[0]):
+        for batch in batches:
+            params, opt_state, loss = step(params, opt_state, jnp.asarray(batch))
+            losses.append(float(loss))
+    return params, opt_state, losses
+
+
+def adam_moments(opt_state):
+    """(mu, nu) of the Adam state inside an optax chain."""
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")):
+        if hasattr(s, "mu"):
+            return s.mu, s.nu
+    raise AssertionError("no Adam state found")

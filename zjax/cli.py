@@ -1,0 +1,107 @@
+"""The ``zjax`` command line: ``zjax train [CONFIG] [key=value ...]``, ``zjax config show``.
+
+This module reads the process environment: it may simulate CPU devices before jax starts.
+Bad input ends with a one-line error and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from zjax.errors import ZjaxError
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zjax", description="ZeRO-3 training for JAX/Flax.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the reference GPT from a YAML config")
+    t.add_argument("config", nargs="?", help="YAML file (default: the built-in tiny GPT)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zero.stage=2")
+    t.add_argument("--devices", type=int, default=None,
+                   help="simulate N CPU devices (default 8 when only a CPU is present)")
+    c = sub.add_parser("config", help="inspect configs")
+    csub = c.add_subparsers(dest="action", required=True)
+    show = csub.add_parser("show", help="print the resolved config as YAML")
+    show.add_argument("config", nargs="?")
+    show.add_argument("overrides", nargs="*")
+    return p
+
+
+def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    # `zjax train zero.stage=2` has no file: the first positional is an override
+    if config is not None and "=" in config:
+        return None, [config, *overrides]
+    return config, overrides
+
+
+def _accelerator_plugins() -> list[str]:
+    import importlib.util
+
+    names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+    return [n for n in names if importlib.util.find_spec(n) is not None]
+
+
+def _setup_devices(n: int | None) -> None:
+    """Simulate CPU devices when asked, or by default (8) on a machine with only a CPU."""
+    import os
+
+    import jax
+
+    if n is None:
+        if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+            return
+        if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu") or _accelerator_plugins():
+            return
+    from zjax.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(n or 8)
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+
+
+def _train(args) -> int:
+    from zjax.config import load_config
+
+    path, overrides = _split(args.config, args.overrides)
+    config = load_config(path, overrides)  # validate before jax starts
+    _setup_devices(args.devices)
+    from zjax.trainer import train_gpt
+
+    result = train_gpt(config)
+    first, last = result.history[0]["loss"], result.history[-1]["loss"]
+    logging.getLogger("zjax").info("done: loss %.4f -> %.4f", first, last)
+    return 0
+
+
+def _config_show(args) -> int:
+    import yaml
+
+    from zjax.config import load_config
+
+    path, overrides = _split(args.config, args.overrides)
+    print(yaml.safe_dump(load_config(path, overrides).to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``zjax`` console script."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _config_show(args)
+    except ZjaxError as e:
+        print(f"zjax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zjax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

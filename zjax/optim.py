@@ -1,0 +1,29 @@
+"""The optax optimizer built from the ``optimizer`` config section."""
+
+from __future__ import annotations
+
+import optax
+
+from zjax.config import OptimizerConfig
+
+__all__ = ["make_optimizer"]
+
+
+def make_optimizer(cfg: OptimizerConfig, *, total_steps: int) -> optax.GradientTransformation:
+    """Warmup + cosine (or constant) learning rate, optional global-norm clipping."""
+    if cfg.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, cfg.lr, max(1, cfg.warmup_steps), max(cfg.warmup_steps + 1, total_steps),
+            end_value=cfg.lr * 0.1,
+        )
+    else:
+        lr = optax.linear_schedule(0.0, cfg.lr, max(1, cfg.warmup_steps))
+    if cfg.name == "adamw":
+        opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    elif cfg.name == "adam":
+        opt = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    else:
+        opt = optax.sgd(lr)
+    if cfg.clip_norm is None:
+        return opt
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
