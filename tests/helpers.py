@@ -7,6 +7,8 @@ Tolerances (documented once, used everywhere):
   amplifies the rounding of near-zero gradients (the tests use eps 1e-5 so a gradient of 1e-9
   cannot flip a whole step), and 1e-5 is 1/300 of one step at the tests' lr 3e-3.
   A wrong reduction (a missing psum, a double count) is off by whole steps, far outside.
+- ``GRADS``: raw fp32 gradients of O(10) magnitude summed over 8 shards in another order:
+  rtol 1e-4, atol 1e-5 (a factor-of-8 or missing-shard error is off by O(1)).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import optax
 
 FP32 = {"rtol": 2e-5, "atol": 1e-5}
+GRADS = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def assert_trees_close(actual, expected, *, rtol: float, atol: float, what: str = "tree"):

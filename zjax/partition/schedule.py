@@ -131,6 +131,9 @@ def scheduled_scan(
 
     def run_bwd(res, dy):
         leaves, xs = res
+        # tie the backward gathers to the cotangent: XLA can neither hoist them into the
+        # forward pass nor merge them (CSE) with the forward's gathers of the same layers
+        leaves, dy = lax.optimization_barrier((leaves, dy))
 
         def layer_vjp(ws, i, dy, grads):
             _, vjp = jax.vjp(apply, ws, _slice(xs, i))

@@ -1,0 +1,121 @@
+"""The gather primitive and the scheduled layer scan, tested directly inside shard_map."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import zjax
+from tests.helpers import GRADS, assert_trees_close
+from zjax.hlo import collective_bytes
+from zjax.nn import Stack
+from zjax.partition import REMAT_POLICY, ScheduleSpec, gather_tree, scheduled_scan
+from zjax.step import COMPILER_OPTIONS
+
+N = 8
+
+
+def smap(f, in_specs, out_specs):
+    return jax.jit(jax.shard_map(f, mesh=zjax.make_mesh(), in_specs=in_specs,
+                                 out_specs=out_specs, axis_names={"data"}, check_vma=False),
+                   compiler_options=COMPILER_OPTIONS)
+
+
+def tied_loss(full, x):
+    """A leaf used twice (lookup and output projection), as tied embeddings are."""
+    h = jnp.tanh(jnp.take(full["E"], x, axis=0) @ full["W"])
+    return jnp.sum((h @ full["E"].T) ** 2)
+
+
+def test_tied_leaf_grad_is_summed_then_reduce_scattered_once():
+    rng = np.random.default_rng(0)
+    params = {"E": jnp.asarray(rng.normal(size=(64, 16)), jnp.float32),
+              "W": jnp.asarray(rng.normal(size=(16, 16)) * 0.1, jnp.float32)}
+    x = jnp.asarray(rng.integers(0, 64, (8, 4)), jnp.int32)
+    dims = {"E": 0, "W": 1}
+
+    def local(shards, x):
+        loss = jax.checkpoint(lambda s, x: tied_loss(gather_tree(s, dims), x),
+                              policy=REMAT_POLICY)
+        g = jax.grad(loss)(shards, x)
+        return g, jax.lax.psum(loss(shards, x), "data")
+
+    specs = {"E": P("data"), "W": P(None, "data")}
+    f = smap(local, (specs, P("data")), (specs, P()))
+    grads, loss = f(params, x)
+    ref_loss, ref_grads = jax.value_and_grad(tied_loss)(params, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, **GRADS, what="grads")
+    hlo = f.lower(params, x).compile().as_text()
+    cb = collective_bytes(hlo)
+    assert cb.counts["reduce_scatter"] == 2  # one per leaf, though E is used twice
+    # and the backward re-gathers E and W rather than keeping them alive (4 = 2 leaves x 2)
+    assert cb.counts["all_gather"] == 4
+
+
+def _stack_fn(p, h):
+    return h + jnp.tanh(h @ p["a"]) @ p["b"] * p["s"]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_scheduled_scan_matches_plain_scan(prefetch):
+    L, D, F = 4, 16, 32
+    rng = np.random.default_rng(1)
+    params = {"a": jnp.asarray(rng.normal(size=(L, D, F)) * 0.2, jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(L, F, D)) * 0.2, jnp.float32),
+              "s": jnp.asarray(rng.normal(size=(L, D)), jnp.float32)}  # persistent (replicated)
+    x = jnp.asarray(rng.normal(size=(16, D)), jnp.float32)
+    dims = {"a": 2, "b": 1, "s": None}
+    leaves_dims = tuple(jax.tree.leaves(dims, is_leaf=lambda d: d is None))
+    spec = ScheduleSpec(dims=leaves_dims, prefetch=prefetch)
+
+    def ref(params, x):
+        return jnp.sum(jax.lax.scan(lambda h, p: (_stack_fn(p, h), None), x, params)[0] ** 2)
+
+    def local(shards, x):
+        def loss(s, x):
+            return jnp.sum(scheduled_scan(_stack_fn, s, x, spec=spec) ** 2)
+        (val, (gs, gx)) = jax.value_and_grad(loss, argnums=(0, 1))(shards, x)
+        gs["s"] = jax.lax.psum(gs["s"], "data")  # persistent leaves: caller all-reduces
+        return jax.lax.psum(val, "data"), gs, gx
+
+    specs = {"a": P(None, None, "data"), "b": P(None, "data"), "s": P()}
+    f = smap(local, (specs, P("data")), (P(), specs, P("data")))
+    val, grads, gx = f(params, x)
+    ref_val, (ref_grads, ref_gx) = jax.value_and_grad(ref, argnums=(0, 1))(params, x)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, **GRADS, what="grads")
+    np.testing.assert_allclose(gx, ref_gx, **GRADS)
+    cb = collective_bytes(f.lower(params, x).compile().as_text())
+    sharded = (D * F + F * D) * L * 4
+    assert cb.all_gather == 2 * sharded  # forward + backward re-gather, nothing wasted
+    assert cb.reduce_scatter == sharded
+    assert cb.counts["all_gather"] == 2 * 2 * L
+
+
+class _Leaky(nnx.Module):
+    """Uses a Stack's parameter outside the Stack: a shard, never gathered."""
+
+    def __init__(self, rngs):
+        self.stack = Stack(lambda r: nnx.Linear(16, 16, use_bias=False, rngs=r), 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.stack(x) @ self.stack.layers.kernel[...][0].T
+
+
+def test_ungathered_use_names_the_sharded_leaves():
+    def loss(model, batch):
+        return jnp.sum(model(batch.astype(jnp.float32)) ** 2), jnp.asarray(1.0)
+
+    trainable = zjax.from_nnx(_Leaky, loss)
+    zstep = zjax.make_step(trainable, optax.sgd(0.1), zero=zjax.ZeroConfig(stage=3, param_persistence_threshold=0),
+                           mesh=zjax.make_mesh())
+    state = zstep.init(jax.random.key(0))
+    batch = jnp.ones((8, 16), jnp.int32)
+    with pytest.raises(zjax.NotGatheredError, match="stack/layers/kernel"):
+        zstep.step(state, jax.device_put(batch, zstep.batch_sharding))
