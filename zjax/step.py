@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -82,10 +83,29 @@ class ZeroStep:
     step: Callable[[TrainState, Any], tuple[TrainState, dict]]
     evaluate: Callable[[Any, Any], jax.Array]
 
+    def check_batch(self, shape) -> None:
+        """Raise ConfigError unless the data axis divides the global batch."""
+        _check_batch(shape, self.plan.n_data)
+
+    def put_batch(self, batch) -> jax.Array:
+        """Place a global (host) batch split over the ``data`` axis."""
+        self.check_batch(np.shape(batch))
+        return jax.device_put(batch, self.batch_sharding)
+
     def lower(self, batch: jax.ShapeDtypeStruct):
         """Lower the step from abstract values only (nothing is allocated)."""
+        self.check_batch(batch.shape)
         batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=self.batch_sharding)
         return self.step.lower(self.abstract_state, batch)
+
+
+def _check_batch(shape, n_data: int) -> None:
+    if not shape or shape[0] % n_data:
+        size = shape[0] if shape else shape
+        raise ConfigError(
+            f"data.batch_size: the global batch of {size} is not divisible by the data axis "
+            f"(mesh.data = {n_data}); use a multiple of {n_data}"
+        )
 
 
 def _reduce_grads(grads, plan: ShardPlan, *, reduced_in_backward: bool):
@@ -196,11 +216,7 @@ def make_step(
     )
 
     def step_fn(state: TrainState, batch):
-        if batch.shape[0] % plan.n_data:
-            raise ConfigError(
-                f"data.batch_size: the global batch of {batch.shape[0]} is not divisible by the "
-                f"data axis (mesh.data = {plan.n_data}); use a multiple of {plan.n_data}"
-            )
+        _check_batch(batch.shape, plan.n_data)
         grads, loss_sum, count = sharded_grads(state.params, batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, state_sharded)  # update on own shard

@@ -52,7 +52,8 @@ def train_gpt(config: Config, *, on_log: Callable[[dict], None] | None = None) -
                       micro_batches=config.train.grad_accum)
     log.info("%s", zstep.plan.summary(opt_state=zstep.abstract_state.opt_state, tx=tx))
     state = zstep.init(jax.random.key(config.train.seed))
-    put = lambda b: jax.device_put(b, zstep.batch_sharding)
+    put = zstep.put_batch
+    put(np.zeros((config.data.batch_size, 1), np.int32))  # fail fast on an indivisible batch
     train_batches = data.batches(batch_size=config.data.batch_size, seq_len=config.data.seq_len,
                                  seed=config.train.seed)
     eval_batches = None
