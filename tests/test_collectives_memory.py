@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ def test_stage3_temp_memory_flat_in_depth():
     cfg_layer = [leaf for leaf in zstep.plan.leaves if leaf.stacked]
     layer_bytes = sum(leaf.size // leaf.shape[0] for leaf in cfg_layer) * 2  # bf16 gathered
     layers = sorted(temps)
-    for a, b in zip(layers, layers[1:], strict=False):
+    for a, b in itertools.pairwise(layers):
         per_layer = (temps[b] - temps[a]) / (b - a)
         assert per_layer < layer_bytes, (temps, layer_bytes)
 

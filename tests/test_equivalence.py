@@ -14,7 +14,8 @@ from tests.models import gpt_reference_loss, gpt_trainable, linen_trainable, tok
 
 
 def make_tx():
-    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(3e-3, eps=1e-5, weight_decay=0.1))
+    adamw = optax.adamw(3e-3, eps=1e-5, weight_decay=0.1)
+    return optax.chain(optax.clip_by_global_norm(0.5), adamw)
 
 
 def run_zjax(trainable, zero, batches, *, micro_batches=1):

@@ -113,8 +113,8 @@ def test_ungathered_use_names_the_sharded_leaves():
         return jnp.sum(model(batch.astype(jnp.float32)) ** 2), jnp.asarray(1.0)
 
     trainable = zjax.from_nnx(_Leaky, loss)
-    zstep = zjax.make_step(trainable, optax.sgd(0.1), zero=zjax.ZeroConfig(stage=3, param_persistence_threshold=0),
-                           mesh=zjax.make_mesh())
+    zero = zjax.ZeroConfig(stage=3, param_persistence_threshold=0)
+    zstep = zjax.make_step(trainable, optax.sgd(0.1), zero=zero, mesh=zjax.make_mesh())
     state = zstep.init(jax.random.key(0))
     batch = jnp.ones((8, 16), jnp.int32)
     with pytest.raises(zjax.NotGatheredError, match="stack/layers/kernel"):

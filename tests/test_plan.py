@@ -80,7 +80,7 @@ def test_shards_and_bytes_match_compiled_step(stage):
     # every sharded param / optimizer leaf holds 1/N of its elements per device
     sharded = {leaf.path for leaf in zstep.plan.leaves if leaf.dim is not None}
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    for (path, x), leaf in zip(flat, zstep.plan.leaves, strict=True):
+    for (_, x), leaf in zip(flat, zstep.plan.leaves, strict=True):
         shard = x.addressable_shards[0].data.shape
         if stage == 3 and leaf.path in sharded:
             assert np.prod(shard) * n == np.prod(x.shape), leaf.path

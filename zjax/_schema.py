@@ -6,6 +6,7 @@ A section is a frozen dataclass. ``from_dict`` builds one from a mapping, reject
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -52,10 +53,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} keys, got {value!r}")
         return from_dict(tp, value, prefix=key)
     if tp in (int, float) and isinstance(value, str):
-        try:  # YAML 1.1 reads 1e-3 as a string
+        with contextlib.suppress(ValueError):  # YAML 1.1 reads 1e-3 as a string
             value = float(value) if tp is float else int(value)
-        except ValueError:
-            pass
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r} ({type(value).__name__})")
@@ -68,7 +67,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp in (bool, str):
         if not isinstance(value, tp):
-            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+            raise ConfigError(
+                f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})"
+            )
         return value
     return value
 
@@ -92,7 +93,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, prefix: str = "")
         allowed = fields[name].metadata.get("choices")
         if allowed is not None and kwargs[name] not in allowed:
             raise ConfigError(
-                f"{dotted(name)}: {value!r} is not allowed{did_you_mean(value, map(str, allowed))}; "
+                f"{dotted(name)}: {value!r} is not allowed"
+                f"{did_you_mean(value, map(str, allowed))}; "
                 f"choose one of {', '.join(map(repr, allowed))}"
             )
     try:

@@ -40,7 +40,9 @@ def _files(path: str | None) -> list[Path]:
     else:
         files = sorted(Path(f) for f in glob.glob(os.fspath(path), recursive=True))
     if not files:
-        raise ConfigError(f"data.path: {path!r} matches no file (give a file, a directory or a glob)")
+        raise ConfigError(
+            f"data.path: {path!r} matches no file (give a file, a directory or a glob)"
+        )
     return files
 
 
@@ -53,7 +55,7 @@ class TextData:
 
     def batches(self, *, batch_size: int, seq_len: int, seed: int, split: str = "train",
                 start: int = 0) -> Iterator[np.ndarray]:
-        """Yield int32 batches ``[batch_size, seq_len + 1]`` of random windows, from step ``start``."""
+        """Yield int32 batches ``[batch_size, seq_len + 1]`` of random windows from ``start``."""
         tokens = self.train if split == "train" else self.eval
         span = len(tokens) - seq_len - 1
         if span <= 0:

@@ -39,7 +39,8 @@ class MeshConfig:
 
 def simulate_cpu_devices(n: int) -> None:
     """Make the CPU backend expose ``n`` devices. Call before jax creates its backends."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     jax.config.update("jax_num_cpu_devices", n)
 

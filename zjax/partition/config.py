@@ -57,7 +57,9 @@ class ZeroConfig:
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero.stage: {self.stage!r} is not allowed; choose one of 0, 1, 2, 3")
+            raise ConfigError(
+                f"zero.stage: {self.stage!r} is not allowed; choose one of 0, 1, 2, 3"
+            )
         resolve_dtype(self.gather_dtype, key="zero.gather_dtype")
         resolve_dtype(self.reduce_dtype, key="zero.reduce_dtype")
         for key in ("param_persistence_threshold", "prefetch_layers", "prefetch_bucket_size"):

@@ -83,9 +83,8 @@ def _choose_dim(shape, *, n: int, stacked: bool, threshold: int) -> tuple[int | 
 def bytes_per_device(abstract: Any, shardings: Any) -> int:
     """Bytes each device holds of ``abstract`` placed by ``shardings`` (matching trees)."""
     total = 0
-    for leaf, sharding in zip(
-        jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding)), strict=True
-    ):
+    shardings = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    for leaf, sharding in zip(jax.tree.leaves(abstract), shardings, strict=True):
         shard = sharding.shard_shape(leaf.shape)
         total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
     return total
@@ -165,13 +164,13 @@ class ShardPlan:
 
     @property
     def has_master(self) -> bool:
-        """Whether a separate fp32 master copy is stored (stages 0-2 with a narrower working dtype)."""
+        """Whether a float32 master is stored apart (stages 0-2, narrower working dtype)."""
         return self.zero.stage < 3 and any(
             self.stored_param_dtype(leaf) != leaf.dtype for leaf in self.leaves
         )
 
     def opt_specs(self, tx: optax.GradientTransformation, opt_state: Any) -> Any:
-        """Specs for an optax state: per-param leaves follow :attr:`state_specs`, others replicate."""
+        """Specs of an optax state: per-param leaves as :attr:`state_specs`, others replicated."""
         return optax.tree_map_params(
             tx,
             lambda _, spec: spec,
