@@ -12,7 +12,8 @@ Prints one JSON object on stdout (progress goes to stderr). Rows:
 
 Per row: per-device argument / output / temp bytes from ``compiled.memory_analysis()``, train
 state bytes per device, collective bytes read off the HLO, median step time, and ratios to
-``gspmd_fsdp``. ``targets`` checks stage 3 against ``gspmd_fsdp``.
+``gspmd_fsdp``. ``targets`` checks stage 3 against ``gspmd_fsdp``. Every row runs in a fresh
+process (its own memory; a runtime abort costs that row only and is retried ``--retries`` times).
 
 Usage: ``python benchmarks/zero_step.py [--repeats 3] [--no-time] [--layers 4,8,16]``
 """
@@ -20,10 +21,13 @@ Usage: ``python benchmarks/zero_step.py [--repeats 3] [--no-time] [--layers 4,8,
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -226,10 +230,57 @@ def sweep(args: argparse.Namespace, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> 
         log(f"sweep L={n_layers}")
         s3 = build_zjax(3, trainable, mesh, batch).compiled.memory_analysis()
         base = build_baseline(BASELINE, trainable, graphdef, mesh, batch)
-        base_mem = base.compiled.memory_analysis()
         out.append({"n_layers": n_layers, "zjax_stage3_temp_bytes": int(s3.temp_size_in_bytes),
-                    f"{BASELINE}_temp_bytes": int(base_mem.temp_size_in_bytes)})
+                    f"{BASELINE}_temp_bytes":
+                        int(base.compiled.memory_analysis().temp_size_in_bytes)})
     return out
+
+
+def run_job(args: argparse.Namespace) -> Any:
+    """One job in this process: a row (``zjax_stage3``, ``ddp``, ...) or ``sweep``."""
+    simulate_cpu_devices(args.devices)  # before jax creates its backends
+    mesh = make_mesh()
+    batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
+                                 sharding=NamedSharding(mesh, P(DATA)))
+    if args.job == "sweep":
+        return sweep(args, mesh, batch)
+    trainable, graphdef = gpt_trainable(args, args.n_layers)
+    log(f"{args.job}: compiling")
+    if args.job.startswith("zjax_stage"):
+        built = build_zjax(int(args.job.removeprefix("zjax_stage")), trainable, mesh, batch)
+    else:
+        built = build_baseline(args.job, trainable, graphdef, mesh, batch)
+    log(f"{args.job}: compiled in {built.compile_s:.1f}s" + ("" if args.no_time else "; timing"))
+    tokens = None
+    if not args.no_time:
+        host = np.random.default_rng(0).integers(0, args.vocab, batch.shape, dtype=np.int32)
+        tokens = jax.device_put(host, batch.sharding)
+    row = measure(built, tokens, args.repeats)
+    row["params"] = sum(int(np.prod(a.shape)) for a in
+                        jax.tree.leaves(jax.eval_shape(trainable.init, jax.random.key(0))))
+    return row
+
+
+def spawn(job: str, argv: list[str], retries: int) -> Any:
+    """Run ``job`` in a fresh process (isolates memory and XLA:CPU runtime aborts)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--job", job]
+    for attempt in range(1 + retries):
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) as proc:
+            tail: collections.deque[str] = collections.deque(maxlen=3)
+            for line in proc.stderr:  # progress lines through, the rest kept for errors
+                if line.startswith("[zero_step]"):
+                    sys.stderr.write(line)
+                elif line.strip():
+                    tail.append(line.strip()[:300])
+            stdout = proc.stdout.read()
+        if proc.returncode == 0:
+            out = json.loads(stdout)
+            if attempt and isinstance(out, dict):
+                out["attempts"] = attempt + 1
+            return out
+        log(f"{job}: exit code {proc.returncode} (attempt {attempt + 1}): {' | '.join(tail)}")
+    return {"name": job, "error": f"exit code {proc.returncode}: {' | '.join(tail)}"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -245,6 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", default="", help="comma-separated L sweep, e.g. 4,8,16")
     p.add_argument("--repeats", type=int, default=5, help="timed steps (after 2 warmups)")
     p.add_argument("--no-time", action="store_true", help="compile and analyse only")
+    p.add_argument("--retries", type=int, default=1, help="reruns of a job whose process dies")
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # internal: one job
     args = p.parse_args(argv)
     args.stages = [int(s) for s in args.stages.split(",") if s]
     args.layers = [int(n) for n in args.layers.split(",") if n]
@@ -252,32 +305,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    simulate_cpu_devices(args.devices)  # before jax creates its backends
-    mesh = make_mesh()
-    batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
-                                 sharding=NamedSharding(mesh, P(DATA)))
-    tokens = None
-    if not args.no_time:
-        host = np.random.default_rng(0).integers(0, args.vocab, batch.shape, dtype=np.int32)
-        tokens = jax.device_put(host, batch.sharding)
-    trainable, graphdef = gpt_trainable(args, args.n_layers)
-    n_params = sum(int(np.prod(a.shape)) for a in
-                   jax.tree.leaves(jax.eval_shape(trainable.init, jax.random.key(0))))
-    rows: dict[str, dict] = {}
-    builders: list[tuple[str, Callable[[], Built]]] = [
-        (f"zjax_stage{s}", functools.partial(build_zjax, s, trainable, mesh, batch))
-        for s in args.stages
-    ] + [(k, functools.partial(build_baseline, k, trainable, graphdef, mesh, batch))
-         for k in ("ddp", BASELINE, "gspmd_fsdp_noremat")]
-    for name, build in builders:
-        log(f"{name}: compiling")
-        built = build()
-        log(f"{name}: compiled in {built.compile_s:.1f}s" + ("" if args.no_time else "; timing"))
-        rows[name] = measure(built, tokens, args.repeats)
-        del built
+    if args.job is not None:
+        print(json.dumps(run_job(args)))
+        return
+    jobs = [f"zjax_stage{s}" for s in args.stages] + ["ddp", BASELINE, "gspmd_fsdp_noremat"]
+    rows = {job: spawn(job, argv, args.retries) for job in jobs}
     base = rows[BASELINE]
+    n_params = None
     for row in rows.values():
+        n_params = row.pop("params", n_params)
+        if "error" in row or "error" in base:
+            continue
         row["time_ratio"] = _ratio(row.get("step_time_s"), base.get("step_time_s"))
         row["wire_ratio"] = _ratio(row["collectives"]["wire"], base["collectives"]["wire"])
         row["temp_ratio"] = _ratio(row["temp_bytes"], base["temp_bytes"])
@@ -285,13 +325,12 @@ def main(argv: list[str] | None = None) -> None:
         "config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "vocab",
                                                   "seq_len", "batch", "devices", "repeats")},
         "params": n_params,
-        "backend": jax.default_backend(),
         "rows": list(rows.values()),
     }
-    if "zjax_stage3" in rows:
+    if "error" not in rows.get("zjax_stage3", {"error": ""}) and "error" not in base:
         result["targets"] = targets(rows, args.devices)
     if args.layers:
-        result["sweep"] = sweep(args, mesh, batch)
+        result["sweep"] = spawn("sweep", argv, args.retries)
     print(json.dumps(result, indent=2))
 
 

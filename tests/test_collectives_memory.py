@@ -64,3 +64,39 @@ def test_prefetch_grows_working_set_by_about_a_layer_each():
     layer_bytes = sum(leaf.size // leaf.shape[0] for leaf in zstep.plan.leaves if leaf.stacked) * 2
     extra = c2.memory_analysis().temp_size_in_bytes - base
     assert extra <= 3 * layer_bytes, (extra, layer_bytes)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_lower_stage_collectives_follow_the_zero_table(stage):
+    """DESIGN.md's table: 0 all-reduce; 1 all-reduce + all-gather; 2 reduce-scatter + all-gather."""
+    from tests.models import gpt_trainable
+
+    zero = zjax.ZeroConfig(stage=stage, gather_dtype="bfloat16", param_persistence_threshold=100)
+    zstep = zjax.make_step(gpt_trainable(), optax.adamw(1e-3), zero=zero, mesh=zjax.make_mesh())
+    cb = collective_bytes(zstep.lower(jax.ShapeDtypeStruct((16, 17), jnp.int32))
+                          .compile().as_text())
+    total = sum(leaf.size for leaf in zstep.plan.leaves)
+    psi = sum(leaf.size for leaf in zstep.plan.leaves if leaf.dim is not None)
+    scalars = 256
+    if stage == 0:
+        assert psi == 0 and cb.all_gather == 0 and cb.reduce_scatter == 0
+        assert 4 * total <= cb.all_reduce <= 4 * total + scalars
+    elif stage == 1:
+        assert 4 * total <= cb.all_reduce <= 4 * total + scalars
+        assert cb.all_gather == 2 * psi  # the new bf16 working copy, gathered narrow
+        assert cb.reduce_scatter == 0
+    else:
+        assert cb.reduce_scatter == 4 * psi
+        assert cb.all_gather == 2 * psi
+        assert cb.all_reduce <= 4 * (total - psi) + scalars
+
+
+def test_init_never_materialises_the_whole_model_on_one_device():
+    cfg = GPTConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, max_seq_len=64)
+    trainable = zjax.from_nnx(lambda rngs: GPT(cfg, rngs=rngs), lm_loss)
+    zstep = zjax.make_step(trainable, optax.adamw(1e-3), zero=zjax.ZeroConfig(stage=3),
+                           mesh=zjax.make_mesh())
+    mem = zstep.init.lower(jax.random.key(0)).compile().memory_analysis()
+    full_params = sum(leaf.size * 4 for leaf in zstep.plan.leaves)
+    assert mem.temp_size_in_bytes < full_params / 4
+    assert mem.output_size_in_bytes < 3 * full_params / 8 * 1.05  # params + mu + nu, sharded

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from zjax.errors import ConfigError
 from zjax.mesh import DATA
 from zjax.partition.config import ZeroConfig
+from zjax.partition.gather import UINT as _UINT
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.trainable import Trainable
 
@@ -59,6 +60,25 @@ class TrainState(NamedTuple):
 
 def _cast_tree(tree, dtypes):
     return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
+
+
+def _narrow_all_gather(master, dtypes, sharded, replicated):
+    """Cast the new master on its shard, then all-gather the narrow working copy.
+
+    The bits travel as unsigned integers: XLA would otherwise move the convert after the
+    all-gather and move float32 (see :func:`zjax.partition.gather.all_gather`).
+    """
+
+    def one(x, dtype, s_in, s_out):
+        narrow = x.astype(dtype)
+        if not jnp.issubdtype(narrow.dtype, jnp.floating):
+            return jax.lax.with_sharding_constraint(narrow, s_out)
+        bits = lax.bitcast_convert_type(narrow, _UINT[narrow.dtype.itemsize])
+        bits = jax.lax.with_sharding_constraint(bits, s_in)
+        bits = jax.lax.with_sharding_constraint(bits, s_out)
+        return lax.bitcast_convert_type(bits, narrow.dtype)
+
+    return jax.tree.map(one, master, dtypes, sharded, replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +187,7 @@ def make_step(
     )
     batch_sharding = NamedSharding(mesh, P(DATA))
     state_sharded = plan.shardings(plan.state_specs)
+    param_sharded = plan.shardings(plan.param_specs)
 
     def local_grads(params, batch):
         n_local = batch.shape[0]
@@ -225,9 +246,7 @@ def make_step(
         new = optax.apply_updates(target, updates)
         if plan.has_master:
             master = jax.lax.with_sharding_constraint(new, state_sharded)
-            # cast on the shard, then all-gather the narrow working copy
-            params = jax.lax.with_sharding_constraint(_cast_tree(master, stored_dtypes),
-                                                      state_sharded)
+            params = _narrow_all_gather(master, stored_dtypes, state_sharded, param_sharded)
         else:
             master, params = None, _cast_tree(new, stored_dtypes)
         metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),

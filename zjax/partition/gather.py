@@ -23,7 +23,15 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["GATHERED", "REMAT_POLICY", "all_gather", "gather", "gather_on_access", "gather_tree"]
+__all__ = [
+    "GATHERED",
+    "REMAT_POLICY",
+    "UINT",
+    "all_gather",
+    "gather",
+    "gather_on_access",
+    "gather_tree",
+]
 
 GATHERED = "zjax_gathered"
 _SAVE_ALL_BUT_GATHERED = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
@@ -54,7 +62,7 @@ def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = None) -> jax.Array:
@@ -68,7 +76,7 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = No
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return tag(lax.all_gather(x, axis_name, axis=axis, tiled=True))
-    bits = lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    bits = lax.bitcast_convert_type(x, UINT[x.dtype.itemsize])
     full = tag(lax.all_gather(bits, axis_name, axis=axis, tiled=True))
     return lax.bitcast_convert_type(full, x.dtype)
 
