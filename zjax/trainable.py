@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from flax import nnx
 
 from zjax.errors import NotGatheredError
 from zjax.nn import Stack, bind_runners, iter_stacks
-from zjax.partition.gather import REMAT_POLICY, gather_tree
+from zjax.partition.gather import REMAT_POLICY, gather_on_access, gather_tree
 from zjax.partition.plan import ShardPlan, path_str
 from zjax.partition.schedule import ScheduleSpec, scheduled_scan
 
@@ -53,6 +54,21 @@ def _zero_args(plan: ShardPlan) -> dict:
     return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.reduce_dtype)
 
 
+def _suspects(plan: ShardPlan, message: str) -> list[str]:
+    """Sharded leaves whose local shard size appears in an error message, best matches first."""
+    numbers = {int(n) for n in re.findall(r"\d+", message)}
+    scored = []
+    for leaf in plan.leaves:
+        if leaf.dim is None:
+            continue
+        local = leaf.shape[leaf.dim] // plan.n_data
+        score = (local in numbers) + (leaf.shape[leaf.dim] in numbers)
+        shard = list(leaf.shape)
+        shard[leaf.dim] = local
+        scored.append((-score, leaf.path, f"{leaf.path} (shard {tuple(shard)} of {leaf.shape})"))
+    return [text for _, _, text in sorted(scored)]
+
+
 def _shape_guard(fn: Callable[..., LossOut], plan: ShardPlan) -> Callable[..., LossOut]:
     """Turn XLA's shape errors from un-gathered shards into an error naming the leaf."""
 
@@ -63,12 +79,11 @@ def _shape_guard(fn: Callable[..., LossOut], plan: ShardPlan) -> Callable[..., L
         except (TypeError, ValueError) as e:
             if plan.zero.stage != 3 or "shape" not in str(e).lower():
                 raise
-            sharded = [leaf for leaf in plan.leaves if leaf.dim is not None]
-            shards = {f"{leaf.path} {leaf.shape}->dim {leaf.dim}/{plan.n_data}" for leaf in sharded}
+            suspects = _suspects(plan, str(e))
             raise NotGatheredError(
-                f"the model failed on a shape mismatch under ZeRO stage 3 ({e}); a sharded "
-                f"parameter was probably used without being gathered (e.g. a Stack's params used "
-                f"outside the Stack). Sharded leaves: {', '.join(sorted(shards)[:8])}"
+                f"the model failed on a shape mismatch under ZeRO stage 3 ({e}). A sharded "
+                f"parameter was probably used without being gathered (e.g. a Stack's params "
+                f"used outside the Stack). Most likely: {'; '.join(suspects[:5])}"
             ) from e
 
     return guarded
@@ -88,10 +103,8 @@ def from_pytree(
         if plan.zero.stage < 3:
             return loss_fn(params, batch)
 
-        def run(shards, batch):
-            return loss_fn(gather_tree(shards, plan.dims, **_zero_args(plan)), batch)
-
-        return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
+        run = gather_on_access(loss_fn, plan.dims, **_zero_args(plan))
+        return _shape_guard(run, plan)(params, batch)
 
     return Trainable(init=init, loss=loss)
 
