@@ -77,6 +77,7 @@ class Built:
 
 
 def make_tx() -> optax.GradientTransformation:
+    """The optimizer of every row."""
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
 
 
@@ -146,10 +147,11 @@ def build_baseline(kind: str, trainable: Trainable, graphdef: Any, mesh: Mesh,
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     # identical placements to zjax stage 3 (largest divisible dim, never the layer dim)
     plan = make_plan(abstract[0], ZeroConfig(stage=3), mesh, stacked=trainable.stacked)
-    specs = plan.sharded_specs if fsdp else plan.replicated_specs
-    opt_specs = plan.opt_specs(tx, abstract[1]) if fsdp else jax.tree.map(lambda _: P(),
-                                                                          abstract[1])
-    shardings = plan.shardings((specs, opt_specs))
+    if fsdp:
+        specs = (plan.sharded_specs, plan.opt_specs(tx, abstract[1]))
+    else:
+        specs = jax.tree.map(lambda _: P(), abstract)
+    shardings = plan.shardings(specs)
     jit_step = jax.jit(step_fn, in_shardings=(shardings, act), out_shardings=(shardings, None),
                        donate_argnums=0)
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -70,8 +71,19 @@ def test_yaml_base_inheritance_and_overrides(tmp_path):
 
 
 def test_shipped_configs_load():
-    for path in sorted((ROOT / "configs").glob("*.yaml")):
+    paths = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs").glob("*.gin"))
+    assert len(paths) >= 10
+    for path in paths:
         load_config(path)
+
+
+@pytest.mark.parametrize("name", ["tiny-stage0.yaml", "tiny-stage1.yaml",
+                                  "tiny-stage3-prefetch2.yaml"])
+def test_small_configs_train_a_few_steps(name):
+    cfg = load_config(ROOT / "configs" / name, ["train.steps=3", "train.log_every=3",
+                                                "train.eval_every=0"])
+    history = zjax.train(None, cfg).history
+    assert len(history) == 1 and np.isfinite(history[0]["loss"])
 
 
 def _cli(*args, timeout=600):
@@ -98,3 +110,56 @@ def test_cli_trains_the_default_gpt_and_loss_falls():
               if line.startswith("step")]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, r.stdout
     assert "ZeRO stage 3 on data=8" in r.stdout and "eval" in r.stdout
+
+
+def test_yaml_and_gin_resolve_to_the_same_config():
+    assert load_config(ROOT / "configs/tiny.gin") == load_config(ROOT / "configs/tiny.yaml")
+    assert (load_config(ROOT / "configs/tiny.gin", ["zero.stage=1"])
+            == load_config(ROOT / "configs/tiny.yaml", ["zero.stage=1"]))
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("zro.stage = 2\n", "No configurable matching 'zro'. (did you mean 'zero'?)"),
+    ("zero.stgae = 2\n", "unknown key zero.stgae (did you mean 'stage'?)"),
+    ("zero.stage = 7\n", "zero.stage: 7 is not allowed"),
+])
+def test_gin_errors_name_the_binding(tmp_path, text, needle):
+    (tmp_path / "x.gin").write_text(text)
+    with pytest.raises(zjax.ConfigError) as e:
+        load_config(tmp_path / "x.gin")
+    assert needle in str(e.value)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    (tmp_path / "bad.yaml").write_text("zero:\n  stage: [1\n")
+    needle = r"bad.yaml.* is not valid YAML at line 3, column 1: expected"
+    with pytest.raises(zjax.ConfigError, match=needle):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_readme_config_reference_is_in_sync():
+    from zjax._docs import config_reference
+
+    assert config_reference() in (ROOT / "README.md").read_text(), (
+        "README's config reference is stale: paste `python -m zjax.docs` into it"
+    )
+
+
+def test_cli_config_show_and_gin_error_exit_code(tmp_path):
+    r = _cli("config", "show", "configs/tiny.gin", "zero.stage=2")
+    assert r.returncode == 0 and "stage: 2" in r.stdout
+    (tmp_path / "x.gin").write_text("nothing.here = 1\n")
+    r = _cli("train", str(tmp_path / "x.gin"))
+    assert r.returncode == 2 and "nothing" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_run_dir_and_plot(tmp_path):
+    run = tmp_path / "run"
+    r = _cli("train", "configs/tiny-stage2.yaml", "train.steps=4", "train.log_every=2",
+             "train.eval_every=0", "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+    r = _cli("plot", str(run))
+    assert r.returncode == 0 and (run / "loss.png").stat().st_size > 0
+    r = _cli("plot", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "metrics.jsonl" in r.stderr

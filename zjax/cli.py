@@ -1,4 +1,4 @@
-"""The ``zjax`` command line: ``zjax train [CONFIG] [key=value ...]``, ``zjax config show``.
+"""The ``zjax`` command line: ``zjax train``, ``zjax config show``, ``zjax plot``.
 
 This module reads the process environment: it may simulate CPU devices before jax starts.
 Bad input ends with a one-line error and exit code 2, never a traceback.
@@ -23,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zero.stage=2")
     t.add_argument("--devices", type=int, default=None,
                    help="simulate N CPU devices (default 8 when only a CPU is present)")
+    t.add_argument("--run-dir", default=None,
+                   help="write config.yaml, metrics.jsonl and TensorBoard events here")
+    pl = sub.add_parser("plot", help="write loss and throughput PNGs of a run")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR)")
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="action", required=True)
     show = csub.add_parser("show", help="print the resolved config as YAML")
@@ -69,9 +74,9 @@ def _train(args) -> int:
     path, overrides = _split(args.config, args.overrides)
     config = load_config(path, overrides)  # validate before jax starts
     _setup_devices(args.devices)
-    from zjax.trainer import train_gpt
+    from zjax.trainer import train
 
-    result = train_gpt(config)
+    result = train(None, config, run_dir=args.run_dir)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     logging.getLogger("zjax").info("done: loss %.4f -> %.4f", first, last)
     return 0
@@ -87,13 +92,35 @@ def _config_show(args) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    from zjax.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _setup_logging() -> None:
+    # our own handler: libraries imported on the way (absl, grain) may configure the root logger
+    logger = logging.getLogger("zjax")
+    if not any(getattr(h, "_zjax_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._zjax_cli = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``zjax`` console script."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    _setup_logging()
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "plot":
+            return _plot(args)
         return _config_show(args)
     except ZjaxError as e:
         print(f"zjax: error: {e}", file=sys.stderr)

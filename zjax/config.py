@@ -16,7 +16,9 @@ from typing import Any
 import yaml
 
 from zjax._schema import choices, from_dict, to_dict
+from zjax.data import DataConfig
 from zjax.errors import ConfigError
+from zjax.loop import resolve_loop
 from zjax.mesh import MeshConfig
 from zjax.models.gpt import GPTConfig
 from zjax.partition.config import ZeroConfig
@@ -24,6 +26,7 @@ from zjax.partition.config import ZeroConfig
 __all__ = [
     "Config",
     "DataConfig",
+    "LoggingConfig",
     "OptimizerConfig",
     "TrainConfig",
     "apply_overrides",
@@ -32,26 +35,20 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Where tokens come from and how they are batched."""
-
-    batch_size: int = 16  # global, over all data-parallel replicas
-    seq_len: int = 128
-    path: str | None = None  # None: the .py files of Python's standard library, byte-level
-    eval_fraction: float = 0.05
-
-    def __post_init__(self):
-        if self.batch_size <= 0:
-            raise ConfigError(f"data.batch_size: must be > 0, got {self.batch_size}")
-        if self.seq_len <= 0:
-            raise ConfigError(f"data.seq_len: must be > 0, got {self.seq_len}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """AdamW with warmup + cosine decay and global-norm clipping."""
+    """The ``optimizer`` section: AdamW (or Adam, SGD), warmup, decay, global-norm clipping.
+
+    Attributes:
+      name: ``adamw``, ``adam`` or ``sgd``.
+      lr: peak learning rate.
+      b1: Adam's first-moment decay.
+      b2: Adam's second-moment decay.
+      eps: Adam's epsilon.
+      weight_decay: decoupled weight decay (adamw).
+      clip_norm: clip gradients to this global norm; empty for no clipping.
+      warmup_steps: linear warmup from 0 to ``lr``.
+      schedule: ``cosine`` (decay to lr/10 at the last step) or ``constant`` after warmup.
+    """
 
     name: str = choices("adamw", "adam", "sgd", default="adamw")
     lr: float = 3e-3
@@ -72,16 +69,26 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """The training loop."""
+    """The ``train`` section: the loop around the step.
+
+    Attributes:
+      steps: optimizer steps to run.
+      seed: seeds parameter init and data order.
+      log_every: log (and write metrics) every this many steps.
+      eval_every: evaluate on the held-out split every this many steps (0: never).
+      eval_batches: batches per evaluation.
+      grad_accum: micro-batches per step (gradient accumulation).
+    """
 
     steps: int = 300
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100
+    eval_batches: int = 4
     grad_accum: int = 1
 
     def __post_init__(self):
-        for key in ("steps", "log_every", "grad_accum"):
+        for key in ("steps", "log_every", "grad_accum", "eval_batches"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"train.{key}: must be > 0, got {getattr(self, key)}")
         if self.eval_every < 0:
@@ -89,26 +96,53 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-    """The whole experiment: one section per part of zjax."""
+class LoggingConfig:
+    """The ``logging`` section.
 
-    model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
+    Attributes:
+      progress: show a rich progress bar (process 0, on a terminal).
+      tensorboard: write TensorBoard event files under the run directory.
+    """
+
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole experiment: one section per part of zjax.
+
+    ``loop`` names what is trained (``lm``, or ``package.module:Name``); the ``model`` section
+    is validated by that loop's ``model_config`` dataclass.
+    """
+
+    loop: str = "lm"
+    model: Any = dataclasses.field(default_factory=GPTConfig)
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        if self.data.seq_len > self.model.max_seq_len:
+        max_len = getattr(self.model, "max_seq_len", None)
+        if max_len is not None and self.data.seq_len > max_len:
             raise ConfigError(
-                f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len "
-                f"{self.model.max_seq_len}"
+                f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len {max_len}"
             )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
         """Validate a nested mapping (as read from YAML) into a :class:`Config`."""
+        data = dict(data or {})
+        loop_name = data.get("loop", "lm")
+        if not isinstance(loop_name, str):
+            raise ConfigError(
+                f"loop: expected a name like 'lm' or 'pkg.mod:Name', got {loop_name!r}"
+            )
+        model_cls = resolve_loop(loop_name).model_config
+        data["model"] = from_dict(model_cls, data.get("model"), prefix="model")
         return from_dict(cls, data)
 
     def to_dict(self) -> dict:
@@ -150,8 +184,17 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context = getattr(e, "context", None)
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML{where}: {problem}"
+            + (f" ({context})" if context else "")
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
     base = data.pop("base", None)
@@ -172,11 +215,22 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Load a YAML experiment file (``base:`` inherits from another file), apply overrides.
+    """Load a YAML or gin experiment file, then apply dotted overrides.
+
+    A YAML file may name a ``base:`` file to inherit from; a ``.gin`` file binds the same
+    sections (``zero.stage = 3``) and ``experiment.loop``.
 
     Args:
-      path: YAML file, or None for the defaults.
+      path: ``.yaml`` / ``.gin`` file, or None for the defaults.
       overrides: ``dotted.key=value`` strings applied on top.
     """
-    data = _read_yaml(Path(path).resolve()) if path is not None else {}
+    data: dict = {}
+    if path is not None:
+        path = Path(path).resolve()
+        if path.suffix == ".gin":
+            from zjax._gin import read_gin
+
+            data = read_gin(path)
+        else:
+            data = _read_yaml(path)
     return Config.from_dict(apply_overrides(data, overrides))

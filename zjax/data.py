@@ -1,8 +1,14 @@
-"""Byte-level text data: a corpus of files, a held-out split, deterministic batches.
+"""The text data pipeline: files -> tokens -> shuffled windows -> this process's batches.
 
-The default corpus is the ``.py`` files of Python's own standard library, present on every
-machine. Batch ``i`` depends only on ``(seed, i)``, so the iterator's state is the step number
-and a resumed run sees exactly the batches it would have seen.
+Built on grain: a ``MapDataset`` of fixed-length windows over a token stream, reshuffled every
+epoch from the seed, sliced so each process reads only its own part of every global batch, and
+batched. The iterator's ``get_state()`` / ``set_state()`` make it checkpointable: a resumed run
+continues from the exact next batch.
+
+Sources (``data.path``):
+- None: the ``.py`` files of Python's standard library, byte-level (every machine has them);
+- a text file, a directory (all files under it) or a glob: byte-level;
+- a ``.npy`` file: a flat array of token ids (memory-mapped, never read whole).
 """
 
 from __future__ import annotations
@@ -11,16 +17,42 @@ import dataclasses
 import glob
 import os
 import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 
+import grain
 import numpy as np
 
 from zjax.errors import ConfigError
 
-__all__ = ["TextData", "load_text", "stdlib_files"]
+__all__ = ["BYTE_VOCAB", "DataConfig", "Tokens", "load_tokens", "stdlib_files", "window_batches"]
 
-VOCAB_SIZE = 256  # bytes
+BYTE_VOCAB = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The ``data`` section: where tokens come from and how they are batched.
+
+    Attributes:
+      batch_size: global batch (sequences per optimizer step, over all replicas).
+      seq_len: tokens per sequence (each example holds ``seq_len + 1`` for the shifted targets).
+      path: a text file, directory or glob (byte-level), or a ``.npy`` token array; empty for
+        the ``.py`` files of Python's standard library.
+      eval_fraction: the tail of the token stream held out for evaluation.
+    """
+
+    batch_size: int = 16
+    seq_len: int = 128
+    path: str | None = None
+    eval_fraction: float = 0.05
+
+    def __post_init__(self):
+        if self.batch_size <= 0:
+            raise ConfigError(f"data.batch_size: must be > 0, got {self.batch_size}")
+        if self.seq_len <= 0:
+            raise ConfigError(f"data.seq_len: must be > 0, got {self.seq_len}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
 
 
 def stdlib_files() -> list[Path]:
@@ -29,52 +61,59 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def _files(path: str | None) -> list[Path]:
-    if path is None:
-        return stdlib_files()
+def _text_files(path: str) -> list[Path]:
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
-    elif p.is_file():
-        files = [p]
-    else:
-        files = sorted(Path(f) for f in glob.glob(os.fspath(path), recursive=True))
+        if not files:
+            raise ConfigError(f"data.path: directory {path!r} holds no file")
+        return files
+    if p.is_file():
+        return [p]
+    files = sorted(Path(f) for f in glob.glob(os.fspath(path), recursive=True) if Path(f).is_file())
     if not files:
-        raise ConfigError(
-            f"data.path: {path!r} matches no file (give a file, a directory or a glob)"
-        )
+        raise ConfigError(f"data.path: {path!r} does not exist and matches no file as a glob")
     return files
 
 
-@dataclasses.dataclass(frozen=True)
-class TextData:
-    """Byte tokens split into train and eval parts."""
+class Tokens:
+    """A token stream split into a train part and a held-out eval part (the tail)."""
 
-    train: np.ndarray
-    eval: np.ndarray
-
-    def batches(self, *, batch_size: int, seq_len: int, seed: int, split: str = "train",
-                start: int = 0) -> Iterator[np.ndarray]:
-        """Yield int32 batches ``[batch_size, seq_len + 1]`` of random windows from ``start``."""
-        tokens = self.train if split == "train" else self.eval
-        span = len(tokens) - seq_len - 1
-        if span <= 0:
+    def __init__(self, tokens: np.ndarray, *, eval_fraction: float, source: str):
+        if tokens.ndim != 1:
             raise ConfigError(
-                f"data.seq_len: {seq_len} is longer than the {split} split ({len(tokens)} tokens)"
+                f"data.path: {source} must hold a flat token array, got shape {tokens.shape}"
             )
-        step = start
-        while True:
-            rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
-            offsets = rng.integers(0, span, batch_size)
-            yield np.stack([tokens[o:o + seq_len + 1] for o in offsets]).astype(np.int32)
-            step += 1
+        n_eval = int(len(tokens) * eval_fraction)
+        self.train = tokens[: len(tokens) - n_eval]
+        self.eval = tokens[len(tokens) - n_eval:]
+        self.source = source
+        self.vocab_size = int(tokens.max()) + 1 if len(tokens) else 0
+        if tokens.dtype == np.uint8:
+            self.vocab_size = BYTE_VOCAB
+
+    def split(self, name: str) -> np.ndarray:
+        if name not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {name!r}")
+        return self.train if name == "train" else self.eval
 
 
-def load_text(path: str | None = None, *, eval_fraction: float = 0.05,
-              max_bytes: int | None = 64 * 2**20) -> TextData:
-    """Read files as bytes; the last ``eval_fraction`` of the stream is held out for eval."""
+def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
+                max_bytes: int | None = 64 * 2**20) -> Tokens:
+    """Read the token stream of ``data.path`` (see the module docstring for the sources)."""
+    if path is not None and str(path).endswith(".npy") and Path(path).is_file():
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.path: cannot read token array {path!r}: {e}") from None
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ConfigError(f"data.path: {path!r} holds {arr.dtype}, expected integer tokens")
+        if len(arr) == 0:
+            raise ConfigError(f"data.path: {path!r} is empty")
+        return Tokens(arr, eval_fraction=eval_fraction, source=str(path))
+    files = stdlib_files() if path is None else _text_files(path)
     chunks, total = [], 0
-    for f in _files(path):
+    for f in files:
         try:
             data = f.read_bytes()
         except OSError as e:
@@ -83,6 +122,48 @@ def load_text(path: str | None = None, *, eval_fraction: float = 0.05,
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
+    if total == 0:
+        raise ConfigError(f"data.path: {path!r} holds no data (all files are empty)")
+    source = "the Python standard library" if path is None else str(path)
     tokens = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
-    n_eval = int(len(tokens) * eval_fraction)
-    return TextData(train=tokens[: len(tokens) - n_eval], eval=tokens[len(tokens) - n_eval:])
+    return Tokens(tokens, eval_fraction=eval_fraction, source=source)
+
+
+class _Windows:
+    """Non-overlapping ``seq_len + 1`` windows (inputs and shifted targets) of a stream."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(i) * self.seq_len
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
+
+
+def window_batches(tokens: np.ndarray, *, global_batch: int, seq_len: int, seed: int,
+                   process_index: int = 0, process_count: int = 1,
+                   split: str = "train") -> grain.DatasetIterator:
+    """A checkpointable iterator of this process's ``[global_batch / processes, seq_len + 1]``.
+
+    Windows are reshuffled every epoch from ``seed``; process ``p`` takes every
+    ``process_count``-th window starting at ``p``, so the processes' slices of a global batch
+    are disjoint and together form it.
+    """
+    if global_batch % process_count:
+        raise ConfigError(
+            f"data.batch_size: {global_batch} is not divisible by the {process_count} processes"
+        )
+    windows = _Windows(tokens, seq_len)
+    if len(windows) < global_batch:
+        raise ConfigError(
+            f"data.seq_len: the {split} split ({len(tokens)} tokens) holds {len(windows)} "
+            f"windows of {seq_len + 1}, fewer than one batch of {global_batch}"
+        )
+    ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    ds = ds.slice(slice(process_index, None, process_count))
+    ds = ds.batch(global_batch // process_count, drop_remainder=True)
+    return iter(ds.to_iter_dataset())

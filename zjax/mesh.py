@@ -23,7 +23,12 @@ MODEL = "model"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Mesh axis sizes; one of them may be -1 to take all remaining devices."""
+    """The ``mesh`` section: axis sizes; one may be -1 to take all remaining devices.
+
+    Attributes:
+      data: size of the ``data`` axis (ZeRO shards along it).
+      model: size of the ``model`` axis (tensor parallelism; 1 for now).
+    """
 
     data: int = -1
     model: int = 1

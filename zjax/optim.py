@@ -6,18 +6,22 @@ import optax
 
 from zjax.config import OptimizerConfig
 
-__all__ = ["make_optimizer"]
+__all__ = ["make_optimizer", "make_schedule"]
 
 
-def make_optimizer(cfg: OptimizerConfig, *, total_steps: int) -> optax.GradientTransformation:
-    """Warmup + cosine (or constant) learning rate, optional global-norm clipping."""
+def make_schedule(cfg: OptimizerConfig, *, total_steps: int) -> optax.Schedule:
+    """Linear warmup, then cosine decay to lr/10 at ``total_steps`` (or constant)."""
     if cfg.schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(
+        return optax.warmup_cosine_decay_schedule(
             0.0, cfg.lr, max(1, cfg.warmup_steps), max(cfg.warmup_steps + 1, total_steps),
             end_value=cfg.lr * 0.1,
         )
-    else:
-        lr = optax.linear_schedule(0.0, cfg.lr, max(1, cfg.warmup_steps))
+    return optax.linear_schedule(0.0, cfg.lr, max(1, cfg.warmup_steps))
+
+
+def make_optimizer(cfg: OptimizerConfig, *, total_steps: int) -> optax.GradientTransformation:
+    """The optimizer on :func:`make_schedule`, with optional global-norm clipping."""
+    lr = make_schedule(cfg, total_steps=total_steps)
     if cfg.name == "adamw":
         opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     elif cfg.name == "adam":

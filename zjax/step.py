@@ -58,6 +58,18 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+def _loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
+    """``(loss_sum, count)`` or ``(loss_sum, count, {name: sum})`` -> the 3-tuple, float32."""
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise TypeError(
+            "a zjax loss returns (loss_sum, count) or (loss_sum, count, metric_sums), "
+            f"got {type(out).__name__}"
+        )
+    extra = dict(out[2]) if len(out) == 3 else {}
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return f32(out[0]), f32(out[1]), {k: f32(v) for k, v in extra.items()}
+
+
 def _cast_tree(tree, dtypes):
     return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
 
@@ -198,47 +210,46 @@ def make_step(
             )
         reduce_each = plan.zero.stage >= 2  # sharded grads are reduced per micro-batch
         def loss_and_aux(p, b):
-            loss_sum, count = trainable.loss(p, b, plan)
-            return loss_sum, (loss_sum, count)
+            loss_sum, count, extra = _loss_parts(trainable.loss(p, b, plan))
+            return loss_sum, (loss_sum, count, extra)
 
         grad_fn = jax.grad(loss_and_aux, has_aux=True)
 
         def one(mb):
-            g, (loss_sum, count) = grad_fn(params, mb)
+            g, (loss_sum, count, extra) = grad_fn(params, mb)
             if reduce_each:
                 g = _reduce_grads(g, plan, reduced_in_backward=True)
             else:
                 g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
-            return g, loss_sum, count
+            return g, (loss_sum, count, extra)
 
         if micro_batches == 1:
-            g, loss_sum, count = one(batch)
+            g, sums = one(batch)
         else:
             mbs = batch.reshape(micro_batches, n_local // micro_batches, *batch.shape[1:])
 
             def body(acc, mb):
-                g, s, c = one(mb)
-                return jax.tree.map(jnp.add, acc, (g, s, c)), None
+                return jax.tree.map(jnp.add, acc, one(mb)), None
 
             zeros = jax.eval_shape(one, mbs[0])
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zeros)
-            (g, loss_sum, count), _ = lax.scan(body, zeros, mbs)
+            (g, sums), _ = lax.scan(body, zeros, mbs)
         if not reduce_each:
             g = _reduce_grads(g, plan, reduced_in_backward=False)
-        return g, lax.psum(loss_sum, DATA), lax.psum(count, DATA)
+        return g, lax.psum(sums, DATA)
 
     sharded_grads = jax.shard_map(
         local_grads,
         mesh=mesh,
         in_specs=(plan.param_specs, P(DATA)),
-        out_specs=(plan.grad_specs, P(), P()),
+        out_specs=(plan.grad_specs, P()),
         axis_names={DATA},
         check_vma=False,
     )
 
     def step_fn(state: TrainState, batch):
         _check_batch(batch.shape, plan.n_data)
-        grads, loss_sum, count = sharded_grads(state.params, batch)
+        grads, (loss_sum, count, extra) = sharded_grads(state.params, batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, state_sharded)  # update on own shard
         target = state.master if plan.has_master else state.params
@@ -250,12 +261,12 @@ def make_step(
         else:
             master, params = None, _cast_tree(new, stored_dtypes)
         metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
-                   "tokens": count}
+                   "count": count, **{k: v / count for k, v in extra.items()}}
         return TrainState(state.step + 1, params, master, opt_state), metrics
 
     def local_loss(params, batch):
-        loss_sum, count = trainable.loss(params, batch, plan)
-        return lax.psum(loss_sum, DATA) / lax.psum(count, DATA)
+        loss_sum, count, _ = lax.psum(_loss_parts(trainable.loss(params, batch, plan)), DATA)
+        return loss_sum / count
 
     evaluate = jax.jit(
         jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs, P(DATA)),

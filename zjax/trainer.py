@@ -1,86 +1,205 @@
-"""Train the reference GPT from a :class:`~zjax.config.Config`: the loop, logging and eval."""
+"""``zjax.train(loop, config)``: the training loop around the ZeRO step.
+
+It builds the mesh, the loop's model and the step, runs the compiled step over the loop's data,
+evaluates on the held-out split, and records metrics (``metrics.jsonl``, TensorBoard) in the run
+directory. Only process 0 prints and writes; every process logs warnings and errors.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+import yaml
 
-from zjax.config import Config
-from zjax.data import VOCAB_SIZE, load_text
+from zjax._metrics import MetricsWriter
+from zjax.config import Config, load_config
 from zjax.errors import ConfigError
+from zjax.loop import Loop, resolve_loop
 from zjax.mesh import make_mesh
-from zjax.models.gpt import GPT, lm_loss
-from zjax.optim import make_optimizer
-from zjax.step import TrainState, make_step
-from zjax.trainable import from_nnx
+from zjax.optim import make_optimizer, make_schedule
+from zjax.partition.plan import bytes_per_device
+from zjax.step import TrainState, ZeroStep, make_step
 
-__all__ = ["TrainResult", "train_gpt"]
+__all__ = ["TrainResult", "train"]
 
 log = logging.getLogger("zjax")
 
 
 @dataclasses.dataclass
 class TrainResult:
-    """The final state and the logged metrics (one dict per logged step)."""
+    """What :func:`train` returns.
+
+    Attributes:
+      state: the final (sharded) train state.
+      history: one dict per logged step (the rows of ``metrics.jsonl``).
+      step: the compiled-on-demand step, with its plan.
+    """
 
     state: TrainState
     history: list[dict]
+    step: ZeroStep
 
 
-def train_gpt(config: Config, *, on_log: Callable[[dict], None] | None = None) -> TrainResult:
-    """Train the reference GPT on byte-level text as ``config`` says.
+def _prepare_run_dir(run_dir: str | os.PathLike | None, config: Config) -> Path | None:
+    if run_dir is None:
+        return None
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            f"--run-dir: {str(run_dir)!r} already holds a run (metrics.jsonl); zjax does not "
+            "overwrite it. Choose a new directory."
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    except OSError as e:
+        raise ConfigError(f"--run-dir: cannot write to {str(run_dir)!r}: {e}") from None
+    return run_dir
+
+
+def _memory(compiled) -> dict[str, int]:
+    mem = compiled.memory_analysis()
+    return {
+        "memory_argument_bytes": int(mem.argument_size_in_bytes),
+        "memory_output_bytes": int(mem.output_size_in_bytes),
+        "memory_temp_bytes": int(mem.temp_size_in_bytes),
+        "memory_peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                 + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
+    }
+
+
+class _Progress:
+    """A rich progress bar on a terminal (process 0 only); nothing elsewhere."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        console = Console()
+        if not console.is_terminal:
+            return
+        self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("loss {task.fields[loss]}"),
+                            TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
+                            console=console)
+        self.task = self.bar.add_task("train", total=total, loss="-", tps="-")
+        self.bar.start()
+
+    def update(self, step: int, row: dict | None) -> None:
+        if self.bar is None:
+            return
+        fields = {}
+        if row is not None:
+            fields = {"loss": f"{row['loss']:.4f}", "tps": f"{row['tokens_per_s']:,.0f}"}
+        self.bar.update(self.task, completed=step, **fields)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
+          run_dir: str | os.PathLike | None = None) -> TrainResult:
+    """Train ``loop`` as ``config`` says.
 
     Args:
-      config: the experiment.
-      on_log: called with each logged metrics dict (default: log a line).
+      loop: a :class:`~zjax.loop.Loop`, a loop name (``"lm"``, ``"pkg.mod:Name"``), or None
+        for the config's own ``loop``.
+      config: a :class:`~zjax.config.Config` or a path to a YAML / gin file.
+      run_dir: where the resolved config, ``metrics.jsonl`` and TensorBoard events go
+        (nothing is written when None).
+
+    Returns:
+      A :class:`TrainResult` with the final state and the metric history.
     """
-    if config.model.vocab_size < VOCAB_SIZE:
-        raise ConfigError(
-            f"model.vocab_size: {config.model.vocab_size} is smaller than the {VOCAB_SIZE} "
-            "byte values of the text data"
-        )
+    if not isinstance(config, Config):
+        config = load_config(config)
+    if loop is None or isinstance(loop, str):
+        loop = resolve_loop(loop or config.loop)
+    if hasattr(loop, "check"):
+        loop.check(config.model, config.data)
+    lead = jax.process_index() == 0
+    run_path = _prepare_run_dir(run_dir, config) if lead else None
+
     mesh = make_mesh(config.mesh)
-    data = load_text(config.data.path, eval_fraction=config.data.eval_fraction)
-    trainable = from_nnx(lambda rngs: GPT(config.model, rngs=rngs), lm_loss)
-    tx = make_optimizer(config.optimizer, total_steps=config.train.steps)
-    zstep = make_step(trainable, tx, zero=config.zero, mesh=mesh,
+    steps = config.train.steps
+    tx = make_optimizer(config.optimizer, total_steps=steps)
+    schedule = make_schedule(config.optimizer, total_steps=steps)
+    zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
                       micro_batches=config.train.grad_accum)
     log.info("%s", zstep.plan.summary(opt_state=zstep.abstract_state.opt_state, tx=tx))
+
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    train_data = loop.data(config.data, split="train", seed=config.train.seed, **shard)
+    eval_data = None
+    if config.train.eval_every:
+        eval_data = loop.data(config.data, split="eval", seed=config.train.seed, **shard)
+
+    def put(local: Any) -> jax.Array:
+        local = np.asarray(local)
+        global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+        zstep.check_batch(global_shape)
+        return jax.make_array_from_process_local_data(zstep.batch_sharding, local, global_shape)
+
+    first = put(next(train_data))
+    compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
+    memory = _memory(compiled)
+    memory["state_bytes"] = bytes_per_device(zstep.abstract_state, zstep.state_shardings)
+    log.info("compiled step, per device: state %.2f MiB, temp %.2f MiB, peak %.2f MiB",
+             memory["state_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
+             memory["memory_peak_bytes"] / 2**20)
+
     state = zstep.init(jax.random.key(config.train.seed))
-    put = zstep.put_batch
-    put(np.zeros((config.data.batch_size, 1), np.int32))  # fail fast on an indivisible batch
-    train_batches = data.batches(batch_size=config.data.batch_size, seq_len=config.data.seq_len,
-                                 seed=config.train.seed)
-    eval_batches = None
-    if config.train.eval_every and len(data.eval) > config.data.seq_len + 1:
-        eval_batches = data.batches(batch_size=config.data.batch_size,
-                                    seq_len=config.data.seq_len, seed=config.train.seed,
-                                    split="eval")
-    emit = on_log or (lambda m: log.info(
-        "step %5d | loss %.4f%s | %8.0f tok/s", m["step"], m["loss"],
-        f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else "", m["tokens_per_s"]))
-    history, t0, tokens = [], time.perf_counter(), 0
-    for i in range(config.train.steps):
-        state, metrics = zstep.step(state, put(next(train_batches)))
-        tokens += config.data.batch_size * config.data.seq_len
-        step = i + 1
-        if step % config.train.log_every == 0 or step == config.train.steps:
-            loss = float(metrics["loss"])  # blocks: the timing below covers finished steps
+    writer = MetricsWriter(run_path, tensorboard=config.logging.tensorboard)
+    progress = _Progress(steps, config.logging.progress and lead)
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    history: list[dict] = []
+    t0, done = time.perf_counter(), 0
+    batch = first
+    try:
+        for i in range(steps):
+            if i:
+                batch = put(next(train_data))
+            state, metrics = compiled(state, batch)
+            done += 1
+            step = i + 1
+            if step % config.train.log_every and step != steps:
+                progress.update(step, None)
+                continue
+            row = {k: float(v) for k, v in metrics.items() if k != "count"}  # blocks
             dt = time.perf_counter() - t0
-            row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                   "tokens_per_s": tokens / dt}
-            if eval_batches is not None and (
-                step % config.train.eval_every == 0 or step == config.train.steps
-            ):
-                row["eval_loss"] = float(np.mean(
-                    [zstep.evaluate(state.params, put(next(eval_batches))) for _ in range(2)]
-                ))
+            row = {"step": step, **row, "lr": float(schedule(step - 1)),
+                   "tokens_per_s": done * tokens_per_step / dt, "step_time_s": dt / done}
+            if eval_data is not None and (step % config.train.eval_every == 0 or step == steps):
+                losses = [zstep.evaluate(state.params, put(next(eval_data)))
+                          for _ in range(config.train.eval_batches)]
+                row["eval_loss"] = float(np.mean([float(x) for x in losses]))
+            row.update(memory)
             history.append(row)
-            emit(row)
-            t0, tokens = time.perf_counter(), 0
-    return TrainResult(state, history)
+            if lead:
+                writer.write(row)
+                log.info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
+                         row["loss"], f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row
+                         else "", row["tokens_per_s"], row["step_time_s"])
+            progress.update(step, row)
+            t0, done = time.perf_counter(), 0
+    finally:
+        progress.close()
+        writer.close()
+    return TrainResult(state, history, zstep)

@@ -21,7 +21,17 @@ __all__ = ["GPT", "GPTConfig", "lm_loss"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """Shape of the reference GPT (the ``model`` config section)."""
+    """Shape of the reference GPT (the ``model`` section of the built-in ``lm`` loop).
+
+    Attributes:
+      vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
+      d_model: width of the residual stream.
+      n_layers: transformer blocks (one ``Stack``).
+      n_heads: attention heads (must divide ``d_model``).
+      d_ff: MLP hidden width; empty for 4 x d_model.
+      max_seq_len: longest sequence (size of the learned position table).
+      tie_embeddings: reuse the token embedding as the output projection.
+    """
 
     vocab_size: int = 256
     d_model: int = 128

@@ -1,0 +1,108 @@
+"""The ``Loop`` protocol a user implements, and the built-in language-model loop.
+
+A loop says what to train; :func:`zjax.train` says how (ZeRO, mesh, optimizer, logging). It
+builds the model from its ``model`` config section (an NNX module through
+:func:`zjax.from_nnx`, or a params pytree and pure loss through :func:`zjax.from_pytree`), and
+gives the data: an iterator of this process's slice of each global batch. A config file names
+its loop: ``loop: lm`` for the built-in one, or ``package.module:Name`` for a user's.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
+from zjax.errors import ConfigError, did_you_mean
+from zjax.models.gpt import GPT, GPTConfig, lm_loss
+from zjax.trainable import Trainable, from_nnx
+
+__all__ = ["BUILTIN_LOOPS", "LanguageModel", "Loop", "resolve_loop"]
+
+
+@runtime_checkable
+class Loop(Protocol):
+    """What a user implements to train their own model with ``zjax.train``.
+
+    Attributes:
+      model_config: the dataclass that validates the config's ``model`` section.
+    """
+
+    model_config: type
+
+    def trainable(self, model: Any) -> Trainable:
+        """The model and its per-replica loss (``(loss_sum, count)`` or with a metrics dict)."""
+        ...
+
+    def data(self, data: DataConfig, *, split: str, seed: int, process_index: int,
+             process_count: int) -> Iterator[np.ndarray]:
+        """This process's slice of each global batch; ``get_state``/``set_state`` if it can."""
+        ...
+
+
+class LanguageModel:
+    """The built-in loop (``loop: lm``): the reference GPT on byte-level or token data."""
+
+    model_config = GPTConfig
+
+    def __init__(self) -> None:
+        self._tokens: dict[tuple, Tokens] = {}
+
+    def tokens(self, data: DataConfig) -> Tokens:
+        key = (data.path, data.eval_fraction)
+        if key not in self._tokens:
+            self._tokens[key] = load_tokens(data.path, eval_fraction=data.eval_fraction)
+        return self._tokens[key]
+
+    def trainable(self, model: GPTConfig) -> Trainable:
+        return from_nnx(lambda rngs: GPT(model, rngs=rngs), lm_loss)
+
+    def check(self, model: GPTConfig, data: DataConfig) -> None:
+        """Cross-section checks: the vocabulary must cover the data's tokens."""
+        vocab = self.tokens(data).vocab_size or BYTE_VOCAB
+        if model.vocab_size < vocab:
+            raise ConfigError(
+                f"model.vocab_size: {model.vocab_size} is smaller than the data's {vocab} token "
+                f"ids ({self.tokens(data).source})"
+            )
+
+    def data(self, data: DataConfig, *, split: str, seed: int, process_index: int = 0,
+             process_count: int = 1) -> Iterator[np.ndarray]:
+        return window_batches(self.tokens(data).split(split), global_batch=data.batch_size,
+                              seq_len=data.seq_len, seed=seed, process_index=process_index,
+                              process_count=process_count, split=split)
+
+
+BUILTIN_LOOPS = {"lm": LanguageModel}
+
+
+def resolve_loop(name: str) -> Loop:
+    """``lm`` or ``package.module:Name`` -> a Loop instance."""
+    if name in BUILTIN_LOOPS:
+        return BUILTIN_LOOPS[name]()
+    if ":" not in name:
+        raise ConfigError(
+            f"loop: {name!r} is not a built-in loop{did_you_mean(name, BUILTIN_LOOPS)}; use one "
+            f"of {', '.join(BUILTIN_LOOPS)} or 'package.module:ClassName'"
+        )
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"loop: cannot import module {module_name!r} ({e})") from None
+    try:
+        cls = getattr(module, attr)
+    except AttributeError:
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise ConfigError(
+            f"loop: module {module_name!r} has no {attr!r}{did_you_mean(attr, names)}"
+        ) from None
+    loop = cls() if isinstance(cls, type) else cls
+    if not isinstance(loop, Loop):
+        raise ConfigError(
+            f"loop: {name!r} is not a Loop (it needs model_config, trainable() and data())"
+        )
+    return loop
