@@ -209,6 +209,7 @@ def make_step(
                 f"of {n_local} (data.batch_size / mesh.data)"
             )
         reduce_each = plan.zero.stage >= 2  # sharded grads are reduced per micro-batch
+
         def loss_and_aux(p, b):
             loss_sum, count, extra = _loss_parts(trainable.loss(p, b, plan))
             return loss_sum, (loss_sum, count, extra)

@@ -135,6 +135,7 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     if hasattr(loop, "check"):
         loop.check(config.model, config.data)
     lead = jax.process_index() == 0
+    info = log.info if lead else (lambda *args: None)  # warnings and errors: every process
     run_path = _prepare_run_dir(run_dir, config) if lead else None
 
     mesh = make_mesh(config.mesh)
@@ -143,7 +144,7 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     schedule = make_schedule(config.optimizer, total_steps=steps)
     zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
                       micro_batches=config.train.grad_accum)
-    log.info("%s", zstep.plan.summary(opt_state=zstep.abstract_state.opt_state, tx=tx))
+    info("%s", zstep.plan.summary(opt_state=zstep.abstract_state.opt_state, tx=tx))
 
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_data = loop.data(config.data, split="train", seed=config.train.seed, **shard)
@@ -161,7 +162,7 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
     memory = _memory(compiled)
     memory["state_bytes"] = bytes_per_device(zstep.abstract_state, zstep.state_shardings)
-    log.info("compiled step, per device: state %.2f MiB, temp %.2f MiB, peak %.2f MiB",
+    info("compiled step, per device: state %.2f MiB, temp %.2f MiB, peak %.2f MiB",
              memory["state_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
              memory["memory_peak_bytes"] / 2**20)
 
@@ -194,7 +195,7 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
             history.append(row)
             if lead:
                 writer.write(row)
-                log.info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
+                info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
                          row["loss"], f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row
                          else "", row["tokens_per_s"], row["step_time_s"])
             progress.update(step, row)
