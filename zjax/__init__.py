@@ -1,5 +1,6 @@
 """zjax: DeepSpeed ZeRO-3 semantics for JAX/Flax."""
 
+from zjax._preempt import Preempted
 from zjax.config import Config, load_config
 from zjax.errors import CheckpointError, ConfigError, NotGatheredError, ZjaxError
 from zjax.loop import LanguageModel, Loop
@@ -17,6 +18,7 @@ __all__ = [
     "Loop",
     "MeshConfig",
     "NotGatheredError",
+    "Preempted",
     "ShardPlan",
     "TrainResult",
     "TrainState",

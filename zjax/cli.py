@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from zjax._preempt import Preempted
 from zjax.errors import ZjaxError
 
 __all__ = ["main"]
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plot":
             return _plot(args)
         return _config_show(args)
+    except Preempted as e:
+        print(f"zjax: {e}", file=sys.stderr)
+        return 128 + e.signum
     except ZjaxError as e:
         print(f"zjax: error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from zjax._schema import choices, from_dict, to_dict
+from zjax.checkpoint import CheckpointConfig
 from zjax.data import DataConfig
 from zjax.errors import ConfigError
 from zjax.loop import resolve_loop
@@ -24,6 +25,7 @@ from zjax.models.gpt import GPTConfig
 from zjax.partition.config import ZeroConfig
 
 __all__ = [
+    "CheckpointConfig",
     "Config",
     "DataConfig",
     "LoggingConfig",
@@ -123,6 +125,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self):

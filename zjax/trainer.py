@@ -8,6 +8,7 @@ directory. Only process 0 prints and writes; every process logs warnings and err
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -18,7 +19,9 @@ import jax
 import numpy as np
 import yaml
 
-from zjax._metrics import MetricsWriter
+from zjax._metrics import MetricsWriter, read_metrics
+from zjax._preempt import Preempted, PreemptionGuard
+from zjax.checkpoint import Checkpointer
 from zjax.config import Config, load_config
 from zjax.errors import ConfigError
 from zjax.loop import Loop, resolve_loop
@@ -51,10 +54,13 @@ def _prepare_run_dir(run_dir: str | os.PathLike | None, config: Config) -> Path 
     if run_dir is None:
         return None
     run_dir = Path(run_dir)
-    if (run_dir / "metrics.jsonl").exists():
+    has_checkpoints = (run_dir / "checkpoints").is_dir() and any(
+        p.name.isdigit() for p in (run_dir / "checkpoints").iterdir()
+    )
+    if (run_dir / "metrics.jsonl").exists() and not has_checkpoints:
         raise ConfigError(
-            f"--run-dir: {str(run_dir)!r} already holds a run (metrics.jsonl); zjax does not "
-            "overwrite it. Choose a new directory."
+            f"--run-dir: {str(run_dir)!r} already holds a run (metrics.jsonl) but no checkpoint "
+            "to resume from; zjax does not overwrite it. Choose a new directory."
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,9 +120,27 @@ class _Progress:
             self.bar.stop()
 
 
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from (they will be logged again)."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        rows = [r for r in read_metrics(run_dir) if r["step"] <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)
+
+
+def _iterator_state(it) -> Any:
+    return it.get_state() if it is not None and hasattr(it, "get_state") else None
+
+
 def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
           run_dir: str | os.PathLike | None = None) -> TrainResult:
-    """Train ``loop`` as ``config`` says.
+    """Train ``loop`` as ``config`` says; resume from ``run_dir``'s latest checkpoint.
+
+    With a ``run_dir``, checkpoints are written every ``checkpoint.every`` steps, at the last
+    step, and on SIGTERM / SIGINT (then :class:`~zjax._preempt.Preempted` is raised after the
+    checkpoint is complete). Starting again with the same ``run_dir`` resumes bit for bit.
 
     Args:
       loop: a :class:`~zjax.loop.Loop`, a loop name (``"lm"``, ``"pkg.mod:Name"``), or None
@@ -166,20 +190,49 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
              memory["state_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
              memory["memory_peak_bytes"] / 2**20)
 
-    state = zstep.init(jax.random.key(config.train.seed))
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", config.checkpoint) if run_dir else None
+    restored = ckpt.restore_latest(zstep) if ckpt is not None else None
+    start = 0
+    if restored is None:
+        state = zstep.init(jax.random.key(config.train.seed))
+    else:
+        start, state, data_state, _ = restored
+        info("resuming from the checkpoint at step %d", start)
+        if data_state.get("train") is not None:
+            train_data.set_state(data_state["train"])
+            first = put(next(train_data))
+        if eval_data is not None and data_state.get("eval") is not None:
+            eval_data.set_state(data_state["eval"])
+        if run_path is not None:
+            _truncate_metrics(run_path, start)
+
+    def save(step: int) -> None:
+        data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
+        ckpt.save(step, state, zstep, data_state=data_state,
+                  meta={"step": step, "config": config.to_dict()})
+
     writer = MetricsWriter(run_path, tensorboard=config.logging.tensorboard)
     progress = _Progress(steps, config.logging.progress and lead)
+    progress.update(start, None)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     history: list[dict] = []
     t0, done = time.perf_counter(), 0
     batch = first
+    guard = PreemptionGuard()
     try:
-        for i in range(steps):
-            if i:
+        guard.__enter__()
+        for i in range(start, steps):
+            if i > start:
                 batch = put(next(train_data))
             state, metrics = compiled(state, batch)
             done += 1
             step = i + 1
+            if ckpt is not None and (ckpt.should_save(step, steps) or guard.signum):
+                save(step)
+            if guard.signum:
+                if ckpt is not None:
+                    ckpt.wait()
+                raise Preempted(step, guard.signum, str(ckpt.directory) if ckpt else None)
             if step % config.train.log_every and step != steps:
                 progress.update(step, None)
                 continue
@@ -201,6 +254,9 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
             progress.update(step, row)
             t0, done = time.perf_counter(), 0
     finally:
+        guard.__exit__()
         progress.close()
         writer.close()
+        if ckpt is not None:
+            ckpt.close()
     return TrainResult(state, history, zstep)
