@@ -1,0 +1,158 @@
+"""Checkpoints: exact resume after SIGKILL / SIGTERM, restore on other meshes and stages,
+damaged-checkpoint fallback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import zjax
+from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
+from zjax.config import load_config
+from zjax.loop import resolve_loop
+from zjax.optim import make_optimizer
+from zjax.step import make_step
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["model.n_layers=2", "data.seq_len=32", "train.log_every=5", "train.eval_every=0",
+        "logging.tensorboard=false"]
+
+
+def _cli(*args, wait=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    cmd = [sys.executable, "-m", "zjax", "train", "configs/tiny.yaml", *FAST, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    if wait:
+        out, err = proc.communicate(timeout=600)
+        return proc.returncode, out, err
+    return proc
+
+
+def _wait_for_checkpoint(run_dir: Path, step: int, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "checkpoints" / str(step)).is_dir():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+
+
+def _final(run_dir: Path, overrides=()):
+    """The canonical (master params, optax state, step) of a run's latest checkpoint."""
+    cfg = load_config(ROOT / "configs/tiny.yaml", [*FAST, *overrides])
+    loop = resolve_loop("lm")
+    zstep = make_step(loop.trainable(cfg.model), make_optimizer(cfg.optimizer, total_steps=30),
+                      zero=cfg.zero, mesh=zjax.make_mesh(cfg.mesh))
+    ckpt = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
+    step, state, _, _ = ckpt.restore_latest(zstep)
+    ckpt.close()
+    return step, jax.tree.map(np.asarray, to_canonical(state, zstep))
+
+
+def _assert_bitwise(a, b):
+    flat_a, flat_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(flat_a) == len(flat_b)
+    for x, y in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("straight")
+    rc, _, err = _cli("train.steps=30", "checkpoint.every=5", "--run-dir", str(run))
+    assert rc == 0, err[-2000:]
+    return (run, *_final(run))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
+    run = tmp_path / "run"
+    proc = _cli("train.steps=30", "checkpoint.every=5", "--run-dir", str(run), wait=False)
+    _wait_for_checkpoint(run, 10, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=300)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert "stopped by SIGTERM after step" in err and "resume" in err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] < 30
+    rc, out, err = _cli("train.steps=30", "checkpoint.every=5", "--run-dir", str(run))
+    assert rc == 0, err[-2000:]
+    assert f"resuming from the checkpoint at step {steps[-1]}" in out
+    step, final = _final(run)
+    assert step == 30
+    _assert_bitwise(final, straight[2])
+    rows = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6  # steps 5..30, none twice
+
+
+RESTORE = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from zjax.mesh import simulate_cpu_devices
+    simulate_cpu_devices({n})
+    import jax, numpy as np, zjax
+    from pathlib import Path
+    from tests.test_checkpoint import _final
+    assert len(jax.devices()) == {n}
+    step, final = _final(Path({run!r}), {overrides!r})
+    expected = np.load({npz!r})
+    leaves = jax.tree.leaves(final)
+    assert len(leaves) == len(expected.files)
+    for i, leaf in enumerate(leaves):
+        np.testing.assert_array_equal(leaf, expected[f"a{{i}}"])
+    # training continues from the restored state on this mesh
+    cfg = zjax.load_config({root!r} + "/configs/tiny.yaml", {fast!r} + {overrides!r}
+                           + ["train.steps=" + str(step + 2), "train.log_every=1"])
+    result = zjax.train("lm", cfg, run_dir={run!r})
+    assert [r["step"] for r in result.history] == [step + 1, step + 2]
+    print("restored", step, "on", len(jax.devices()), "devices")
+""")
+
+
+@pytest.mark.parametrize(("devices", "overrides"), [
+    (4, ["mesh.data=4"]), (1, ["mesh.data=1"]), (8, ["zero.stage=1"]),
+])
+def test_restore_on_other_device_counts_and_stages(straight, tmp_path, devices, overrides):
+    import shutil
+
+    straight_dir, step, final = straight
+    src = tmp_path / "run"
+    shutil.copytree(straight_dir, src)  # continuing training must not touch the fixture's run
+    npz = tmp_path / "expected.npz"
+    np.savez(npz, **{f"a{i}": x for i, x in enumerate(jax.tree.leaves(final))})
+    script = RESTORE.format(root=str(ROOT), n=devices, run=str(src), overrides=overrides,
+                            npz=str(npz), fast=FAST)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"restored {step} on {devices} devices" in r.stdout
+
+
+def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path):
+    run = tmp_path / "run"
+    rc, _, err = _cli("train.steps=10", "checkpoint.every=5", "--run-dir", str(run))
+    assert rc == 0, err[-2000:]
+    latest = run / "checkpoints" / "10"
+    victims = [p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 64]
+    for p in victims:  # truncate the array data of the latest checkpoint
+        p.write_bytes(p.read_bytes()[:16])
+    rc, out, err = _cli("train.steps=12", "checkpoint.every=5", "--run-dir", str(run))
+    assert rc == 0, err[-3000:]
+    log = out + err
+    assert "checkpoint at step 10" in log and "damaged" in log
+    assert "resuming from the checkpoint at step 5" in out
+    assert (run / "damaged-checkpoint-10").is_dir()  # moved aside, not deleted
+    assert (run / "checkpoints" / "12").is_dir()
