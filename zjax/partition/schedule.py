@@ -102,23 +102,25 @@ def scheduled_scan(
 
     def forward(leaves, x, *, save: bool):
         buf = tuple(gather_layer(leaves, j) for j in range(k))
-        xs = jnp.zeros((n_layers, *x.shape), x.dtype) if save else None
 
         def body(carry, i):
-            h, buf, xs = carry
+            h, buf = carry
             if k:
                 ws, buf = buf[0], (*buf[1:], gather_layer(leaves, i + k))
             else:
                 ws = gather_layer(leaves, i)
-            if save:
-                xs = lax.dynamic_update_index_in_dim(xs, h, i, 0)
-            return (apply(ws, h), buf, xs), None
+            return (apply(ws, h), buf), h if save else None
 
-        (h, buf, xs), _ = lax.scan(body, (x, buf, xs), jnp.arange(n_layers - k))
+        # the layer inputs leave the loop as its stacked outputs: a buffer threaded through the
+        # carry instead is stacked once per iteration when an outer jax.checkpoint
+        # partial-evaluates this loop (memory quadratic in L)
+        (h, buf), xs = lax.scan(body, (x, buf), jnp.arange(n_layers - k))
+        tail = []
         for j in range(k):  # the last k layers: their weights are already here
-            if save:
-                xs = lax.dynamic_update_index_in_dim(xs, h, n_layers - k + j, 0)
+            tail.append(h)
             h = apply(buf[j], h)
+        if save and tail:
+            xs = jnp.concatenate([xs, jnp.stack(tail)], axis=0)
         return h, xs
 
     @jax.custom_vjp
