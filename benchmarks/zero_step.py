@@ -2,7 +2,8 @@
 
 Prints one JSON object on stdout (progress goes to stderr). Rows:
 
-- ``zjax_stage{0,1,2,3}``: :func:`zjax.make_step` (bf16 gathers, fp32 reduce, prefetch 1).
+- ``zjax_stage{0,1,2,3}``: :func:`zjax.make_step` (bf16 gathers, fp32 reduce, ``--prefetch``
+  layers, default 1).
 - ``ddp``: replicated params and optimizer state, batch split over ``data``, fp32, the GPT's
   own ``Stack`` scan with per-layer ``jax.checkpoint``.
 - ``gspmd_fsdp``: params and optimizer state sharded over ``data`` with zjax's placements,
@@ -95,10 +96,11 @@ def _with_shardings(abstract: Any, shardings: Any) -> Any:
                         abstract, shardings)
 
 
-def build_zjax(stage: int, trainable: Trainable, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> Built:
+def build_zjax(stage: int, trainable: Trainable, mesh: Mesh, batch: jax.ShapeDtypeStruct,
+               prefetch: int = 1) -> Built:
     """zjax's step at ``stage``, compiled with its own ``COMPILER_OPTIONS``."""
     zero = ZeroConfig(stage=stage, gather_dtype="bfloat16", reduce_dtype="float32",
-                      prefetch_layers=1)
+                      prefetch_layers=prefetch)
     zs = make_step(trainable, make_tx(), zero=zero, mesh=mesh)
     t0 = time.perf_counter()
     compiled = zs.lower(batch).compile()
@@ -230,7 +232,7 @@ def sweep(args: argparse.Namespace, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> 
     for n_layers in args.layers:
         trainable, graphdef = gpt_trainable(args, n_layers)
         log(f"sweep L={n_layers}")
-        s3 = build_zjax(3, trainable, mesh, batch).compiled.memory_analysis()
+        s3 = build_zjax(3, trainable, mesh, batch, args.prefetch).compiled.memory_analysis()
         base = build_baseline(BASELINE, trainable, graphdef, mesh, batch)
         out.append({"n_layers": n_layers, "zjax_stage3_temp_bytes": int(s3.temp_size_in_bytes),
                     f"{BASELINE}_temp_bytes":
@@ -249,7 +251,8 @@ def run_job(args: argparse.Namespace) -> Any:
     trainable, graphdef = gpt_trainable(args, args.n_layers)
     log(f"{args.job}: compiling")
     if args.job.startswith("zjax_stage"):
-        built = build_zjax(int(args.job.removeprefix("zjax_stage")), trainable, mesh, batch)
+        built = build_zjax(int(args.job.removeprefix("zjax_stage")), trainable, mesh, batch,
+                           args.prefetch)
     else:
         built = build_baseline(args.job, trainable, graphdef, mesh, batch)
     log(f"{args.job}: compiled in {built.compile_s:.1f}s" + ("" if args.no_time else "; timing"))
@@ -299,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed steps (after 2 warmups)")
     p.add_argument("--no-time", action="store_true", help="compile and analyse only")
     p.add_argument("--retries", type=int, default=1, help="reruns of a job whose process dies")
+    p.add_argument("--prefetch", type=int, default=1, help="zjax prefetch_layers")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # internal: one job
     args = p.parse_args(argv)
     args.stages = [int(s) for s in args.stages.split(",") if s]

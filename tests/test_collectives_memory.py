@@ -60,14 +60,15 @@ def test_stage3_temp_memory_flat_in_depth(prefetch):
 
 
 def test_prefetch_costs_a_bounded_number_of_layers():
-    """Each prefetched layer is one more gathered layer in the forward and one in the backward
-    loop; XLA:CPU gives those loops' buffers separate heap slots, so depth 2 measures ~4.8
-    layers over depth 0 (the last ~0.8: the saved inputs of the unrolled tail layers)."""
+    """Each prefetched layer is one more gathered layer in the forward and in the backward loop,
+    and the backward runs k tail and k head layers unrolled. XLA:CPU gives those buffers
+    separate heap slots: depth 2 measures ~6.7 layers over depth 0 at L=8 (depth 1: ~1.3).
+    The bound is 2k + 3 layers; depth never changes the per-layer growth (test above)."""
     base = compiled_step(8, 0)[1].memory_analysis().temp_size_in_bytes
     zstep, c2 = compiled_step(8, 2)
     layer_bytes = sum(leaf.size // leaf.shape[0] for leaf in zstep.plan.leaves if leaf.stacked) * 2
     extra = c2.memory_analysis().temp_size_in_bytes - base
-    assert 0 < extra <= 5 * layer_bytes, (extra, layer_bytes)
+    assert 0 < extra <= 7 * layer_bytes, (extra, layer_bytes)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -58,7 +58,7 @@ def test_prefetch_depth_resolution():
     assert z.prefetch_depth(layer_elements=1000, n_layers=16) == 3
     z = zjax.ZeroConfig(prefetch_layers=4, max_live_parameters=5000)  # (2 + k) layers live
     assert z.prefetch_depth(layer_elements=1000, n_layers=16) == 3
-    assert zjax.ZeroConfig(prefetch_layers=9).prefetch_depth(layer_elements=1, n_layers=4) == 3
+    assert zjax.ZeroConfig(prefetch_layers=9).prefetch_depth(layer_elements=1, n_layers=5) == 2
 
 
 def test_yaml_base_inheritance_and_overrides(tmp_path):

@@ -89,7 +89,8 @@ class ZeroConfig:
 
         Args:
           layer_elements: parameter elements of one gathered layer.
-          n_layers: layers in the stack (the depth never exceeds ``n_layers - 1``).
+          n_layers: layers in the stack (the depth never exceeds ``n_layers // 2``: the
+            backward runs that many tail and head layers outside its loop).
         """
         if self.prefetch_layers is not None:
             depth = self.prefetch_layers
@@ -101,4 +102,4 @@ class ZeroConfig:
         if self.max_live_parameters is not None:
             # backward holds (2 + depth) gathered layers: the one in use, its recompute, prefetch
             depth = min(depth, self.max_live_parameters // max(1, layer_elements) - 2)
-        return int(max(0, min(depth, n_layers - 1)))
+        return int(max(0, min(depth, n_layers // 2)))

@@ -11,8 +11,10 @@ One ``jax.custom_vjp`` over the whole stack (params stacked ``[L, ...]``, held a
 So the gathered working set is ``1 + k`` layers forward and ``2 + k`` backward (the layer's
 gathered weights, its full-size gradient, and the prefetched ones) whatever L is, and the
 collectives are exactly 2 all-gathers and 1 reduce-scatter of every sharded layer leaf.
-The first (last) ``k`` gathers are issued before the loop and the last ``k`` layers run after
-it, so no gather is ever wasted on a layer that does not exist.
+The first ``k`` gathers are issued before the loop and the last ``k`` layers run unrolled
+after it (their inputs kept apart, so the saved inputs are never copied into one buffer); the
+backward mirrors this, so no gather is ever wasted on a layer that does not exist. The depth is
+at most ``L // 2``.
 
 Leaves with ``dim`` None (persistent, replicated) are sliced and cast, never communicated; their
 gradients are returned un-reduced (each replica's local sum) for the caller to all-reduce.
@@ -82,7 +84,7 @@ def scheduled_scan(
     if not leaves:
         raise ValueError("scheduled_scan needs at least one stacked leaf")
     n_layers = leaves[0].shape[0]
-    k = min(spec.prefetch, n_layers - 1)
+    k = min(spec.prefetch, n_layers // 2)  # the backward runs k tail + k head layers unrolled
     gather_dtype = np.dtype(spec.gather_dtype)
     reduce_dtype = np.dtype(spec.reduce_dtype)
 
@@ -119,26 +121,24 @@ def scheduled_scan(
         for j in range(k):  # the last k layers: their weights are already here
             tail.append(h)
             h = apply(buf[j], h)
-        if save and tail:
-            xs = jnp.concatenate([xs, jnp.stack(tail)], axis=0)
-        return h, xs
+        return h, (xs, tuple(tail))
 
     @jax.custom_vjp
     def run(leaves, x):
         return forward(leaves, x, save=False)[0]
 
     def run_fwd(leaves, x):
-        y, xs = forward(leaves, x, save=True)
-        return y, (leaves, xs)
+        y, saved = forward(leaves, x, save=True)
+        return y, (leaves, saved)
 
     def run_bwd(res, dy):
-        leaves, xs = res
+        leaves, (xs, tail) = res
         # tie the backward gathers to the cotangent: XLA can neither hoist them into the
         # forward pass nor merge them (CSE) with the forward's gathers of the same layers
         leaves, dy = lax.optimization_barrier((leaves, dy))
 
-        def layer_vjp(ws, i, dy, grads):
-            _, vjp = jax.vjp(apply, ws, _slice(xs, i))
+        def layer_vjp(ws, i, x_i, dy, grads):
+            _, vjp = jax.vjp(apply, ws, x_i)
             dws, dx = vjp(dy)
             new = []
             for g, dw, dim, leaf in zip(grads, dws, spec.dims, leaves, strict=True):
@@ -150,22 +150,30 @@ def scheduled_scan(
                 new.append(lax.dynamic_update_index_in_dim(g, dw.astype(leaf.dtype), i, 0))
             return dx, tuple(new)
 
+        def advance(buf, i):
+            """The weights of layer i, and the buffer with layer i - k's gather issued."""
+            if not k:
+                return gather_layer(leaves, i), buf
+            return buf[0], (*buf[1:], gather_layer(leaves, i - k))
+
         grads = tuple(jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves)
         buf = tuple(gather_layer(leaves, n_layers - 1 - j) for j in range(k))
+        for j in range(k):  # the last k layers, whose inputs the forward kept apart
+            i = n_layers - 1 - j
+            ws, buf = advance(buf, i)
+            dy, grads = layer_vjp(ws, i, tail[k - 1 - j], dy, grads)
 
         def body(carry, t):
             dy, buf, grads = carry
-            i = n_layers - 1 - t
-            if k:
-                ws, buf = buf[0], (*buf[1:], gather_layer(leaves, i - k))
-            else:
-                ws = gather_layer(leaves, i)
-            dy, grads = layer_vjp(ws, i, dy, grads)
+            i = n_layers - 1 - k - t
+            ws, buf = advance(buf, i)
+            dy, grads = layer_vjp(ws, i, _slice(xs, i), dy, grads)
             return (dy, buf, grads), None
 
-        (dy, buf, grads), _ = lax.scan(body, (dy, buf, grads), jnp.arange(n_layers - k))
+        (dy, buf, grads), _ = lax.scan(body, (dy, buf, grads), jnp.arange(n_layers - 2 * k))
         for j in range(k):  # layers k-1 .. 0, already gathered
-            dy, grads = layer_vjp(buf[j], k - 1 - j, dy, grads)
+            i = k - 1 - j
+            dy, grads = layer_vjp(buf[j], i, _slice(xs, i), dy, grads)
         return grads, dy
 
     run.defvjp(run_fwd, run_bwd)
