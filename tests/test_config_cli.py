@@ -141,7 +141,7 @@ def test_readme_config_reference_is_in_sync():
     from zjax._docs import config_reference
 
     assert config_reference() in (ROOT / "README.md").read_text(), (
-        "README's config reference is stale: paste `python -m zjax.docs` into it"
+        "README's config reference is stale: run `python -m zjax.docs --write README.md`"
     )
 
 

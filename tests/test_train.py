@@ -50,8 +50,14 @@ def test_run_directory_holds_config_metrics_tensorboard(tiny_run):
     # tokens/s is measured: tokens per logged interval over its measured wall time
     assert row["tokens_per_s"] == pytest.approx(16 * 128 / row["step_time_s"], rel=1e-6)
     assert any((run_dir / "tensorboard").iterdir())
-    with pytest.raises(zjax.ConfigError, match="already holds a run"):
-        zjax.train("lm", load_config(None, ["train.steps=1"]), run_dir=run_dir)
+    # the run directory is never clobbered: another model is refused, a finished run says so
+    with pytest.raises(zjax.CheckpointError, match="written for another model"):
+        zjax.train("lm", load_config(None, ["train.steps=100"]), run_dir=run_dir)
+    with pytest.raises(zjax.ConfigError, match="already at step 60"):
+        zjax.train("lm", load_config(ROOT / "configs/tiny.yaml", ["train.steps=60"]),
+                   run_dir=run_dir)
+    assert (run_dir / "checkpoints" / "60").is_dir()
+    assert not any(p.name.startswith("damaged") for p in run_dir.iterdir())
 
 
 def test_plot_writes_valid_pngs(tiny_run, tmp_path):

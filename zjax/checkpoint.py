@@ -86,6 +86,9 @@ class Checkpointer:
             ) from None
         self.manager = ocp.CheckpointManager(
             self.directory,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=config.keep, create=True,
                 enable_async_checkpointing=config.asynchronous,

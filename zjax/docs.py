@@ -1,6 +1,15 @@
-"""``python -m zjax.docs``: print the generated config reference (pasted into the README)."""
+"""``python -m zjax.docs [--write README.md]``: print (or rewrite in place) the config reference."""
 
-from zjax._docs import config_reference
+import sys
+from pathlib import Path
+
+from zjax._docs import BEGIN, END, config_reference
 
 if __name__ == "__main__":
-    print(config_reference())
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        path = Path(sys.argv[2])
+        text = path.read_text()
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        path.write_text(text[:start] + config_reference() + text[end:])
+    else:
+        print(config_reference())

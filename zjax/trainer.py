@@ -198,6 +198,11 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     else:
         start, state, data_state, _ = restored
         info("resuming from the checkpoint at step %d", start)
+        if start >= steps:
+            raise ConfigError(
+                f"train.steps: the run in {str(run_dir)!r} is already at step {start}; set "
+                f"train.steps above {start} to train further"
+            )
         if data_state.get("train") is not None:
             train_data.set_state(data_state["train"])
             first = put(next(train_data))
