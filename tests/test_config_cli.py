@@ -100,6 +100,9 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     assert r.returncode == 2 and "missing.yaml" in r.stderr and "Traceback" not in r.stderr
     r = _cli("train", "data.path=" + str(tmp_path / "nothing-here"))
     assert r.returncode == 2 and "data.path" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("train", "configs/tiny.yaml", "data.batch_size=12")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "data.batch_size: the global batch of 12 is not divisible" in r.stderr
 
 
 def test_cli_trains_the_default_gpt_and_loss_falls():
