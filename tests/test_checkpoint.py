@@ -68,7 +68,7 @@ def _assert_bitwise(a, b):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run = tmp_path_factory.mktemp("straight")
-    rc, _, err = _cli("train.steps=30", "checkpoint.every=5", "--run-dir", str(run))
+    rc, _, err = _cli("train.steps=80", "checkpoint.every=5", "--run-dir", str(run))
     assert rc == 0, err[-2000:]
     return (run, *_final(run))
 
@@ -76,7 +76,7 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
     run = tmp_path / "run"
-    proc = _cli("train.steps=30", "checkpoint.every=5", "--run-dir", str(run), wait=False)
+    proc = _cli("train.steps=80", "checkpoint.every=5", "--run-dir", str(run), wait=False)
     _wait_for_checkpoint(run, 10, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
@@ -86,15 +86,15 @@ def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
     else:
         assert proc.returncode == -signal.SIGKILL
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps and steps[-1] < 30
-    rc, out, err = _cli("train.steps=30", "checkpoint.every=5", "--run-dir", str(run))
+    assert steps and steps[-1] < 80
+    rc, out, err = _cli("train.steps=80", "checkpoint.every=5", "--run-dir", str(run))
     assert rc == 0, err[-2000:]
     assert f"resuming from the checkpoint at step {steps[-1]}" in out
     step, final = _final(run)
-    assert step == 30
+    assert step == 80
     _assert_bitwise(final, straight[2])
     rows = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 6  # steps 5..30, none twice
+    assert len(rows) == 16  # steps 5..80, none twice
 
 
 RESTORE = textwrap.dedent("""
