@@ -1,4 +1,4 @@
-"""The ``zjax`` command line: ``zjax train``, ``zjax config show``, ``zjax plot``.
+"""The ``zjax`` command line: ``zjax train``, ``zjax config show``, ``zjax export``, ``zjax plot``.
 
 This module reads the process environment: it may simulate CPU devices before jax starts.
 Bad input ends with a one-line error and exit code 2, never a traceback.
@@ -26,6 +26,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate N CPU devices (default 8 when only a CPU is present)")
     t.add_argument("--run-dir", default=None,
                    help="write config.yaml, metrics.jsonl and TensorBoard events here")
+    ex = sub.add_parser("export", help="write a run's params, unsharded, for programs without zjax")
+    ex.add_argument("run_dir")
+    ex.add_argument("out", help="new directory (orbax) or file (safetensors)")
+    ex.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    ex.add_argument("--format", default="orbax", help="orbax or safetensors")
     pl = sub.add_parser("plot", help="write loss and throughput PNGs of a run")
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR)")
@@ -93,6 +98,13 @@ def _config_show(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from zjax.export import export
+
+    print(export(args.run_dir, args.out, dtype=args.dtype, format=args.format))
+    return 0
+
+
 def _plot(args) -> int:
     from zjax.plot import plot_run
 
@@ -122,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "export":
+            return _export(args)
         return _config_show(args)
     except Preempted as e:
         print(f"zjax: {e}", file=sys.stderr)
