@@ -92,9 +92,10 @@ def test_orbax_export_restores_without_zjax(run, tmp_path, dtype):
     assert np.isfinite(ref).all()
 
 
-def test_safetensors_export_streams_every_leaf(run, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_safetensors_export_streams_every_leaf(run, tmp_path, dtype):
     run_dir, _, master = run
-    out = export(run_dir, tmp_path / "model.safetensors", dtype="float32", format="safetensors")
+    out = export(run_dir, tmp_path / "model.safetensors", dtype=dtype, format="safetensors")
     raw = out.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
@@ -105,8 +106,10 @@ def test_safetensors_export_streams_every_leaf(run, tmp_path):
         name = jax.tree_util.keystr(path, simple=True, separator=".")
         meta = header[name]
         start, end = meta["data_offsets"]
-        got = np.frombuffer(data[start:end], np.float32).reshape(meta["shape"])
-        np.testing.assert_array_equal(got, want)
+        np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+        assert meta["dtype"] == {"float32": "F32", "bfloat16": "BF16"}[dtype]
+        got = np.frombuffer(data[start:end], np_dtype).reshape(meta["shape"])
+        np.testing.assert_array_equal(got, want.astype(np_dtype))
 
 
 def test_export_refuses_bad_input(run, tmp_path):
