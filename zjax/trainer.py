@@ -187,8 +187,8 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     memory = _memory(compiled)
     memory["state_bytes"] = bytes_per_device(zstep.abstract_state, zstep.state_shardings)
     info("compiled step, per device: state %.2f MiB, temp %.2f MiB, peak %.2f MiB",
-             memory["state_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
-             memory["memory_peak_bytes"] / 2**20)
+         memory["state_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
+         memory["memory_peak_bytes"] / 2**20)
 
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", config.checkpoint) if run_dir else None
     restored = ckpt.restore_latest(zstep) if ckpt is not None else None
@@ -199,6 +199,7 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
         start, state, data_state, _ = restored
         info("resuming from the checkpoint at step %d", start)
         if start >= steps:
+            ckpt.close()
             raise ConfigError(
                 f"train.steps: the run in {str(run_dir)!r} is already at step {start}; set "
                 f"train.steps above {start} to train further"
