@@ -39,12 +39,9 @@ def _type_name(tp) -> str:
 
 def config_reference() -> str:
     """A markdown table per config section: key, type, default, meaning."""
-    from zjax.config import Config
-    from zjax.models.gpt import GPTConfig
+    from zjax.config import section_types
 
-    sections = {f.name: f.default_factory().__class__ for f in dataclasses.fields(Config)
-                if f.default_factory is not dataclasses.MISSING}
-    sections["model"] = GPTConfig
+    sections = section_types()
     lines = [BEGIN, "", "`loop` (top level): `lm` (the built-in GPT loop) or "
              "`package.module:Name` (your `zjax.Loop`).", ""]
     for name, cls in sections.items():

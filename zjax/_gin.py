@@ -24,17 +24,10 @@ def _experiment(loop: str = "lm") -> dict:
     return {"loop": loop}
 
 
-def _sections(model_cls: type) -> dict[str, type]:
-    from zjax.config import Config
-
-    types = {f.name: f.default_factory().__class__ for f in dataclasses.fields(Config)
-             if f.default_factory is not dataclasses.MISSING}
-    types["model"] = model_cls
-    return types
-
-
 def _parse(path: Path, model_cls: type, *, skip_unknown: bool) -> dict[str, Any]:
-    sections = _sections(model_cls)
+    from zjax.config import section_types
+
+    sections = section_types(model_cls)
     gin.clear_config(clear_constants=True)
     gin.enter_interactive_mode()  # allow re-registering the configurables on every load
     try:

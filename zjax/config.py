@@ -152,6 +152,14 @@ class Config:
         return to_dict(self)
 
 
+def section_types(model_cls: type = GPTConfig) -> dict[str, type]:
+    """The dataclass of every config section, ``model`` being ``model_cls`` (the loop's)."""
+    types = {f.name: f.default_factory().__class__ for f in dataclasses.fields(Config)
+             if f.default_factory is not dataclasses.MISSING}
+    types["model"] = model_cls
+    return types
+
+
 def _parse_value(text: str) -> Any:
     """A command-line override value, read as YAML (``1e-3``, ``true``, ``null``, ``[1, 2]``)."""
     try:
