@@ -76,7 +76,11 @@ def main() -> None:
             before_kb, peak_kb = map(int, r.stdout.split()[-2:])
             rows.append({"format": fmt, "dtype": dtype, "baseline_rss_bytes": before_kb * 1024,
                          "peak_rss_bytes": peak_kb * 1024,
-                         "export_rss_bytes": (peak_kb - before_kb) * 1024})
+                         "export_rss_bytes": (peak_kb - before_kb) * 1024,
+                         "x_largest_leaf": round((peak_kb - before_kb) * 1024
+                                                 / sizes["largest_leaf_bytes_fp32"], 2),
+                         "x_model": round((peak_kb - before_kb) * 1024
+                                          / sizes["model_bytes_fp32"], 2)})
         print(json.dumps({"model": vars(args), **sizes, "rows": rows}, indent=1))
 
 

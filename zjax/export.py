@@ -4,21 +4,23 @@ The export reads the run's newest intact checkpoint one leaf at a time (an Orbax
 restore straight to host numpy, never onto a device), casts it to the export dtype, and writes
 either a plain Orbax checkpoint of numpy arrays, which a program without zjax restores with
 ``ocp.StandardCheckpointer().restore(path)`` on any device count, or a ``.safetensors`` file
-streamed leaf by leaf. Measured (``benchmarks/export_memory.py``, 235M params, 940 MB float32,
-largest leaf 268 MB): safetensors peaks at 1.5-1.7x the largest leaf; the Orbax writer takes
-the whole tree at once and peaks at ~3x the export's size.
+streamed leaf by leaf. Both hold one leaf in host memory at a time (the Orbax one through
+Orbax's partial save, one leaf per save), so the peak stays near the largest leaf whatever the
+model's size: see ``benchmarks/export_memory.py`` for the measured figures.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import struct
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import v1 as ocp_v1
 
 from zjax.errors import CheckpointError, ConfigError, did_you_mean
 from zjax.partition.config import resolve_dtype
@@ -27,6 +29,7 @@ __all__ = ["FORMATS", "export"]
 
 log = logging.getLogger("zjax")
 FORMATS = ("orbax", "safetensors")
+_CHUNK_BYTES = 16 << 20  # per stored chunk of an exported leaf
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -50,14 +53,14 @@ def _param_leaves(state_dir: Path) -> list[tuple[tuple[str, ...], tuple[int, ...
     return [(tuple(str(k.key) for k in path), tuple(m.shape)) for path, m in flat]
 
 
-def _read_leaf(state_dir: Path, keys: tuple[str, ...], shape) -> np.ndarray:
+def _read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype) -> np.ndarray:
     item: dict = {}
     args: dict = {}
     node_i, node_a = item, args
     for key in keys[:-1]:
         node_i, node_a = node_i.setdefault(key, {}), node_a.setdefault(key, {})
     node_i[keys[-1]] = np.zeros((), np.float32)  # structure only; restore_args carry the type
-    node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
+    node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)  # cast as it reads
     out = ocp.PyTreeCheckpointer().restore(
         state_dir, args=ocp.args.PyTreeRestore(item={"params": item},
                                                 restore_args={"params": args},
@@ -96,17 +99,38 @@ def export(run_dir: str | Path, out: str | Path, *, dtype: str = "bfloat16",
     if format == "safetensors":
         _write_safetensors(out, state_dir, leaves, target)
         return out
-    tree: dict = {}
-    for keys, shape in leaves:
-        node = tree
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = _read_leaf(state_dir, keys, shape).astype(target, copy=False)
-    # synchronous, and writes bounded to 1 GB at a time: the async checkpointer copies every
-    # array before returning
-    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=1))
-    ckptr.save(out.resolve(), args=ocp.args.StandardSave(tree))
+    _write_orbax(out, state_dir, leaves, target)
     return out
+
+
+def _write_orbax(out: Path, state_dir: Path, leaves, target: np.dtype) -> None:
+    # One Orbax partial save per leaf, so only one leaf is ever in host memory; the finished
+    # checkpoint's pytree directory is then moved to ``out``, which therefore appears whole
+    # or not at all and restores with the plain ``ocp.StandardCheckpointer().restore(out)``.
+    work = out.parent.resolve() / f".{out.name}.zjax-export"
+    shutil.rmtree(work, ignore_errors=True)  # what an interrupted export left behind
+    try:
+        with _orbax_context():
+            for keys, shape in leaves:
+                tree = _read_leaf(state_dir, keys, shape, target)
+                for key in reversed(keys):
+                    tree = {key: tree}
+                ocp_v1.partial.save(work / "ckpt", tree)
+                del tree
+            ocp_v1.partial.finalize(work / "ckpt")
+        (work / "ckpt" / "state").rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _orbax_context() -> ocp_v1.Context:
+    # no defensive copy of each leaf (nothing else holds it), and bounded chunks so that
+    # Tensorstore never encodes a whole large leaf into one buffer
+    opts = ocp_v1.options
+    saving = opts.ArrayOptions.Saving(
+        storage_options=opts.ArrayOptions.Saving.StorageOptions(chunk_byte_size=_CHUNK_BYTES))
+    return ocp_v1.Context(memory_options=opts.MemoryOptions(deepcopy_host_arrays=False),
+                          array_options=opts.ArrayOptions(saving=saving))
 
 
 def _write_safetensors(out: Path, state_dir: Path, leaves, target: np.dtype) -> None:
@@ -123,7 +147,8 @@ def _write_safetensors(out: Path, state_dir: Path, leaves, target: np.dtype) -> 
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for keys, shape in leaves:  # one leaf in host memory at a time, written without a copy
-            leaf = _read_leaf(state_dir, keys, shape).astype(target, copy=False)
+            leaf = _read_leaf(state_dir, keys, shape, target)
             f.write(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8).data)
             del leaf
     tmp.replace(out)
+
