@@ -10,6 +10,11 @@ Prints one JSON object on stdout (progress goes to stderr). Rows:
   activations constrained to batch sharding in every scanned layer, XLA inserts the gathers
   (what MaxText-style FSDP gives); per-layer ``jax.checkpoint``, fp32.
 - ``gspmd_fsdp_noremat``: the same without the per-layer checkpoint.
+- ``zjax_stage3_offload_{mode}`` (with ``--offload``): stage 3 with ZeRO-Offload, ``mode`` one
+  of ``optimizer`` (moments in host memory, update on device), ``optimizer-host`` (update on
+  the host too), ``param`` (float32 master shards in host memory), ``both`` (all of it, update
+  on the host). Each reports device and host state bytes and ``offload_time_ratio`` against
+  ``zjax_stage3``.
 
 Per row: per-device argument / output / temp bytes from ``compiled.memory_analysis()``, train
 state bytes per device, collective bytes read off the HLO, median step time, and ratios to
@@ -48,6 +53,7 @@ from zjax.hlo import collective_bytes
 from zjax.mesh import DATA
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.nn import bind_runners
+from zjax.offload import OffloadConfig, OptimizerOffloadConfig, state_bytes
 from zjax.partition import bytes_per_device
 from zjax.trainable import Trainable
 
@@ -96,16 +102,28 @@ def _with_shardings(abstract: Any, shardings: Any) -> Any:
                         abstract, shardings)
 
 
+_HOST = OffloadConfig(device="host")
+OFFLOAD_MODES = {
+    "optimizer": dict(offload_optimizer=OptimizerOffloadConfig(device="host")),
+    "optimizer-host": dict(offload_optimizer=OptimizerOffloadConfig(device="host",
+                                                                    update_on="host")),
+    "param": dict(offload_param=_HOST),
+    "both": dict(offload_optimizer=OptimizerOffloadConfig(device="host", update_on="host"),
+                 offload_param=_HOST),
+}
+
+
 def build_zjax(stage: int, trainable: Trainable, mesh: Mesh, batch: jax.ShapeDtypeStruct,
-               prefetch: int = 1) -> Built:
+               prefetch: int = 1, offload: str | None = None) -> Built:
     """zjax's step at ``stage``, compiled with its own ``COMPILER_OPTIONS``."""
     zero = ZeroConfig(stage=stage, gather_dtype="bfloat16", reduce_dtype="float32",
-                      prefetch_layers=prefetch)
+                      prefetch_layers=prefetch, **OFFLOAD_MODES.get(offload, {}))
     zs = make_step(trainable, make_tx(), zero=zero, mesh=mesh)
     t0 = time.perf_counter()
     compiled = zs.lower(batch).compile()
-    return Built(f"zjax_stage{stage}", compiled, lambda: zs.init(jax.random.key(0)),
-                 zs.abstract_state, time.perf_counter() - t0)
+    name = f"zjax_stage{stage}" + (f"_offload_{offload}" if offload else "")
+    return Built(name, compiled, lambda: zs.init(jax.random.key(0)), zs.abstract_state,
+                 time.perf_counter() - t0)
 
 
 def _constrained_scan(layer_fn: Callable, params: Any, x: jax.Array, *,
@@ -193,6 +211,7 @@ def measure(built: Built, tokens: jax.Array | None, repeats: int) -> dict:
         "output_bytes": int(mem.output_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
         "state_bytes": bytes_per_device(built.abstract_state, shardings),
+        **{f"state_{k}_bytes": v for k, v in state_bytes(built.abstract_state).items()},
         "total_state_bytes": total_bytes(built.abstract_state),
         "collectives": {"all_gather": coll.all_gather, "reduce_scatter": coll.reduce_scatter,
                         "all_reduce": coll.all_reduce, "wire": coll.wire,
@@ -251,8 +270,8 @@ def run_job(args: argparse.Namespace) -> Any:
     trainable, graphdef = gpt_trainable(args, args.n_layers)
     log(f"{args.job}: compiling")
     if args.job.startswith("zjax_stage"):
-        built = build_zjax(int(args.job.removeprefix("zjax_stage")), trainable, mesh, batch,
-                           args.prefetch)
+        stage, _, offload = args.job.removeprefix("zjax_stage").partition("_offload_")
+        built = build_zjax(int(stage), trainable, mesh, batch, args.prefetch, offload or None)
     else:
         built = build_baseline(args.job, trainable, graphdef, mesh, batch)
     log(f"{args.job}: compiled in {built.compile_s:.1f}s" + ("" if args.no_time else "; timing"))
@@ -303,10 +322,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-time", action="store_true", help="compile and analyse only")
     p.add_argument("--retries", type=int, default=1, help="reruns of a job whose process dies")
     p.add_argument("--prefetch", type=int, default=1, help="zjax prefetch_layers")
+    p.add_argument("--offload", default="", help="stage-3 offload rows, e.g. optimizer,both "
+                   f"(modes: {', '.join(OFFLOAD_MODES)})")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # internal: one job
     args = p.parse_args(argv)
     args.stages = [int(s) for s in args.stages.split(",") if s]
     args.layers = [int(n) for n in args.layers.split(",") if n]
+    args.offload = [m for m in args.offload.split(",") if m]
+    unknown = set(args.offload) - set(OFFLOAD_MODES)
+    if unknown:
+        p.error(f"--offload: unknown mode(s) {sorted(unknown)}; choose from "
+                f"{', '.join(OFFLOAD_MODES)}")
     return args
 
 
@@ -317,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_job(args)))
         return
     jobs = [f"zjax_stage{s}" for s in args.stages] + ["ddp", BASELINE, "gspmd_fsdp_noremat"]
+    jobs += [f"zjax_stage3_offload_{m}" for m in args.offload]
     rows = {job: spawn(job, argv, args.retries) for job in jobs}
     base = rows[BASELINE]
     n_params = None
@@ -327,6 +354,11 @@ def main(argv: list[str] | None = None) -> None:
         row["time_ratio"] = _ratio(row.get("step_time_s"), base.get("step_time_s"))
         row["wire_ratio"] = _ratio(row["collectives"]["wire"], base["collectives"]["wire"])
         row["temp_ratio"] = _ratio(row["temp_bytes"], base["temp_bytes"])
+        s3 = rows.get("zjax_stage3", {})
+        if "_offload_" in row["name"] and "error" not in s3:
+            row["offload_time_ratio"] = _ratio(row.get("step_time_s"), s3.get("step_time_s"))
+            row["device_state_ratio"] = _ratio(row["state_device_bytes"],
+                                               s3["state_device_bytes"])
     result: dict[str, Any] = {
         "config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "vocab",
                                                   "seq_len", "batch", "devices", "repeats")},

@@ -32,6 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
         (["data.seq_len=512"], "data.seq_len: 512 exceeds model.max_seq_len 256"),
         (["zero.prefetch_layers=1", "zero.prefetch_bucket_size=100"], "set only one"),
         (["model.n_heads=3"], "model.n_heads: 3 does not divide model.d_model 128"),
+        (["zero.offload_optimizer.device=nvme"],
+         "zero.offload_optimizer.device: 'nvme': NVMe offload (ZeRO-Infinity) is not supported"),
+        (["zero.offload_param.device=gpu"], "zero.offload_param.device: 'gpu' is not allowed"),
+        (["zero.stage=0", "zero.offload_optimizer.device=host"],
+         "zero.offload_optimizer.device: host needs a sharded state (stage 1, 2 or 3)"),
+        (["zero.offload_optimizer.update_on=host"],
+         "zero.offload_optimizer.update_on: 'host' needs zero.offload_optimizer.device: host"),
+        (["zero.offload_optimizer.devcie=host"],
+         "unknown key 'zero.offload_optimizer.devcie' (did you mean"),
     ],
 )
 def test_bad_config_names_the_key(overrides, needle):
@@ -77,7 +86,7 @@ def test_shipped_configs_load():
         load_config(path)
 
 
-@pytest.mark.parametrize("name", ["tiny-stage0.yaml", "tiny-stage1.yaml",
+@pytest.mark.parametrize("name", ["tiny-stage0.yaml", "tiny-stage1.yaml", "tiny-offload.yaml",
                                   "tiny-stage3-prefetch2.yaml"])
 def test_small_configs_train_a_few_steps(name):
     cfg = load_config(ROOT / "configs" / name, ["train.steps=3", "train.log_every=3",

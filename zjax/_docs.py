@@ -37,6 +37,28 @@ def _type_name(tp) -> str:
     return text.replace("typing.", "").replace("NoneType", "empty")
 
 
+def _rows(prefix: str, cls: type) -> list[str]:
+    """One table row per field; a nested section's fields get rows of their own."""
+    hints = typing.get_type_hints(cls)
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):  # a subclass documents only the fields it adds
+        if dataclasses.is_dataclass(base):
+            docs.update(_attribute_docs(base))
+    rows = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _rows(f"{prefix}.{f.name}", hints[f.name])
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else "-"
+        allowed = f.metadata.get("choices")
+        meaning = docs.get(f.name, "").replace("``", "`")
+        if allowed:
+            meaning = (meaning + f" One of {', '.join(map(str, allowed))}.").strip()
+        rows.append(f"| `{prefix}.{f.name}` | {_type_name(hints[f.name])} | `{default}` "
+                    f"| {meaning} |")
+    return rows
+
+
 def config_reference() -> str:
     """A markdown table per config section: key, type, default, meaning."""
     from zjax.config import section_types
@@ -45,18 +67,7 @@ def config_reference() -> str:
     lines = [BEGIN, "", "`loop` (top level): `lm` (the built-in GPT loop) or "
              "`package.module:Name` (your `zjax.Loop`).", ""]
     for name, cls in sections.items():
-        hints = typing.get_type_hints(cls)
-        docs = _attribute_docs(cls)
         lines += [f"**`{name}`** ({cls.__name__})", "", "| key | type | default | meaning |",
-                  "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else "-"
-            allowed = f.metadata.get("choices")
-            meaning = docs.get(f.name, "").replace("``", "`")
-            if allowed:
-                meaning = (meaning + f" One of {', '.join(map(str, allowed))}.").strip()
-            lines.append(f"| `{name}.{f.name}` | {_type_name(hints[f.name])} | `{default}` "
-                         f"| {meaning} |")
-        lines.append("")
+                  "|---|---|---|---|", *_rows(name, cls), ""]
     lines.append(END)
     return "\n".join(lines)

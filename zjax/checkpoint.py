@@ -22,6 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from zjax.errors import CheckpointError, ConfigError
+from zjax.offload import to_device
 from zjax.step import TrainState, ZeroStep
 
 __all__ = ["CheckpointConfig", "Checkpointer", "from_canonical", "to_canonical"]
@@ -67,7 +68,8 @@ def from_canonical(tree: dict, zstep: ZeroStep) -> TrainState:
     if not zstep.plan.has_master:
         return TrainState(tree["step"], tree["params"], None, tree["opt_state"])
     dtypes = jax.tree.map(lambda a: a.dtype, zstep.abstract_state.params)
-    params = jax.jit(lambda m: jax.tree.map(lambda x, d: x.astype(d), m, dtypes),
+    # the master may live in host memory (zero.offload_param): cast on the device
+    params = jax.jit(lambda m: jax.tree.map(lambda x, d: to_device(x).astype(d), m, dtypes),
                      out_shardings=zstep.state_shardings.params)(tree["params"])
     return TrainState(tree["step"], params, tree["params"], tree["opt_state"])
 

@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
 import optax
 
 from zjax.config import OptimizerConfig
 
-__all__ = ["make_optimizer", "make_schedule"]
+__all__ = ["clip_by_global_norm", "make_optimizer", "make_schedule"]
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm``, computed so that it also runs on the host.
+
+    optax's norm adds each leaf's ``.imag`` (a zero created in device memory), which JAX
+    refuses to mix with host-memory values, so optax's own cannot run under
+    ``zero.offload_optimizer.update_on: host``. Same formula otherwise.
+    """
+
+    def update(updates, state, params=None):
+        del params
+        norm = jnp.sqrt(functools.reduce(
+            operator.add, [jnp.sum(jnp.square(u)) for u in jax.tree.leaves(updates)]))
+        trigger = norm < max_norm
+        return jax.tree.map(
+            lambda t: jnp.where(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates
+        ), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def make_schedule(cfg: OptimizerConfig, *, total_steps: int) -> optax.Schedule:
@@ -30,4 +55,4 @@ def make_optimizer(cfg: OptimizerConfig, *, total_steps: int) -> optax.GradientT
         opt = optax.sgd(lr)
     if cfg.clip_norm is None:
         return opt
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
+    return optax.chain(clip_by_global_norm(cfg.clip_norm), opt)

@@ -16,6 +16,8 @@ optimizer state (sharded from stage 1); the new working copy is cast before it i
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ConfigError
 from zjax.mesh import DATA
+from zjax.offload import check_memory_kind, on_host, on_host_compute, to_device, to_host
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import UINT as _UINT
 from zjax.partition.plan import ShardPlan, make_plan
@@ -147,12 +150,34 @@ def _reduce_grads(grads, plan: ShardPlan, *, reduced_in_backward: bool):
     for g, leaf in zip(jax.tree.leaves(grads), plan.leaves, strict=True):
         if leaf.dim is not None and plan.zero.stage == 3 and reduced_in_backward:
             pass  # the gather primitive / layer schedule reduce-scattered it already
+        elif plan.params_on_host:  # a persistent leaf's local gradient, back from the host
+            g = lax.psum(to_device(g).astype(rd), DATA)
         elif leaf.dim is not None and plan.zero.stage >= 2:
             g = lax.psum_scatter(g.astype(rd), DATA, scatter_dimension=leaf.dim, tiled=True)
         else:
             g = lax.psum(g.astype(rd), DATA)
         out.append(g.astype(jnp.float32))
     return plan.tree(out)
+
+
+def _global_norm(tree) -> jax.Array:
+    # not optax.tree.norm: it adds ``x.imag``, a device-memory zero, which JAX refuses to mix
+    # with host-memory values under ``compute_on("device_host")``
+    return jnp.sqrt(functools.reduce(
+        operator.add, [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
+    zero = plan.zero
+    if zero.offload_param.enabled and zero.stage < 3 and not plan.has_master:
+        raise ConfigError(
+            f"zero.offload_param.device: host at stage {zero.stage} offloads the float32 master, "
+            f"but with zero.gather_dtype {zero.gather_dtype} the stored params are the master "
+            "(replicated, used whole by every step); use stage 3 or a 16-bit gather_dtype")
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, key)
+        if section.enabled:
+            check_memory_kind(mesh, section.memory_kind, key=f"zero.{key}.pin_memory")
 
 
 def make_step(
@@ -180,6 +205,7 @@ def make_step(
         raise ConfigError(f"train.grad_accum: must be >= 1, got {micro_batches}")
     abstract_params = jax.eval_shape(trainable.init, jax.random.key(0))
     plan = make_plan(abstract_params, zero, mesh, stacked=trainable.stacked)
+    _check_offload(plan, mesh)
     stored_dtypes = plan.tree(plan.stored_param_dtype(leaf) for leaf in plan.leaves)
 
     def init_fn(rng):
@@ -194,6 +220,15 @@ def make_step(
         plan.opt_specs(tx, abstract.opt_state),
     )
     shardings = plan.shardings(specs)
+    off_opt, off_param = plan.zero.offload_optimizer, plan.zero.offload_param
+    shardings = shardings._replace(
+        params=on_host(shardings.params, off_param.memory_kind) if plan.params_on_host
+        else shardings.params,
+        master=on_host(shardings.master, off_param.memory_kind)
+        if plan.has_master and plan.master_on_host else shardings.master,
+        opt_state=on_host(shardings.opt_state, off_opt.memory_kind) if plan.opt_on_host
+        else shardings.opt_state,
+    )
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
@@ -222,6 +257,8 @@ def make_step(
                 g = _reduce_grads(g, plan, reduced_in_backward=True)
             else:
                 g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+            if plan.params_on_host and micro_batches > 1:
+                g = to_device(g)  # accumulated on the device: adds of host buffers do not lower
             return g, (loss_sum, count, extra)
 
         if micro_batches == 1:
@@ -248,20 +285,45 @@ def make_step(
         check_vma=False,
     )
 
+    update_on_host = plan.zero.offload_optimizer.update_on_host
+    update_sharded = on_host(state_sharded, off_opt.memory_kind) if update_on_host \
+        else state_sharded
+
+    def update(grads, count, opt_state, target):
+        """The optax update, on the device or (``update_on: host``) on the host."""
+        move = to_host if update_on_host else to_device
+        grads, count, opt_state, target = move((grads, count, opt_state, target))
+        with on_host_compute(update_on_host):
+            grads = jax.tree.map(lambda g: g / count, grads)
+            grads = jax.lax.with_sharding_constraint(grads, update_sharded)  # own shard
+            updates, opt_state = tx.update(grads, opt_state, target)
+            new = optax.apply_updates(target, updates)
+            norm = _global_norm(grads)
+        return new, opt_state, to_device(norm)
+
     def step_fn(state: TrainState, batch):
         _check_batch(batch.shape, plan.n_data)
         grads, (loss_sum, count, extra) = sharded_grads(state.params, batch)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        grads = jax.lax.with_sharding_constraint(grads, state_sharded)  # update on own shard
         target = state.master if plan.has_master else state.params
-        updates, opt_state = tx.update(grads, state.opt_state, target)
-        new = optax.apply_updates(target, updates)
+        try:
+            new, opt_state, grad_norm = update(grads, count, state.opt_state, target)
+        except ValueError as e:
+            if not (update_on_host and "memory_space" in str(e)):
+                raise
+            raise ConfigError(
+                "zero.offload_optimizer.update_on: host: the optimizer's update mixes host and "
+                f"device values ({str(e).splitlines()[0]}); optax transforms that create "
+                "device constants cannot run on the host: use update_on: device") from None
+        # offloaded state goes back to host memory; the rest stays on (or returns to) the device
+        opt_state = to_host(opt_state) if plan.opt_on_host else to_device(opt_state)
+        new = to_host(new) if plan.master_on_host else to_device(new)
         if plan.has_master:
-            master = jax.lax.with_sharding_constraint(new, state_sharded)
-            params = _narrow_all_gather(master, stored_dtypes, state_sharded, param_sharded)
+            master = jax.lax.with_sharding_constraint(new, shardings.master)
+            params = _narrow_all_gather(to_device(master), stored_dtypes, state_sharded,
+                                        param_sharded)
         else:
             master, params = None, _cast_tree(new, stored_dtypes)
-        metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
+        metrics = {"loss": loss_sum / count, "grad_norm": grad_norm,
                    "count": count, **{k: v / count for k, v in extra.items()}}
         return TrainState(state.step + 1, params, master, opt_state), metrics
 

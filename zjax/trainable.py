@@ -51,7 +51,8 @@ class Trainable:
 
 
 def _zero_args(plan: ShardPlan) -> dict:
-    return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.reduce_dtype)
+    return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.reduce_dtype,
+                from_host=plan.params_on_host)
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:

@@ -26,6 +26,7 @@ from zjax.config import Config, load_config
 from zjax.errors import ConfigError
 from zjax.loop import Loop, resolve_loop
 from zjax.mesh import make_mesh
+from zjax.offload import state_bytes
 from zjax.optim import make_optimizer, make_schedule
 from zjax.partition.plan import bytes_per_device
 from zjax.step import TrainState, ZeroStep, make_step
@@ -186,9 +187,12 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
     memory = _memory(compiled)
     memory["state_bytes"] = bytes_per_device(zstep.abstract_state, zstep.state_shardings)
-    info("compiled step, per device: state %.2f MiB, temp %.2f MiB, peak %.2f MiB",
-         memory["state_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
-         memory["memory_peak_bytes"] / 2**20)
+    # memory_analysis() does not tell host from device bytes on CPU: count by memory kind
+    placed = state_bytes(zstep.abstract_state)
+    memory["state_device_bytes"], memory["state_host_bytes"] = placed["device"], placed["host"]
+    info("compiled step, per device: state %.2f MiB on device + %.2f MiB in host memory, "
+         "temp %.2f MiB, peak %.2f MiB", placed["device"] / 2**20, placed["host"] / 2**20,
+         memory["memory_temp_bytes"] / 2**20, memory["memory_peak_bytes"] / 2**20)
 
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", config.checkpoint) if run_dir else None
     restored = ckpt.restore_latest(zstep) if ckpt is not None else None

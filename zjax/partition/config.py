@@ -9,6 +9,7 @@ import numpy as np
 
 from zjax._schema import choices
 from zjax.errors import ConfigError, did_you_mean
+from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 
 __all__ = ["DTYPES", "ZeroConfig", "resolve_dtype"]
 
@@ -45,6 +46,11 @@ class ZeroConfig:
         ``stage3_prefetch_bucket_size``); converted to whole layers.
       max_live_parameters: cap on gathered parameter elements alive at once (DeepSpeed
         ``stage3_max_live_parameters``); lowers the prefetch depth if needed.
+      offload_optimizer: optimizer state in host memory between steps (stages 1-3), and
+        optionally the update run on the host (DeepSpeed ``offload_optimizer``).
+      offload_param: float32 master params in host memory between steps (DeepSpeed
+        ``offload_param``): at stage 3 each layer's shard is brought in as it is gathered;
+        at stages 1-2 the master is brought in for the update only.
     """
 
     stage: int = choices(0, 1, 2, 3, default=3)
@@ -54,6 +60,9 @@ class ZeroConfig:
     prefetch_layers: int | None = None
     prefetch_bucket_size: int | None = None
     max_live_parameters: int | None = None
+    offload_optimizer: OptimizerOffloadConfig = dataclasses.field(
+        default_factory=OptimizerOffloadConfig)
+    offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -70,6 +79,11 @@ class ZeroConfig:
             raise ConfigError(
                 f"zero.max_live_parameters: must be > 0, got {self.max_live_parameters}"
             )
+        for key in ("offload_optimizer", "offload_param"):
+            if self.stage == 0 and getattr(self, key).enabled:
+                raise ConfigError(
+                    f"zero.{key}.device: host needs a sharded state (stage 1, 2 or 3), but "
+                    "zero.stage is 0; raise zero.stage or set the device to none")
         if self.prefetch_layers is not None and self.prefetch_bucket_size is not None:
             raise ConfigError(
                 "zero.prefetch_layers and zero.prefetch_bucket_size both set "

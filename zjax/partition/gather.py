@@ -108,6 +108,7 @@ def gather(
     axis_name: str = "data",
     gather_dtype=None,
     reduce_dtype=None,
+    from_host: bool = False,
 ) -> jax.Array:
     """All-gather shard ``x`` along ``dim`` over ``axis_name`` (inside ``shard_map``).
 
@@ -117,6 +118,8 @@ def gather(
       axis_name: the mesh axis the shards are spread over.
       gather_dtype: dtype of the communicated and returned weight (default: ``x.dtype``).
       reduce_dtype: dtype of the reduce-scatter of its cotangent (default: ``x.dtype``).
+      from_host: ``x`` lives in host memory (``zero.offload_param``): it is brought to the
+        device first, and its cotangent goes back to host memory.
 
     Returns:
       The full weight in ``gather_dtype``. Its cotangent comes back to ``x`` reduce-scattered
@@ -124,6 +127,8 @@ def gather(
     """
     gather_dtype = np.dtype(gather_dtype or x.dtype)
     reduce_dtype = np.dtype(reduce_dtype or x.dtype)
+    if from_host:  # outside the custom_vjp: the move's transpose sends the cotangent back
+        x = jax.device_put(x, jax.memory.Space.Device)
     if not _is_float(x.dtype):
         return x
     if dim is None:
@@ -138,6 +143,7 @@ def gather_tree(
     axis_name: str = "data",
     gather_dtype=None,
     reduce_dtype=None,
+    from_host: bool = False,
 ) -> Any:
     """Gather every leaf of ``shards`` once (each gathered value is tagged :data:`GATHERED`).
 
@@ -147,7 +153,7 @@ def gather_tree(
 
     def one(x, dim):
         return gather(x, dim=dim, axis_name=axis_name, gather_dtype=gather_dtype,
-                      reduce_dtype=reduce_dtype)
+                      reduce_dtype=reduce_dtype, from_host=from_host)
 
     leaves, treedef = jax.tree.flatten(shards)
     dim_leaves = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
@@ -163,6 +169,7 @@ def gather_on_access(
     axis_name: str = "data",
     gather_dtype=None,
     reduce_dtype=None,
+    from_host: bool = False,
     remat: bool = True,
 ) -> Callable[..., Any]:
     """Wrap ``fn(params, *args)`` so it runs on shards: ``fn(shards, *args)``.
@@ -174,7 +181,7 @@ def gather_on_access(
 
     def wrapped(shards, *args):
         full = gather_tree(shards, dims, axis_name=axis_name, gather_dtype=gather_dtype,
-                           reduce_dtype=reduce_dtype)
+                           reduce_dtype=reduce_dtype, from_host=from_host)
         return fn(full, *args)
 
     return jax.checkpoint(wrapped, policy=REMAT_POLICY) if remat else wrapped

@@ -169,6 +169,22 @@ class ShardPlan:
             self.stored_param_dtype(leaf) != leaf.dtype for leaf in self.leaves
         )
 
+    # ---- host offload ---------------------------------------------------------------------------
+    @property
+    def opt_on_host(self) -> bool:
+        """Whether the optimizer state lives in host memory between steps."""
+        return self.zero.offload_optimizer.enabled
+
+    @property
+    def master_on_host(self) -> bool:
+        """Whether the float32 master (stage 3: the stored params) lives in host memory."""
+        return self.zero.offload_param.enabled
+
+    @property
+    def params_on_host(self) -> bool:
+        """Whether the stored params, which the forward gathers, live in host memory."""
+        return self.master_on_host and self.zero.stage == 3
+
     def opt_specs(self, tx: optax.GradientTransformation, opt_state: Any) -> Any:
         """Specs of an optax state: per-param leaves as :attr:`state_specs`, others replicated."""
         return optax.tree_map_params(
@@ -204,13 +220,19 @@ class ShardPlan:
         if opt_state is not None and tx is not None:
             opt = bytes_per_device(opt_state, self.shardings(self.opt_specs(tx, opt_state)))
         total = sum(leaf.size for leaf in self.leaves)
+        where = lambda host: "in host memory" if host else "on device"
+        host = params * self.params_on_host + master * self.master_on_host \
+            + opt * self.opt_on_host
         lines = [
             f"ZeRO stage {self.zero.stage} on data={self.n_data}: {total:,} parameters in "
             f"{len(self.leaves)} leaves, {len(self.leaves) - len(self.replicated)} sharded",
-            f"  params      {params / 2**20:10.2f} MiB/device",
+            f"  params      {params / 2**20:10.2f} MiB/device {where(self.params_on_host)}",
             f"  grads       {grads / 2**20:10.2f} MiB/device (transient, float32)",
-            f"  master      {master / 2**20:10.2f} MiB/device",
-            f"  optimizer   {opt / 2**20:10.2f} MiB/device",
+            f"  master      {master / 2**20:10.2f} MiB/device "
+            f"{where(self.master_on_host and master)}",
+            f"  optimizer   {opt / 2**20:10.2f} MiB/device {where(self.opt_on_host)}",
+            f"  state       {(params + master + opt - host) / 2**20:10.2f} MiB/device on device,"
+            f" {host / 2**20:.2f} MiB/device in host memory",
             f"  gather in {self.zero.gather.name}, reduce in {self.reduce_dtype.name}"
             + ("" if self.reduce_dtype == self.zero.reduce else
                f" (zero.reduce_dtype {self.zero.reduce.name} is not supported by XLA:CPU)"),

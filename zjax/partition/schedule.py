@@ -46,6 +46,9 @@ class ScheduleSpec:
       gather_dtype: dtype weights are gathered and computed in.
       reduce_dtype: dtype gradients are reduce-scattered in.
       prefetch: how many layers ahead to gather.
+      from_host: the stacked shards live in host memory (``zero.offload_param``): each
+        layer's slice is brought to the device as it is gathered, and each layer's gradient
+        shard goes back into a host buffer as soon as it is reduce-scattered.
     """
 
     dims: tuple[int | None, ...]
@@ -53,6 +56,7 @@ class ScheduleSpec:
     gather_dtype: Any = np.float32
     reduce_dtype: Any = np.float32
     prefetch: int = 1
+    from_host: bool = False
 
 
 def _slice(leaf, i):
@@ -88,10 +92,15 @@ def scheduled_scan(
     gather_dtype = np.dtype(spec.gather_dtype)
     reduce_dtype = np.dtype(spec.reduce_dtype)
 
+    to_device = (lambda x: jax.device_put(x, jax.memory.Space.Device)) if spec.from_host \
+        else (lambda x: x)
+    to_home = (lambda x: jax.device_put(x, jax.memory.Space.Host)) if spec.from_host \
+        else (lambda x: x)
+
     def gather_layer(leaves, i):
         out = []
         for leaf, dim in zip(leaves, spec.dims, strict=True):
-            w = _slice(leaf, i)
+            w = to_device(_slice(leaf, i))
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(gather_dtype)
             if dim is not None:
@@ -147,7 +156,7 @@ def scheduled_scan(
                         dw.astype(reduce_dtype), spec.axis_name, scatter_dimension=dim - 1,
                         tiled=True,
                     )
-                new.append(lax.dynamic_update_index_in_dim(g, dw.astype(leaf.dtype), i, 0))
+                new.append(lax.dynamic_update_index_in_dim(g, to_home(dw.astype(leaf.dtype)), i, 0))
             return dx, tuple(new)
 
         def advance(buf, i):
@@ -156,7 +165,7 @@ def scheduled_scan(
                 return gather_layer(leaves, i), buf
             return buf[0], (*buf[1:], gather_layer(leaves, i - k))
 
-        grads = tuple(jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves)
+        grads = tuple(to_home(jnp.zeros(leaf.shape, leaf.dtype)) for leaf in leaves)
         buf = tuple(gather_layer(leaves, n_layers - 1 - j) for j in range(k))
         for j in range(k):  # the last k layers, whose inputs the forward kept apart
             i = n_layers - 1 - j

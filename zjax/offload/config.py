@@ -1,0 +1,85 @@
+"""The ``zero.offload_optimizer`` and ``zero.offload_param`` config sections (ZeRO-Offload)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zjax.errors import ConfigError, did_you_mean
+
+__all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig"]
+
+DEVICES = ("none", "host")
+_LATER = {"nvme": "NVMe offload (ZeRO-Infinity) is not supported yet"}
+_ALIASES = {"cpu": "host"}  # DeepSpeed's name for the same tier
+
+
+def _check_device(key: str, device: str) -> str:
+    device = _ALIASES.get(device, device)
+    if device in _LATER:
+        raise ConfigError(f"{key}: {device!r}: {_LATER[device]}; choose one of "
+                          f"{', '.join(DEVICES)}")
+    if device not in DEVICES:
+        raise ConfigError(f"{key}: {device!r} is not allowed{did_you_mean(device, DEVICES)}; "
+                          f"choose one of {', '.join(DEVICES)} ('cpu' is read as 'host')")
+    return device
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where a part of the model state lives between steps (DeepSpeed ``offload_param``).
+
+    Attributes:
+      device: ``none`` keeps it in device memory; ``host`` keeps it in host memory (JAX memory
+        kind ``pinned_host``) and brings it in as the step needs it. ``cpu`` is read as
+        ``host``; ``nvme`` is not supported yet.
+      pin_memory: page-locked host memory (``pinned_host``, fast DMA) rather than pageable
+        (``unpinned_host``), as DeepSpeed's ``pin_memory``.
+    """
+
+    device: str = "none"
+    pin_memory: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "device", _check_device(self._key("device"), self.device))
+
+    def _key(self, name: str) -> str:
+        return f"zero.offload_param.{name}"
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "host"
+
+    @property
+    def memory_kind(self) -> str:
+        """The JAX memory kind of the offloaded arrays."""
+        return "pinned_host" if self.pin_memory else "unpinned_host"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerOffloadConfig(OffloadConfig):
+    """Where the optimizer state lives and where its update runs (DeepSpeed ``offload_optimizer``).
+
+    Attributes:
+      update_on: ``device`` brings the offloaded state in for the update and sends it back;
+        ``host`` runs the optax update itself on the host (``compute_on("device_host")``), so
+        the moments never occupy device memory.
+    """
+
+    update_on: str = "device"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.update_on not in ("device", "host"):
+            raise ConfigError(
+                f"zero.offload_optimizer.update_on: {self.update_on!r} is not allowed"
+                f"{did_you_mean(self.update_on, ('device', 'host'))}; choose one of device, host")
+        if self.update_on == "host" and not self.enabled:
+            raise ConfigError("zero.offload_optimizer.update_on: 'host' needs "
+                              "zero.offload_optimizer.device: host")
+
+    def _key(self, name: str) -> str:
+        return f"zero.offload_optimizer.{name}"
+
+    @property
+    def update_on_host(self) -> bool:
+        return self.enabled and self.update_on == "host"

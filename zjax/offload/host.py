@@ -1,0 +1,70 @@
+"""Memory-kind placement of offloaded state, and the moves inside the step.
+
+Between steps an offloaded array lives in host memory: its ``NamedSharding`` carries
+``memory_kind="pinned_host"`` (or ``unpinned_host``), and the jitted step takes and returns it
+there through its in/out shardings. Inside the step :func:`to_device` / :func:`to_host` move
+values by memory space (``jax.device_put`` with ``jax.memory.Space``); on GPU and TPU XLA turns
+them into host<->device copies. XLA:CPU has one memory, so there the moves compile to nothing and
+only the placement of the step's arguments and results (``S(5)`` in its entry layout) shows them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.compute_on import compute_on
+from jax.sharding import Mesh, NamedSharding
+
+from zjax.errors import ConfigError
+
+__all__ = ["check_memory_kind", "on_host", "on_host_compute", "state_bytes", "to_device",
+           "to_host"]
+
+_IS_SHARDING = lambda x: isinstance(x, NamedSharding)
+
+
+def check_memory_kind(mesh: Mesh, kind: str, *, key: str) -> None:
+    """Raise ConfigError naming ``key`` if the mesh's devices have no memory of ``kind``."""
+    kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+    if kind not in kinds:
+        raise ConfigError(f"{key}: this backend ({mesh.devices.flat[0].platform}) has no "
+                          f"{kind!r} memory; it has {', '.join(sorted(kinds))}")
+
+
+def on_host(shardings: Any, kind: str = "pinned_host") -> Any:
+    """The same shardings in host memory of ``kind``."""
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings, is_leaf=_IS_SHARDING)
+
+
+def to_device(tree: Any) -> Any:
+    """Move every array of ``tree`` to device memory (a no-op for those already there)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def to_host(tree: Any) -> Any:
+    """Move every array of ``tree`` to host memory."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+
+
+def on_host_compute(enabled: bool):
+    """``compute_on("device_host")`` when ``enabled``, else a null context."""
+    return compute_on("device_host") if enabled else contextlib.nullcontext()
+
+
+def state_bytes(abstract: Any) -> dict[str, int]:
+    """Bytes per device of ``abstract`` (``ShapeDtypeStruct``s with shardings), by memory.
+
+    ``compiled.memory_analysis()`` does not separate host from device bytes on every backend,
+    so this counts each array by its sharding's memory kind.
+    """
+    out = {"device": 0, "host": 0}
+    for leaf in jax.tree.leaves(abstract):
+        sharding = leaf.sharding
+        shard = sharding.shard_shape(leaf.shape)
+        size = int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        kind = sharding.memory_kind or "device"
+        out["host" if kind.endswith("host") else "device"] += size
+    return out
