@@ -8,12 +8,14 @@ import re
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from helpers import FP32, assert_trees_close
 from models import gpt_trainable, token_batches
 
 import zjax
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
+from zjax.export import export
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig, state_bytes
 from zjax.optim import clip_by_global_norm, make_optimizer
 from zjax.partition import ZeroConfig
@@ -143,16 +145,26 @@ def test_offload_param_without_a_separate_master_is_refused():
                        zero=ZeroConfig(stage=2, gather_dtype="float32", offload_param=PARAM))
 
 
-def test_train_reports_device_and_host_bytes(tmp_path):
+def test_train_with_offload_reports_bytes_and_exports(tmp_path):
     cfg = zjax.load_config(None, ["model.n_layers=2", "data.seq_len=32", "train.steps=2",
                                   "train.log_every=2", "train.eval_every=0",
                                   "logging.tensorboard=false",
-                                  "zero.offload_optimizer.device=host"])
+                                  "zero.offload_optimizer.device=host",
+                                  "zero.offload_param.device=host"])
     result = zjax.train("lm", cfg, run_dir=tmp_path / "run")
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["state_host_bytes"] > 0
     assert row["state_device_bytes"] + row["state_host_bytes"] == row["state_bytes"]
     assert row["state_host_bytes"] == state_bytes(result.step.abstract_state)["host"]
+    # predicted (the ZeRO paper's formula) beside the compiled model states
+    assert 0 < row["model_state_bytes"] <= row["predicted_model_state_bytes"]
     summary = result.step.plan.summary(opt_state=result.step.abstract_state.opt_state,
                                         tx=make_optimizer(cfg.optimizer, total_steps=2))
     assert "optimizer" in summary and "in host memory" in summary
+    # the gathered export reads the host-resident master like any other checkpoint
+    out = export(tmp_path / "run", tmp_path / "export", dtype="float32")
+    exported = ocp.StandardCheckpointer().restore(out)
+    assert _kinds(result.state.params) == {"pinned_host"}
+    for got, want in zip(jax.tree.leaves(exported), jax.tree.leaves(result.state.params),
+                         strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))

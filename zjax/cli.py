@@ -11,7 +11,7 @@ import logging
 import sys
 
 from zjax._preempt import Preempted
-from zjax.errors import ZjaxError
+from zjax.errors import ConfigError, ZjaxError
 
 __all__ = ["main"]
 
@@ -26,6 +26,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate N CPU devices (default 8 when only a CPU is present)")
     t.add_argument("--run-dir", default=None,
                    help="write config.yaml, metrics.jsonl and TensorBoard events here")
+    pn = sub.add_parser("plan", help="exact per-device memory and communication of a config's "
+                        "step, compiled ahead of time (nothing allocated); --budget autotunes")
+    pn.add_argument("config", nargs="?", help="YAML or gin file (default: the tiny GPT)")
+    pn.add_argument("overrides", nargs="*", help="key=value overrides")
+    pn.add_argument("--devices", type=int, default=None,
+                    help="devices on the data axis (simulated on the CPU if needed)")
+    pn.add_argument("--json", action="store_true", help="print one JSON object")
+    pn.add_argument("--budget", default=None,
+                    help="device memory per device (e.g. 80GiB): search stages, offload, "
+                    "prefetch, micro-batches and remat for the best config that fits")
+    pn.add_argument("--write", default=None, help="with --budget: save the chosen config here")
     ex = sub.add_parser("export", help="write a run's params, unsharded, for programs without zjax")
     ex.add_argument("run_dir")
     ex.add_argument("out", help="new directory (orbax) or file (safetensors)")
@@ -98,6 +109,43 @@ def _config_show(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from zjax.config import load_config
+
+    path, overrides = _split(args.config, args.overrides)
+    config = load_config(path, overrides)
+    if args.write and Path(args.write).exists():
+        raise ConfigError(f"--write: {args.write!r} already exists; zjax does not replace it")
+    if args.write and not args.budget:
+        raise ConfigError("--write: needs --budget (it saves the configuration chosen)")
+    _setup_devices(args.devices)
+    from zjax.planner import autotune, plan
+
+    if not args.budget:
+        report = plan(config, devices=args.devices)
+        print(json.dumps(report.to_json()) if args.json else report.table())
+        return 0
+    result = autotune(config, budget=args.budget, devices=args.devices)
+    if args.json:
+        print(json.dumps({"budget_bytes": result.budget_bytes, "best": result.report.to_json(),
+                          "config": result.config.to_dict(),
+                          "rows": [{"candidate": vars(c), **r.to_json()}
+                                   for c, r in result.rows]}))
+    else:
+        print(result.table())
+        print(result.report.table())
+    if args.write:
+        Path(args.write).write_text(yaml.safe_dump(result.config.to_dict(), sort_keys=False))
+        if not args.json:
+            print(f"wrote {args.write}")
+    return 0
+
+
 def _export(args) -> int:
     from zjax.export import export
 
@@ -136,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plot(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "plan":
+            return _plan(args)
         return _config_show(args)
     except Preempted as e:
         print(f"zjax: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
@@ -68,6 +69,10 @@ class LanguageModel:
                 f"model.vocab_size: {model.vocab_size} is smaller than the data's {vocab} token "
                 f"ids ({self.tokens(data).source})"
             )
+
+    def abstract_batch(self, data: DataConfig) -> jax.ShapeDtypeStruct:
+        """The global batch's shape and dtype, without reading the data (for ``zjax plan``)."""
+        return jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), np.int32)
 
     def data(self, data: DataConfig, *, split: str, seed: int, process_index: int = 0,
              process_count: int = 1) -> Iterator[np.ndarray]:

@@ -20,6 +20,7 @@ import numpy as np
 import yaml
 
 from zjax._metrics import MetricsWriter, read_metrics
+from zjax._planning import report
 from zjax._preempt import Preempted, PreemptionGuard
 from zjax.checkpoint import Checkpointer
 from zjax.config import Config, load_config
@@ -169,7 +170,6 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     schedule = make_schedule(config.optimizer, total_steps=steps)
     zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
                       micro_batches=config.train.grad_accum)
-    info("%s", zstep.plan.summary(opt_state=zstep.abstract_state.opt_state, tx=tx))
 
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_data = loop.data(config.data, split="train", seed=config.train.seed, **shard)
@@ -190,6 +190,12 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     # memory_analysis() does not tell host from device bytes on CPU: count by memory kind
     placed = state_bytes(zstep.abstract_state)
     memory["state_device_bytes"], memory["state_host_bytes"] = placed["device"], placed["host"]
+    planned = report(zstep, compiled, grad_accum=config.train.grad_accum,
+                     remat=getattr(config.model, "remat", None))
+    info("%s", planned.table())
+    # predicted (the ZeRO paper's formula) beside what the compiled step holds
+    memory["model_state_bytes"] = planned.per_device["model_state_bytes"]
+    memory["predicted_model_state_bytes"] = planned.formula["model_state_bytes"]
     info("compiled step, per device: state %.2f MiB on device + %.2f MiB in host memory, "
          "temp %.2f MiB, peak %.2f MiB", placed["device"] / 2**20, placed["host"] / 2**20,
          memory["memory_temp_bytes"] / 2**20, memory["memory_peak_bytes"] / 2**20)

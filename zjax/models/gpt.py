@@ -31,6 +31,8 @@ class GPTConfig:
       d_ff: MLP hidden width; empty for 4 x d_model.
       max_seq_len: longest sequence (size of the learned position table).
       tie_embeddings: reuse the token embedding as the output projection.
+      remat: recompute each block in the backward pass instead of keeping its activations
+        (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
     """
 
     vocab_size: int = 256
@@ -40,6 +42,7 @@ class GPTConfig:
     d_ff: int | None = None  # default 4 * d_model
     max_seq_len: int = 256
     tie_embeddings: bool = True
+    remat: bool = True
 
     def __post_init__(self):
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -110,7 +113,8 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), 0.02)
         self.pos = _param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01)
-        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs)
+        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs,
+                            remat=cfg.remat)
         self.ln_f = RMSNorm(cfg.d_model)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), 0.02)

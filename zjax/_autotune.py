@@ -1,0 +1,193 @@
+"""``zjax plan --budget``: the best-communicating configuration that fits a memory budget.
+
+Every candidate is compiled (nothing allocated) and judged on its exact figures. Collective
+bytes depend only on the stage and the number of micro-batches (offload, prefetch and remat
+move no collective bytes), so the search compiles one candidate per (stage, grad_accum) group
+to rank the groups, then walks them from the least communicating, trying each group's
+variants from the most to the least preferred (least offload, no remat, deepest prefetch);
+the first variant that fits is the answer. DeepSpeed's autotuner runs experiments instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from zjax._planning import PlanReport, _size
+from zjax.config import Config
+from zjax.errors import ConfigError
+from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+
+__all__ = ["OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
+
+OFFLOADS = ("none", "optimizer", "optimizer+param")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, *, key: str = "--budget") -> int:
+    """``80GiB``, ``16 GB``, ``512MiB`` or a plain byte count -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{key}: {text!r} is not a size; write e.g. 80GiB, 16GB, 512MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search: the knobs the autotuner turns."""
+
+    stage: int
+    grad_accum: int
+    offload: str = "none"
+    prefetch: int | None = None
+    remat: bool | None = None
+
+    def apply(self, config: Config) -> Config:
+        """``config`` with this candidate's settings."""
+        zero = dataclasses.replace(
+            config.zero, stage=self.stage,
+            offload_optimizer=OptimizerOffloadConfig(
+                device="none" if self.offload == "none" else "host",
+                update_on="host" if self.offload == "optimizer+param" else "device"),
+            offload_param=OffloadConfig(
+                device="host" if self.offload == "optimizer+param" else "none"),
+            **({} if self.prefetch is None else
+               {"prefetch_layers": self.prefetch, "prefetch_bucket_size": None}))
+        model = config.model
+        if self.remat is not None:
+            model = dataclasses.replace(model, remat=self.remat)
+        return dataclasses.replace(config, zero=zero, model=model,
+                                   train=dataclasses.replace(config.train,
+                                                             grad_accum=self.grad_accum))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """The answer of :func:`autotune`.
+
+    Attributes:
+      config: the chosen configuration.
+      report: its plan.
+      rows: every candidate compiled, as ``(candidate, report)``; the fitting ones first,
+        best first, then the rest by device memory.
+      budget_bytes: the budget per device.
+    """
+
+    config: Config
+    report: PlanReport
+    rows: list[tuple[Candidate, PlanReport]]
+    budget_bytes: int
+
+    def table(self) -> str:
+        lines = [f"budget {_size(self.budget_bytes)} per device; best first:",
+                 f"  {'fits':<5}{'stage':>6}{'offload':>17}{'prefetch':>9}{'accum':>6}"
+                 f"{'remat':>6}{'device total':>14}{'host':>12}{'wire/step':>13}"]
+        for cand, r in self.rows:
+            lines.append(
+                f"  {'yes' if r.fits(self.budget_bytes) else 'no':<5}{cand.stage:>6}"
+                f"{cand.offload:>17}{cand.prefetch!s:>9}{cand.grad_accum:>6}"
+                f"{cand.remat!s:>6}{_size(r.per_device['total_bytes']):>14}"
+                f"{_size(r.per_device['host_bytes']):>12}"
+                f"{_size(r.collectives['wire_bytes']):>13}")
+        return "\n".join(lines)
+
+
+def _variants(stage: int, grad_accum: int, *, offloads, prefetch, remat) -> list[Candidate]:
+    """A group's candidates, most preferred first."""
+    out = []
+    for off in offloads if stage else ("none",):
+        for r in remat if stage < 3 else (None,):
+            for p in prefetch if stage == 3 else (None,):
+                out.append(Candidate(stage, grad_accum, off, p, r))
+    return out
+
+
+def autotune(
+    config: Config,
+    *,
+    budget_bytes: int,
+    compile_report,
+    n_devices: int,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    offloads: Sequence[str] = OFFLOADS,
+    prefetch: Sequence[int] = (2, 1, 0),
+    grad_accum: Sequence[int] = (1, 2, 4),
+    remat: Sequence[bool] = (False, True),
+    runners_up: int = 2,
+) -> TuneResult:
+    """The fitting configuration with the fewest collective bytes, then the least offload.
+
+    Args:
+      config: the starting configuration (model, data, optimizer are kept).
+      budget_bytes: device memory per device (the compiled peak must not exceed it).
+      compile_report: ``compile_report(config) -> PlanReport``, raising ConfigError for a
+        configuration that cannot be built (e.g. an offload a stage does not support).
+      n_devices: devices on the data axis (to skip micro-batch counts that do not divide).
+      stages, offloads, prefetch, grad_accum, remat: the search space.
+      runners_up: how many further fitting groups to report after the best.
+    """
+    has_remat = any(f.name == "remat" for f in dataclasses.fields(config.model))
+    local = config.data.batch_size // max(1, n_devices)
+    rows: list[tuple[Candidate, PlanReport]] = []
+
+    def evaluate(cand: Candidate) -> PlanReport | None:
+        try:
+            r = compile_report(cand.apply(config))
+        except ConfigError:
+            return None  # not a valid combination (reported by the failing build)
+        rows.append((cand, r))
+        return r
+
+    # the leanest candidate first: if even it does not fit, nothing will (one compile)
+    accums = [ga for ga in grad_accum if local % ga == 0]
+    if not accums:
+        raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
+                          f"local batch of {local} (data.batch_size / devices)")
+    lean = Candidate(max(stages), max(accums), offloads[-1] if max(stages) else "none",
+                     min(prefetch) if max(stages) == 3 else None,
+                     (True if True in remat else None) if has_remat and max(stages) < 3
+                     else None)
+    leanest = evaluate(lean)
+    if leanest is not None and not leanest.fits(budget_bytes):
+        raise ConfigError(
+            f"--budget: {_size(budget_bytes)} per device fits no configuration; the smallest "
+            f"needs {_size(leanest.per_device['total_bytes'])} (stage {lean.stage}, offload "
+            f"{lean.offload}, prefetch {lean.prefetch}, grad_accum {lean.grad_accum}, remat "
+            f"{lean.remat})")
+    groups = {}
+    for stage in stages:
+        for ga in grad_accum:
+            if local % ga:
+                continue
+            variants = _variants(stage, ga, offloads=offloads, prefetch=prefetch,
+                                 remat=remat if has_remat else (None,))
+            first = next((r for r in map(evaluate, variants[:1]) if r is not None), None)
+            if first is not None:
+                groups[stage, ga] = (first, variants)
+    if not groups:
+        raise ConfigError("--budget: no configuration in the search space could be built")
+    order = sorted(groups, key=lambda g: (groups[g][0].collectives["wire_bytes"], g[1], -g[0]))
+    fits: list[tuple[Candidate, PlanReport]] = []
+    for g in order:
+        first, variants = groups[g]
+        for i, cand in enumerate(variants):
+            r = first if i == 0 else evaluate(cand)
+            if r is not None and r.fits(budget_bytes):
+                fits.append((cand, r))
+                break
+        if len(fits) > runners_up:
+            break
+    if not fits:
+        leanest = min(rows, key=lambda cr: cr[1].per_device["total_bytes"])
+        c, r = leanest
+        raise ConfigError(
+            f"--budget: {_size(budget_bytes)} per device fits no configuration; the smallest "
+            f"needs {_size(r.per_device['total_bytes'])} (stage {c.stage}, offload {c.offload},"
+            f" prefetch {c.prefetch}, grad_accum {c.grad_accum}, remat {c.remat})")
+    best_cand, best = fits[0]
+    rest = sorted((cr for cr in rows if not cr[1].fits(budget_bytes)),
+                  key=lambda cr: cr[1].per_device["total_bytes"])
+    return TuneResult(best_cand.apply(config), best, fits + rest, budget_bytes)

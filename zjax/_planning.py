@@ -1,0 +1,184 @@
+"""Exact per-device memory and communication of a train step, read off the compiled program.
+
+The step is lowered from ``ShapeDtypeStruct``s (nothing allocated) and compiled; memory comes
+from ``compiled.memory_analysis()`` and the state's shardings (host vs device by memory kind),
+collective bytes from the compiled HLO (:mod:`zjax.hlo`). Beside them: the ZeRO paper's
+model-state formula for the same Ψ, N and dtypes. See ``docs/memory-model.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from zjax.hlo import collective_bytes
+from zjax.offload import state_bytes
+from zjax.partition.plan import bytes_per_device
+from zjax.step import ZeroStep
+
+__all__ = ["PlanReport", "formula", "report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """What one configuration needs per device (the ``--json`` object of ``zjax plan``).
+
+    Attributes:
+      n_params: total parameter count Ψ.
+      n_devices: devices on the ``data`` axis N.
+      setting: the knobs the autotuner varies (stage, offload, prefetch, grad_accum, remat).
+      per_device: ``params_bytes`` (stored params), ``grads_bytes`` (reduced gradients in
+        ``zero.reduce_dtype``, transient), ``optimizer_bytes`` (float32 master and optax state),
+        ``model_state_bytes`` (their sum), ``temp_bytes`` (compiled temporaries: activations,
+        gathered weights, gradients), ``host_bytes`` (state in host memory) and
+        ``total_bytes`` (compiled peak in device memory).
+      collectives: ``all_gather_bytes``, ``reduce_scatter_bytes``, ``all_reduce_bytes``
+        (tensor bytes per step, read off the compiled HLO) and ``wire_bytes`` (what a ring
+        moves: an all-reduce counts twice), the autotuner's measure of communication.
+      formula: the ZeRO paper's ``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and
+        ``model_state_bytes`` for the same Ψ, N, stage and dtypes.
+      replicated_leaves: ``{path, shape, reason}`` of each leaf kept whole on every device.
+      notes: caveats of this backend (e.g. XLA:CPU reducing in float32).
+    """
+
+    n_params: int
+    n_devices: int
+    setting: dict[str, Any]
+    per_device: dict[str, int]
+    collectives: dict[str, int]
+    formula: dict[str, int]
+    replicated_leaves: list[dict[str, Any]]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PlanReport:
+        return cls(**data)
+
+    def fits(self, budget_bytes: int) -> bool:
+        return self.per_device["total_bytes"] <= budget_bytes
+
+    def table(self) -> str:
+        """The human-readable report."""
+        d, f, c = self.per_device, self.formula, self.collectives
+        s = self.setting
+        lines = [
+            f"zjax plan: {self.n_params:,} parameters on {self.n_devices} devices, ZeRO stage "
+            f"{s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, grad_accum "
+            f"{s['grad_accum']}, remat {s['remat']}",
+            f"  {'per device':<22}{'compiled':>14}{'ZeRO paper':>14}",
+        ]
+        for key, name in [("params_bytes", "params"), ("grads_bytes", "gradients"),
+                          ("optimizer_bytes", "optimizer state"),
+                          ("model_state_bytes", "model states")]:
+            lines.append(f"  {name:<22}{_size(d[key]):>14}{_size(f[key]):>14}")
+        lines += [
+            f"  {'activations/temp':<22}{_size(d['temp_bytes']):>14}",
+            f"  {'total on device':<22}{_size(d['total_bytes']):>14}",
+            f"  {'in host memory':<22}{_size(d['host_bytes']):>14}",
+            "  collectives per step: " + ", ".join(
+                f"{k.removesuffix('_bytes').replace('_', '-')} {_size(v)}"
+                for k, v in c.items()),
+        ]
+        if self.replicated_leaves:
+            lines.append(f"  replicated leaves ({len(self.replicated_leaves)}):")
+            lines += [f"    {r['path']} {tuple(r['shape'])}: {r['reason']}"
+                      for r in self.replicated_leaves]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
+            optimizer_bytes_per_param: float) -> dict[str, int]:
+    """The ZeRO paper's model-state bytes per device (its K is ``optimizer_bytes_per_param``).
+
+    Stage 0: ``(p + g + K)Ψ``; 1: ``(p + g)Ψ + KΨ/N``; 2: ``pΨ + (g + K)Ψ/N``; 3: all ``/N``.
+    """
+    psi, n = n_params, n_devices
+    params = param_bytes * psi / (n if stage >= 3 else 1)
+    grads = grad_bytes * psi / (n if stage >= 2 else 1)
+    opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
+    out = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
+           "model_state_bytes": params + grads + opt}
+    return {k: round(v) for k, v in out.items()}
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
+           remat: bool | None = None) -> PlanReport:
+    """The :class:`PlanReport` of ``zstep`` from its compiled step (``lower(b).compile()``)."""
+    plan, a = zstep.plan, zstep.abstract_state
+    zero = plan.zero
+    shard = lambda tree: bytes_per_device(tree, jax.tree.map(lambda x: x.sharding, tree))
+    n_params = sum(leaf.size for leaf in plan.leaves)
+    reduce = zero.reduce  # the configured dtype: the one an accelerator reduces in
+    grads = sum(leaf.size // (plan.n_data if leaf.dim is not None and zero.stage >= 2 else 1)
+                for leaf in plan.leaves) * reduce.itemsize
+    optimizer = shard(a.opt_state) + (shard(a.master) if a.master is not None else 0)
+    params = shard(a.params)
+    host = state_bytes(a)["host"]
+    mem = compiled.memory_analysis()
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+    coll = collective_bytes(compiled.as_text())
+    # K of the paper: float32 master plus the optimizer's per-parameter state
+    k = 4 + _nbytes(a.opt_state) / max(1, n_params)
+    notes = []
+    if plan.reduce_dtype != reduce:
+        notes.append(f"this backend reduces in {plan.reduce_dtype.name} (its temp and "
+                     f"collective figures say so); gradients are counted in {reduce.name}, "
+                     "the zero.reduce_dtype an accelerator uses")
+    setting = {
+        "stage": zero.stage,
+        "offload": _offload_name(zero),
+        "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
+        "grad_accum": grad_accum,
+        "remat": remat,
+    }
+    return PlanReport(
+        n_params=n_params,
+        n_devices=plan.n_data,
+        setting=setting,
+        per_device={
+            "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
+            "model_state_bytes": params + grads + optimizer,
+            "temp_bytes": int(mem.temp_size_in_bytes), "host_bytes": host,
+            "total_bytes": int(peak) - host,
+        },
+        collectives={"all_gather_bytes": coll.all_gather,
+                     "reduce_scatter_bytes": coll.reduce_scatter,
+                     "all_reduce_bytes": coll.all_reduce,
+                     "wire_bytes": coll.wire},
+        formula=formula(n_params, plan.n_data, stage=zero.stage,
+                        param_bytes=zero.gather.itemsize, grad_bytes=reduce.itemsize,
+                        optimizer_bytes_per_param=k),
+        replicated_leaves=[{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
+                           for leaf in plan.replicated],
+        notes=notes,
+    )
+
+
+def _offload_name(zero) -> str:
+    parts = []
+    if zero.offload_optimizer.enabled:
+        parts.append("optimizer" + ("(update on host)" if zero.offload_optimizer.update_on_host
+                                    else ""))
+    if zero.offload_param.enabled:
+        parts.append("param")
+    return "+".join(parts) or "none"

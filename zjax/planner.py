@@ -1,0 +1,107 @@
+"""``zjax.plan``: compile a config's train step ahead of time and report what it needs.
+
+Nothing is allocated: the step is lowered from ``ShapeDtypeStruct``s. For more devices than
+this process has, the plan runs in a subprocess that simulates them on the CPU
+(``zjax plan --devices N --json``), since a process's device count is fixed when JAX starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import yaml
+
+from zjax._autotune import TuneResult, parse_bytes
+from zjax._autotune import autotune as _autotune
+from zjax._planning import PlanReport, report
+from zjax.config import Config
+from zjax.errors import ConfigError
+from zjax.loop import resolve_loop
+from zjax.mesh import make_mesh
+from zjax.optim import make_optimizer
+from zjax.step import make_step
+
+__all__ = ["autotune", "compile_report", "plan", "run_cli_json"]
+
+
+def _abstract_batch(loop, config: Config) -> jax.ShapeDtypeStruct:
+    if hasattr(loop, "abstract_batch"):
+        return loop.abstract_batch(config.data)
+    first = next(iter(loop.data(config.data, split="train", seed=0)))  # a user's loop
+    return jax.ShapeDtypeStruct((config.data.batch_size, *first.shape[1:]), first.dtype)
+
+
+def compile_report(config: Config, devices: list) -> PlanReport:
+    """Build, lower and compile ``config``'s step on ``devices``; report its figures."""
+    loop = resolve_loop(config.loop)
+    mesh = make_mesh(config.mesh, devices=devices)
+    tx = make_optimizer(config.optimizer, total_steps=config.train.steps)
+    zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
+                      micro_batches=config.train.grad_accum)
+    batch = _abstract_batch(loop, config)
+    zstep.check_batch(batch.shape)
+    compiled = zstep.lower(batch).compile()
+    return report(zstep, compiled, grad_accum=config.train.grad_accum,
+                  remat=getattr(config.model, "remat", None))
+
+
+def plan(config: Config, *, devices: int | None = None) -> PlanReport:
+    """Exact per-device memory and communication of ``config``'s train step.
+
+    Args:
+      config: a resolved :class:`zjax.Config`.
+      devices: devices on the ``data`` axis (default: all of this process's). More than this
+        process has are simulated in a subprocess.
+
+    Returns:
+      A :class:`PlanReport` (``.table()`` to print, ``.to_json()`` for scripts).
+    """
+    if devices is not None and devices < 1:
+        raise ConfigError(f"--devices: must be >= 1, got {devices}")
+    if devices is not None and devices > jax.device_count():
+        return PlanReport.from_json(run_cli_json(config, ["--devices", str(devices)]))
+    return compile_report(config, jax.devices()[:devices] if devices else jax.devices())
+
+
+def run_cli_json(config: Config, args: list[str]) -> dict:
+    """Run ``zjax plan CONFIG ARGS --json`` in a fresh CPU process; its JSON output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env["JAX_PLATFORMS"] = "cpu"
+        r = subprocess.run([sys.executable, "-m", "zjax", "plan", str(path), *args, "--json"],
+                           capture_output=True, text=True, env=env)
+    if r.returncode == 2:
+        raise ConfigError(r.stderr.strip().removeprefix("zjax: error: "))
+    if r.returncode != 0:
+        raise RuntimeError(f"zjax plan subprocess failed ({r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def autotune(config: Config, *, budget: int | str, devices: int | None = None,
+             **space) -> TuneResult:
+    """The fitting configuration with the fewest collective bytes, then the least offload.
+
+    Args:
+      config: the starting configuration.
+      budget: device memory per device, in bytes or as text (``"80GiB"``).
+      devices: devices on the ``data`` axis, at most this process's (the CLI ``zjax plan
+        --budget B --devices N`` simulates more).
+      **space: narrows the search (``stages``, ``offloads``, ``prefetch``, ``grad_accum``,
+        ``remat``; see :func:`zjax._autotune.autotune`).
+    """
+    n = devices or jax.device_count()
+    if n > jax.device_count():
+        raise ConfigError(f"--devices: {n} exceeds this process's {jax.device_count()} devices;"
+                          f" run `zjax plan CONFIG --budget B --devices {n}`")
+    budget_bytes = budget if isinstance(budget, int) else parse_bytes(budget)
+    devs = jax.devices()[:n]
+    return _autotune(config, budget_bytes=budget_bytes, n_devices=n,
+                     compile_report=lambda c: compile_report(c, devs), **space)
