@@ -121,7 +121,7 @@ def test_cli_trains_the_default_gpt_and_loss_falls():
     losses = [float(line.split("loss")[1].split("|")[0]) for line in r.stdout.splitlines()
               if line.startswith("step")]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, r.stdout
-    assert "ZeRO stage 3 on data=8" in r.stdout and "eval" in r.stdout
+    assert "on 8 devices, ZeRO stage 3" in r.stdout and "eval" in r.stdout
 
 
 def test_yaml_and_gin_resolve_to_the_same_config():

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from zjax._preempt import Preempted
+from zjax.distributed import ENV
 from zjax.errors import ConfigError, ZjaxError
 
 __all__ = ["main"]
@@ -26,6 +28,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate N CPU devices (default 8 when only a CPU is present)")
     t.add_argument("--run-dir", default=None,
                    help="write config.yaml, metrics.jsonl and TensorBoard events here")
+    t.add_argument("--coordinator", default=None,
+                   help="multi-process: HOST:PORT of process 0 (else ZJAX_COORDINATOR)")
+    t.add_argument("--num-processes", type=int, default=None, help="multi-process: P")
+    t.add_argument("--process-id", type=int, default=None, help="multi-process: this one's id")
+    la = sub.add_parser("launch", help="run a command as P local processes of one "
+                        "jax.distributed job (testing multi-process on one machine)")
+    la.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
+    la.add_argument("--devices-per-process", type=int, default=None,
+                    help="simulated CPU devices in each process")
+    la.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command",
+                    help="-- then the command, e.g. -- zjax train configs/tiny.yaml")
     pn = sub.add_parser("plan", help="exact per-device memory and communication of a config's "
                         "step, compiled ahead of time (nothing allocated); --budget autotunes")
     pn.add_argument("config", nargs="?", help="YAML or gin file (default: the tiny GPT)")
@@ -91,7 +105,13 @@ def _train(args) -> int:
     path, overrides = _split(args.config, args.overrides)
     config = load_config(path, overrides)  # validate before jax starts
     _setup_devices(args.devices)
+    from zjax.distributed import detect, initialize
     from zjax.trainer import train
+
+    initialize(config.mesh.distributed, detect(coordinator=args.coordinator,
+                                               num_processes=args.num_processes,
+                                               process_id=args.process_id),
+               timeout_s=config.mesh.init_timeout_s)
 
     result = train(None, config, run_dir=args.run_dir)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
@@ -146,6 +166,17 @@ def _plan(args) -> int:
     return 0
 
 
+def _launch(args) -> int:
+    from zjax.launch import launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    try:
+        return launch(command, processes=args.processes,
+                      devices_per_process=args.devices_per_process, port=args.port)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _export(args) -> int:
     from zjax.export import export
 
@@ -166,7 +197,9 @@ def _setup_logging() -> None:
     logger = logging.getLogger("zjax")
     if not any(getattr(h, "_zjax_cli", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        rank = os.environ.get(ENV["process_id"]) or os.environ.get("SLURM_PROCID")
+        handler.setFormatter(logging.Formatter(f"[process {rank}] %(message)s" if rank
+                                               else "%(message)s"))
         handler._zjax_cli = True
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -186,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "launch":
+            return _launch(args)
         return _config_show(args)
     except Preempted as e:
         print(f"zjax: {e}", file=sys.stderr)

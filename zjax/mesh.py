@@ -13,6 +13,7 @@ import re
 import jax
 from jax.sharding import AxisType, Mesh
 
+from zjax._schema import choices
 from zjax.errors import ConfigError
 
 __all__ = ["DATA", "MODEL", "MeshConfig", "make_mesh", "simulate_cpu_devices"]
@@ -28,10 +29,16 @@ class MeshConfig:
     Attributes:
       data: size of the ``data`` axis (ZeRO shards along it).
       model: size of the ``model`` axis (tensor parallelism; 1 for now).
+      distributed: join a multi-process job through ``jax.distributed``: ``auto`` when the
+        environment says this process is one of several (``zjax launch``, ``ZJAX_*``
+        variables, SLURM, Open MPI), ``on`` to require it, ``off`` to run alone.
+      init_timeout_s: how long a process waits for the coordinator before a clear error.
     """
 
     data: int = -1
     model: int = 1
+    distributed: str = choices("auto", "on", "off", default="auto")
+    init_timeout_s: int = 300
 
     def __post_init__(self):
         for key in ("data", "model"):
@@ -40,6 +47,8 @@ class MeshConfig:
                 raise ConfigError(f"mesh.{key}: must be a positive size or -1, got {value}")
         if self.data == -1 and self.model == -1:
             raise ConfigError("mesh.data and mesh.model are both -1; at most one may be -1")
+        if self.init_timeout_s <= 0:
+            raise ConfigError(f"mesh.init_timeout_s: must be > 0, got {self.init_timeout_s}")
 
 
 def simulate_cpu_devices(n: int) -> None:

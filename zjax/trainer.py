@@ -24,6 +24,7 @@ from zjax._planning import report
 from zjax._preempt import Preempted, PreemptionGuard
 from zjax.checkpoint import Checkpointer
 from zjax.config import Config, load_config
+from zjax.distributed import detect, initialize
 from zjax.errors import ConfigError
 from zjax.loop import Loop, resolve_loop
 from zjax.mesh import make_mesh
@@ -160,6 +161,8 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
         loop = resolve_loop(loop or config.loop)
     if hasattr(loop, "check"):
         loop.check(config.model, config.data)
+    # before anything touches a device: join the multi-process job the environment describes
+    initialize(config.mesh.distributed, detect(), timeout_s=config.mesh.init_timeout_s)
     lead = jax.process_index() == 0
     info = log.info if lead else (lambda *args: None)  # warnings and errors: every process
     run_path = _prepare_run_dir(run_dir, config) if lead else None
@@ -245,30 +248,33 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
             step = i + 1
             if ckpt is not None and (ckpt.should_save(step, steps) or guard.signum):
                 save(step)
+            if step % config.train.log_every == 0 or step == steps:
+                row = {k: float(v) for k, v in metrics.items() if k != "count"}  # blocks
+                dt = time.perf_counter() - t0
+                row = {"step": step, **row, "lr": float(schedule(step - 1)),
+                       "tokens_per_s": done * tokens_per_step / dt, "step_time_s": dt / done}
+                evaluate = step % config.train.eval_every == 0 or step == steps \
+                    if eval_data is not None else False
+                if evaluate:
+                    losses = [zstep.evaluate(state.params, put(next(eval_data)))
+                              for _ in range(config.train.eval_batches)]
+                    row["eval_loss"] = float(np.mean([float(x) for x in losses]))
+                row.update(memory)
+                history.append(row)
+                if lead:
+                    writer.write(row)
+                    evals = f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+                    info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
+                         row["loss"], evals, row["tokens_per_s"], row["step_time_s"])
+                progress.update(step, row)
+                t0, done = time.perf_counter(), 0
+            else:
+                progress.update(step, None)
+            # after the step's metrics row, so a stop on a logged step does not lose it
             if guard.signum:
                 if ckpt is not None:
                     ckpt.wait()
                 raise Preempted(step, guard.signum, str(ckpt.directory) if ckpt else None)
-            if step % config.train.log_every and step != steps:
-                progress.update(step, None)
-                continue
-            row = {k: float(v) for k, v in metrics.items() if k != "count"}  # blocks
-            dt = time.perf_counter() - t0
-            row = {"step": step, **row, "lr": float(schedule(step - 1)),
-                   "tokens_per_s": done * tokens_per_step / dt, "step_time_s": dt / done}
-            if eval_data is not None and (step % config.train.eval_every == 0 or step == steps):
-                losses = [zstep.evaluate(state.params, put(next(eval_data)))
-                          for _ in range(config.train.eval_batches)]
-                row["eval_loss"] = float(np.mean([float(x) for x in losses]))
-            row.update(memory)
-            history.append(row)
-            if lead:
-                writer.write(row)
-                info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
-                         row["loss"], f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row
-                         else "", row["tokens_per_s"], row["step_time_s"])
-            progress.update(step, row)
-            t0, done = time.perf_counter(), 0
     finally:
         guard.__exit__()
         progress.close()

@@ -1,0 +1,152 @@
+"""Multi-process runs on jax.distributed: 2 processes x 4 devices against 1 x 8, checkpoints
+across process counts, `zjax launch` ending a job whose child dies, an unreachable coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import FP32, assert_trees_close
+
+import zjax
+from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
+from zjax.loop import resolve_loop
+from zjax.optim import make_optimizer
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["model.n_layers=2", "data.seq_len=32", "train.steps=5", "train.log_every=5",
+        "train.eval_every=0", "logging.tensorboard=false", "zero.stage=3",
+        "zero.gather_dtype=float32"]  # bf16 would round a 1-ulp master difference to 2^-8
+TRAIN = [sys.executable, "-m", "zjax", "train", "configs/tiny.yaml", *FAST]
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith("ZJAX_")}
+
+
+def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _launch(n: int, d: int, *cmd: str) -> list[str]:
+    return [sys.executable, "-m", "zjax", "launch", "-n", str(n), "--devices-per-process",
+            str(d), "--", *cmd]
+
+
+def _restore(run_dir: Path, step: int):
+    """The canonical state of ``run_dir``'s checkpoint at ``step``, on this process's 8 devices."""
+    cfg = zjax.load_config(ROOT / "configs/tiny.yaml", FAST)
+    tx = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps)
+    zstep = zjax.make_step(resolve_loop("lm").trainable(cfg.model), tx, zero=cfg.zero,
+                           mesh=zjax.make_mesh())
+    ckpt = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
+    try:
+        return to_canonical(ckpt.restore(step, zstep)[0], zstep)
+    finally:
+        ckpt.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 5 steps as 1 process x 8 devices and as 2 processes x 4 devices."""
+    tmp = tmp_path_factory.mktemp("dist")
+    one = _run([*TRAIN, "--devices", "8", "--run-dir", str(tmp / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _run(_launch(2, 4, *TRAIN, "--run-dir", str(tmp / "two")))
+    assert two.returncode == 0, two.stderr[-3000:]
+    return tmp, one, two
+
+
+def test_two_processes_train_like_one(runs):
+    tmp, _, two = runs
+    # only process 0 reports; both processes tag their lines with their index
+    assert "[process 0] step     5" in two.stdout and "[process 1] step" not in two.stdout
+    a, b = _restore(tmp / "one", 5), _restore(tmp / "two", 5)
+    # not bitwise: the cross-process reductions (gloo) sum in another order than XLA's
+    # in-process all-reduce, so the float32 results differ in the last bits
+    assert_trees_close(b["params"], a["params"], **FP32, what="params")
+    assert_trees_close(b["opt_state"], a["opt_state"], **FP32, what="optimizer state")
+    lines = (tmp / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1  # written by process 0 alone
+
+
+READ_ON_2 = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, "tests")
+    import jax, numpy as np
+    assert jax.device_count() == 2
+    from test_distributed import _restore
+    state = _restore(Path(sys.argv[1]), 5)
+    leaves = [np.asarray(x) for x in jax.tree.leaves((state["params"], state["opt_state"]))]
+    np.savez(sys.argv[2], *leaves)
+""")
+
+
+def test_checkpoints_cross_process_counts(runs, tmp_path):
+    tmp, _, _ = runs
+    want = _restore(tmp / "two", 5)  # written by 2 x 4, restored on 1 x 8
+    env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                    "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", READ_ON_2, str(tmp / "two"), str(tmp_path / "a")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(tmp_path / "a.npz")
+    import jax
+
+    for i, leaf in enumerate(jax.tree.leaves((want["params"], want["opt_state"]))):
+        np.testing.assert_array_equal(got[f"arr_{i}"], np.asarray(leaf))  # 1 x 2: bitwise
+    # the reverse: a 1 x 8 run resumed by 2 x 4 processes
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp / "one", resumed)
+    r = _run(_launch(2, 4, *TRAIN, "train.steps=6", "--run-dir", str(resumed)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from the checkpoint at step 5" in r.stdout
+    assert np.isfinite(_restore(resumed, 6)["params"]["embed"]).all()
+
+
+def test_launch_ends_the_job_when_a_child_dies():
+    proc = subprocess.Popen(_launch(2, 4, *TRAIN, "train.steps=100000"), cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        children: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(children) < 2 and time.monotonic() < deadline:
+            out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+            children = [int(p) for p in out.stdout.split()]
+            time.sleep(0.2)
+        assert len(children) == 2
+        time.sleep(3)  # mid-start: imports, distributed init or compile
+        os.kill(children[1], signal.SIGKILL)
+        rc = proc.wait(timeout=60)  # bounded: SIGTERM, then SIGKILL after the grace period
+        assert rc == 128 + signal.SIGKILL
+        assert "ending the other 1" in proc.stderr.read()
+        for pid in children:  # no process left behind
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_unreachable_coordinator_is_a_clear_error():
+    t0 = time.monotonic()
+    env = _env() | {"ZJAX_COORDINATOR": "127.0.0.1:9", "ZJAX_NUM_PROCESSES": "2",
+                    "ZJAX_PROCESS_ID": "1"}
+    r = subprocess.run([*TRAIN, "mesh.init_timeout_s=3"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "the coordinator 127.0.0.1:9 could not be reached within 3 s" in r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60

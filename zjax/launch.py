@@ -1,0 +1,94 @@
+"""``zjax launch``: P local processes of one ``jax.distributed`` job, for testing on one machine.
+
+Each child gets ``ZJAX_COORDINATOR`` (loopback, a free port), ``ZJAX_NUM_PROCESSES``,
+``ZJAX_PROCESS_ID`` and, with ``--devices-per-process D``, D simulated CPU devices. SIGINT and
+SIGTERM are forwarded to every child. When a child fails, the others are ended (SIGTERM, then
+SIGKILL after a grace period) and the launcher exits with the failing child's code; no child
+outlives it. This module reads and extends the process environment for the children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from zjax.distributed import ENV
+
+__all__ = ["launch"]
+
+GRACE_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc  # killed by signal N -> 128 + N, as a shell reports
+
+
+def _end(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(command: Sequence[str], *, processes: int, devices_per_process: int | None = None,
+           port: int | None = None, grace_s: float = GRACE_S) -> int:
+    """Run ``command`` as ``processes`` cooperating processes; return the job's exit code."""
+    if processes < 1:
+        raise ValueError(f"-n: must be >= 1, got {processes}")
+    if not command:
+        raise ValueError("zjax launch needs a command after --, e.g. -- zjax train CONFIG")
+    address = f"127.0.0.1:{port or _free_port()}"
+    procs: list[subprocess.Popen] = []
+    for i in range(processes):
+        env = dict(os.environ)
+        env.update({ENV["coordinator"]: address, ENV["num_processes"]: str(processes),
+                    ENV["process_id"]: str(i)})
+        if devices_per_process:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+            env["JAX_PLATFORMS"] = "cpu"
+        procs.append(subprocess.Popen(list(command), env=env))
+
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is not None:
+                others = [p for p in procs if p.poll() is None]
+                if others and not received:
+                    print(f"zjax launch: a process exited with {_exit_code(failed)}; ending "
+                          f"the other {len(others)}", file=sys.stderr, flush=True)
+                _end(procs, grace_s)
+                return _exit_code(failed)
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        _end(procs, grace_s)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
