@@ -116,6 +116,19 @@ def test_checkpoints_cross_process_counts(runs, tmp_path):
     assert np.isfinite(_restore(resumed, 6)["params"]["embed"]).all()
 
 
+def _children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (from /proc: no pgrep needed)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's id
+            out.append(int(stat.parent.name))
+    return out
+
+
 def test_launch_ends_the_job_when_a_child_dies():
     proc = subprocess.Popen(_launch(2, 4, *TRAIN, "train.steps=100000"), cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -124,8 +137,7 @@ def test_launch_ends_the_job_when_a_child_dies():
         children: list[int] = []
         deadline = time.monotonic() + 60
         while len(children) < 2 and time.monotonic() < deadline:
-            out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
-            children = [int(p) for p in out.stdout.split()]
+            children = _children(proc.pid)
             time.sleep(0.2)
         assert len(children) == 2
         time.sleep(3)  # mid-start: imports, distributed init or compile

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from zjax.errors import CheckpointError, ConfigError
 from zjax.offload import to_device
@@ -175,6 +176,9 @@ class Checkpointer:
         while dst.exists():
             dst = self.directory.parent / f"damaged-checkpoint-{step}.{n}"
             n += 1
-        shutil.move(str(src), str(dst))
+        if jax.process_index() == 0:  # one mover; the others wait for it
+            shutil.move(str(src), str(dst))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"zjax-damaged-checkpoint-{step}")
         self.manager.reload()
         return dst
