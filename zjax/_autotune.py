@@ -132,14 +132,16 @@ def autotune(
     has_remat = any(f.name == "remat" for f in dataclasses.fields(config.model))
     local = config.data.batch_size // max(1, n_devices)
     rows: list[tuple[Candidate, PlanReport]] = []
+    seen: dict[Candidate, PlanReport | None] = {}
 
     def evaluate(cand: Candidate) -> PlanReport | None:
-        try:
-            r = compile_report(cand.apply(config))
-        except ConfigError:
-            return None  # not a valid combination (reported by the failing build)
-        rows.append((cand, r))
-        return r
+        if cand not in seen:  # each candidate compiled once
+            try:
+                seen[cand] = compile_report(cand.apply(config))
+                rows.append((cand, seen[cand]))
+            except ConfigError:
+                seen[cand] = None  # not a valid combination (its build says why)
+        return seen[cand]
 
     # the leanest candidate first: if even it does not fit, nothing will (one compile)
     accums = [ga for ga in grad_accum if local % ga == 0]
