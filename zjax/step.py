@@ -6,6 +6,10 @@
    gathered on use; gradients leave reduce-scattered (stage 2-3) or all-reduced.
 3. The optax update runs outside the ``shard_map`` on sharded arrays, so global reductions
    (``clip_by_global_norm``) see the whole tree.
+4. Offload (:mod:`zjax.offload`): state placed in host memory through the in/out shardings is
+   brought to the device where the step uses it (per layer inside the schedule for
+   ``offload_param`` at stage 3; for the update otherwise) and sent back; with
+   ``update_on: host`` the update itself runs under ``compute_on("device_host")``.
 
 Mixed precision: master params and optimizer state are float32. Stage 3 stores only the float32
 master shards (the cast to ``gather_dtype`` happens at the gather). Stages 0-2 store a replicated
