@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-import operator
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from zjax.config import OptimizerConfig
+from zjax.offload import global_norm
 
 __all__ = ["clip_by_global_norm", "make_optimizer", "make_schedule"]
 
@@ -17,15 +15,13 @@ __all__ = ["clip_by_global_norm", "make_optimizer", "make_schedule"]
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm``, computed so that it also runs on the host.
 
-    optax's norm adds each leaf's ``.imag`` (a zero created in device memory), which JAX
-    refuses to mix with host-memory values, so optax's own cannot run under
-    ``zero.offload_optimizer.update_on: host``. Same formula otherwise.
+    optax's own cannot run under ``zero.offload_optimizer.update_on: host`` (see
+    :func:`zjax.offload.global_norm`). Same formula otherwise.
     """
 
     def update(updates, state, params=None):
         del params
-        norm = jnp.sqrt(functools.reduce(
-            operator.add, [jnp.sum(jnp.square(u)) for u in jax.tree.leaves(updates)]))
+        norm = global_norm(updates)
         trigger = norm < max_norm
         return jax.tree.map(
             lambda t: jnp.where(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates

@@ -20,8 +20,6 @@ optimizer state (sharded from stage 1); the new working copy is cast before it i
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,7 +33,14 @@ from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ConfigError
 from zjax.mesh import DATA
-from zjax.offload import check_memory_kind, on_host, on_host_compute, to_device, to_host
+from zjax.offload import (
+    check_memory_kind,
+    global_norm,
+    on_host,
+    on_host_compute,
+    to_device,
+    to_host,
+)
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import UINT as _UINT
 from zjax.partition.plan import ShardPlan, make_plan
@@ -162,13 +167,6 @@ def _reduce_grads(grads, plan: ShardPlan, *, reduced_in_backward: bool):
             g = lax.psum(g.astype(rd), DATA)
         out.append(g.astype(jnp.float32))
     return plan.tree(out)
-
-
-def _global_norm(tree) -> jax.Array:
-    # not optax.tree.norm: it adds ``x.imag``, a device-memory zero, which JAX refuses to mix
-    # with host-memory values under ``compute_on("device_host")``
-    return jnp.sqrt(functools.reduce(
-        operator.add, [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]))
 
 
 def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
@@ -302,7 +300,7 @@ def make_step(
             grads = jax.lax.with_sharding_constraint(grads, update_sharded)  # own shard
             updates, opt_state = tx.update(grads, opt_state, target)
             new = optax.apply_updates(target, updates)
-            norm = _global_norm(grads)
+            norm = global_norm(grads)  # not optax's: it cannot run on the host
         return new, opt_state, to_device(norm)
 
     def step_fn(state: TrainState, batch):

@@ -28,7 +28,6 @@ from zjax.distributed import detect, initialize
 from zjax.errors import ConfigError
 from zjax.loop import Loop, resolve_loop
 from zjax.mesh import make_mesh
-from zjax.offload import state_bytes
 from zjax.optim import make_optimizer, make_schedule
 from zjax.partition.plan import bytes_per_device
 from zjax.step import TrainState, ZeroStep, make_step
@@ -190,18 +189,19 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
     memory = _memory(compiled)
     memory["state_bytes"] = bytes_per_device(zstep.abstract_state, zstep.state_shardings)
-    # memory_analysis() does not tell host from device bytes on CPU: count by memory kind
-    placed = state_bytes(zstep.abstract_state)
-    memory["state_device_bytes"], memory["state_host_bytes"] = placed["device"], placed["host"]
     planned = report(zstep, compiled, grad_accum=config.train.grad_accum,
                      remat=getattr(config.model, "remat", None))
     info("%s", planned.table())
+    # memory_analysis() does not tell host from device bytes on CPU: the plan counts by kind
+    memory["state_host_bytes"] = planned.per_device["host_bytes"]
+    memory["state_device_bytes"] = memory["state_bytes"] - memory["state_host_bytes"]
     # predicted (the ZeRO paper's formula) beside what the compiled step holds
     memory["model_state_bytes"] = planned.per_device["model_state_bytes"]
     memory["predicted_model_state_bytes"] = planned.formula["model_state_bytes"]
     info("compiled step, per device: state %.2f MiB on device + %.2f MiB in host memory, "
-         "temp %.2f MiB, peak %.2f MiB", placed["device"] / 2**20, placed["host"] / 2**20,
-         memory["memory_temp_bytes"] / 2**20, memory["memory_peak_bytes"] / 2**20)
+         "temp %.2f MiB, peak %.2f MiB", memory["state_device_bytes"] / 2**20,
+         memory["state_host_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
+         memory["memory_peak_bytes"] / 2**20)
 
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", config.checkpoint) if run_dir else None
     restored = ckpt.restore_latest(zstep) if ckpt is not None else None

@@ -3,6 +3,7 @@
 from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 from zjax.offload.host import (
     check_memory_kind,
+    global_norm,
     on_host,
     on_host_compute,
     state_bytes,
@@ -14,6 +15,7 @@ __all__ = [
     "OffloadConfig",
     "OptimizerOffloadConfig",
     "check_memory_kind",
+    "global_norm",
     "on_host",
     "on_host_compute",
     "state_bytes",

@@ -6,22 +6,26 @@ there through its in/out shardings. Inside the step :func:`to_device` / :func:`t
 values by memory space (``jax.device_put`` with ``jax.memory.Space``); on GPU and TPU XLA turns
 them into host<->device copies. XLA:CPU has one memory, so there the moves compile to nothing and
 only the placement of the step's arguments and results (``S(5)`` in its entry layout) shows them.
+:func:`global_norm` is a norm that, unlike optax's, also runs on host-memory values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding
 
 from zjax.errors import ConfigError
 
-__all__ = ["check_memory_kind", "on_host", "on_host_compute", "state_bytes", "to_device",
-           "to_host"]
+__all__ = ["check_memory_kind", "global_norm", "on_host", "on_host_compute", "state_bytes",
+           "to_device", "to_host"]
 
 _IS_SHARDING = lambda x: isinstance(x, NamedSharding)
 
@@ -52,6 +56,16 @@ def to_host(tree: Any) -> Any:
 def on_host_compute(enabled: bool):
     """``compute_on("device_host")`` when ``enabled``, else a null context."""
     return compute_on("device_host") if enabled else contextlib.nullcontext()
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """The L2 norm of all leaves of ``tree``, computable on host-memory values.
+
+    ``optax.tree.norm`` adds each leaf's ``.imag``, a zero created in device memory, which JAX
+    refuses to mix with host-memory values under ``compute_on("device_host")``.
+    """
+    return jnp.sqrt(functools.reduce(
+        operator.add, [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]))
 
 
 def state_bytes(abstract: Any) -> dict[str, int]:
