@@ -92,7 +92,7 @@ def test_budget_picks_the_least_communicating_config_that_fits():
         return cache[key]
 
     space = dict(stages=(0, 2, 3), offloads=("none",), grad_accum=(1,), prefetch=(0,),
-                 remat=(True,))
+                 remat=(True,), model=(1,))
     tune = functools.partial(_autotune, config, compile_report=compiled, n_devices=8, **space)
     reports = {c.stage: r for c, r in tune(budget_bytes=2**40).rows}
     totals = {s: r.per_device["total_bytes"] for s, r in reports.items()}

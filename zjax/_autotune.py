@@ -1,11 +1,12 @@
 """``zjax plan --budget``: the best-communicating configuration that fits a memory budget.
 
 Every candidate is compiled (nothing allocated) and judged on its exact figures. Collective
-bytes depend only on the stage and the number of micro-batches (offload, prefetch and remat
-move no collective bytes), so the search compiles one candidate per (stage, grad_accum) group
-to rank the groups, then walks them from the least communicating, trying each group's
-variants from the most to the least preferred (least offload, no remat, deepest prefetch);
-the first variant that fits is the answer. DeepSpeed's autotuner runs experiments instead.
+bytes depend only on the stage, the number of micro-batches and the ``model`` axis size
+(offload, prefetch and remat move no collective bytes), so the search compiles one candidate
+per (stage, grad_accum, model) group to rank the groups, then walks them from the least
+communicating, trying each group's variants from the most to the least preferred (least
+offload, no remat, deepest prefetch); the first variant that fits is the answer. DeepSpeed's
+autotuner runs experiments instead.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Candidate:
     offload: str = "none"
     prefetch: int | None = None
     remat: bool | None = None
+    model: int = 1
 
     def apply(self, config: Config) -> Config:
         """``config`` with this candidate's settings."""
@@ -59,7 +61,8 @@ class Candidate:
         model = config.model
         if self.remat is not None:
             model = dataclasses.replace(model, remat=self.remat)
-        return dataclasses.replace(config, zero=zero, model=model,
+        mesh = dataclasses.replace(config.mesh, data=-1, model=self.model)
+        return dataclasses.replace(config, zero=zero, model=model, mesh=mesh,
                                    train=dataclasses.replace(config.train,
                                                              grad_accum=self.grad_accum))
 
@@ -83,11 +86,12 @@ class TuneResult:
 
     def table(self) -> str:
         lines = [f"budget {_size(self.budget_bytes)} per device; best first:",
-                 f"  {'fits':<5}{'stage':>6}{'offload':>17}{'prefetch':>9}{'accum':>6}"
-                 f"{'remat':>6}{'device total':>14}{'host':>12}{'wire/step':>13}"]
+                 f"  {'fits':<5}{'model':>6}{'stage':>6}{'offload':>17}{'prefetch':>9}"
+                 f"{'accum':>6}{'remat':>6}{'device total':>14}{'host':>12}{'wire/step':>13}"]
         for cand, r in self.rows:
             lines.append(
-                f"  {'yes' if r.fits(self.budget_bytes) else 'no':<5}{cand.stage:>6}"
+                f"  {'yes' if r.fits(self.budget_bytes) else 'no':<5}{cand.model:>6}"
+                f"{cand.stage:>6}"
                 f"{cand.offload:>17}{cand.prefetch!s:>9}{cand.grad_accum:>6}"
                 f"{cand.remat!s:>6}{_size(r.per_device['total_bytes']):>14}"
                 f"{_size(r.per_device['host_bytes']):>12}"
@@ -95,13 +99,14 @@ class TuneResult:
         return "\n".join(lines)
 
 
-def _variants(stage: int, grad_accum: int, *, offloads, prefetch, remat) -> list[Candidate]:
+def _variants(stage: int, grad_accum: int, model: int, *, offloads, prefetch,
+              remat) -> list[Candidate]:
     """A group's candidates, most preferred first."""
     out = []
     for off in offloads if stage else ("none",):
         for r in remat if stage < 3 else (None,):
             for p in prefetch if stage == 3 else (None,):
-                out.append(Candidate(stage, grad_accum, off, p, r))
+                out.append(Candidate(stage, grad_accum, off, p, r, model))
     return out
 
 
@@ -116,6 +121,7 @@ def autotune(
     prefetch: Sequence[int] = (2, 1, 0),
     grad_accum: Sequence[int] = (1, 2, 4),
     remat: Sequence[bool] = (False, True),
+    model: Sequence[int] | None = None,
     runners_up: int = 2,
 ) -> TuneResult:
     """The fitting configuration with the fewest collective bytes, then the least offload.
@@ -125,12 +131,18 @@ def autotune(
       budget_bytes: device memory per device (the compiled peak must not exceed it).
       compile_report: ``compile_report(config) -> PlanReport``, raising ConfigError for a
         configuration that cannot be built (e.g. an offload a stage does not support).
-      n_devices: devices on the data axis (to skip micro-batch counts that do not divide).
+      n_devices: devices in the mesh (``data`` x ``model``).
       stages, offloads, prefetch, grad_accum, remat: the search space.
+      model: ``model`` axis sizes to try (default: every divisor of ``n_devices`` up to 8;
+        sizes the model cannot split, e.g. not dividing its heads, are skipped).
       runners_up: how many further fitting groups to report after the best.
     """
     has_remat = any(f.name == "remat" for f in dataclasses.fields(config.model))
-    local = config.data.batch_size // max(1, n_devices)
+    sizes = [m for m in (model or range(1, min(8, n_devices) + 1)) if n_devices % m == 0]
+    if not sizes:
+        raise ConfigError(f"--budget: no model axis size in {tuple(model or ())} divides the "
+                          f"{n_devices} devices")
+    local = lambda m: config.data.batch_size // max(1, n_devices // m)
     rows: list[tuple[Candidate, PlanReport]] = []
     seen: dict[Candidate, PlanReport | None] = {}
 
@@ -143,35 +155,44 @@ def autotune(
                 seen[cand] = None  # not a valid combination (its build says why)
         return seen[cand]
 
-    # the leanest candidate first: if even it does not fit, nothing will (one compile)
-    accums = [ga for ga in grad_accum if local % ga == 0]
+    # the leanest candidate first: if even it does not fit, nothing will (one compile); the
+    # widest model axis the model accepts is the leanest
+    accums = [ga for ga in grad_accum if local(sizes[0]) % ga == 0]
     if not accums:
         raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
-                          f"local batch of {local} (data.batch_size / devices)")
-    lean = Candidate(max(stages), max(accums), offloads[-1] if max(stages) else "none",
-                     min(prefetch) if max(stages) == 3 else None,
-                     (True if True in remat else None) if has_remat and max(stages) < 3
-                     else None)
-    leanest = evaluate(lean)
+                          f"local batch of {local(sizes[0])} (data.batch_size / devices)")
+    leanest = lean = None
+    for m in sorted(sizes, reverse=True):
+        lean = Candidate(max(stages), max(ga for ga in accums if local(m) % ga == 0),
+                         offloads[-1] if max(stages) else "none",
+                         min(prefetch) if max(stages) == 3 else None,
+                         (True if True in remat else None) if has_remat and max(stages) < 3
+                         else None, m)
+        leanest = evaluate(lean)
+        if leanest is not None:
+            break
     if leanest is not None and not leanest.fits(budget_bytes):
         raise ConfigError(
             f"--budget: {_size(budget_bytes)} per device fits no configuration; the smallest "
-            f"needs {_size(leanest.per_device['total_bytes'])} (stage {lean.stage}, offload "
-            f"{lean.offload}, prefetch {lean.prefetch}, grad_accum {lean.grad_accum}, remat "
-            f"{lean.remat})")
+            f"needs {_size(leanest.per_device['total_bytes'])} (model {lean.model}, stage "
+            f"{lean.stage}, offload {lean.offload}, prefetch {lean.prefetch}, grad_accum "
+            f"{lean.grad_accum}, remat {lean.remat})")
     groups = {}
-    for stage in stages:
-        for ga in grad_accum:
-            if local % ga:
-                continue
-            variants = _variants(stage, ga, offloads=offloads, prefetch=prefetch,
-                                 remat=remat if has_remat else (None,))
-            first = next((r for r in map(evaluate, variants[:1]) if r is not None), None)
-            if first is not None:
-                groups[stage, ga] = (first, variants)
+    for m in sizes:
+        for stage in stages:
+            for ga in grad_accum:
+                if local(m) % ga:
+                    continue
+                variants = _variants(stage, ga, m, offloads=offloads, prefetch=prefetch,
+                                     remat=remat if has_remat else (None,))
+                first = next((r for r in map(evaluate, variants[:1]) if r is not None), None)
+                if first is not None:
+                    groups[stage, ga, m] = (first, variants)
     if not groups:
         raise ConfigError("--budget: no configuration in the search space could be built")
-    order = sorted(groups, key=lambda g: (groups[g][0].collectives["wire_bytes"], g[1], -g[0]))
+    # least wire first; then fewer micro-batches, higher stage (less memory), narrower model
+    order = sorted(groups, key=lambda g: (groups[g][0].collectives["wire_bytes"], g[1], -g[0],
+                                          g[2]))
     fits: list[tuple[Candidate, PlanReport]] = []
     for g in order:
         first, variants = groups[g]
@@ -187,8 +208,9 @@ def autotune(
         c, r = leanest
         raise ConfigError(
             f"--budget: {_size(budget_bytes)} per device fits no configuration; the smallest "
-            f"needs {_size(r.per_device['total_bytes'])} (stage {c.stage}, offload {c.offload},"
-            f" prefetch {c.prefetch}, grad_accum {c.grad_accum}, remat {c.remat})")
+            f"needs {_size(r.per_device['total_bytes'])} (model {c.model}, stage {c.stage}, "
+            f"offload {c.offload}, prefetch {c.prefetch}, grad_accum {c.grad_accum}, remat "
+            f"{c.remat})")
     best_cand, best = fits[0]
     rest = sorted((cr for cr in rows if not cr[1].fits(budget_bytes)),
                   key=lambda cr: cr[1].per_device["total_bytes"])

@@ -4,6 +4,10 @@ The step is lowered from ``ShapeDtypeStruct``s (nothing allocated) and compiled;
 from ``compiled.memory_analysis()`` and the state's shardings (host vs device by memory kind),
 collective bytes from the compiled HLO (:mod:`zjax.hlo`). Beside them: the ZeRO paper's
 model-state formula for the same Ψ, N and dtypes. See ``docs/memory-model.md``.
+
+On a ``data`` x ``model`` mesh, collective bytes are also split by the mesh axes they run over
+(ZeRO's gathers and reduce-scatters over ``data``, tensor parallelism's all-reduces over
+``model``), and the formula takes Ψ as the parameters one ``model`` slice holds.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ class PlanReport:
 
     Attributes:
       n_params: total parameter count Ψ.
-      n_devices: devices on the ``data`` axis N.
-      setting: the knobs the autotuner varies (stage, offload, prefetch, grad_accum, remat).
+      n_devices: devices in the mesh (``data`` x ``model``).
+      setting: the knobs the autotuner varies (stage, offload, prefetch, grad_accum, remat,
+        and ``mesh``: the ``data`` and ``model`` axis sizes).
       per_device: ``params_bytes`` (stored params), ``grads_bytes`` (reduced gradients in
         ``zero.reduce_dtype``, transient), ``optimizer_bytes`` (float32 master and optax state),
         ``model_state_bytes`` (their sum), ``temp_bytes`` (compiled temporaries: activations,
@@ -39,9 +44,12 @@ class PlanReport:
         (tensor bytes per step, read off the compiled HLO) and ``wire_bytes`` (what a ring
         moves: an all-reduce counts twice), the autotuner's measure of communication.
       formula: the ZeRO paper's ``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and
-        ``model_state_bytes`` for the same Ψ, N, stage and dtypes.
-      replicated_leaves: ``{path, shape, reason}`` of each leaf kept whole on every device.
+        ``model_state_bytes`` for the same Ψ, N, stage and dtypes (N the ``data`` axis, Ψ the
+        parameters of one ``model`` slice: split leaves count ``1/model``).
+      replicated_leaves: ``{path, shape, reason}`` of each leaf kept whole over ``data``.
       notes: caveats of this backend (e.g. XLA:CPU reducing in float32).
+      collectives_by_axis: ``{axes: {kind: bytes}}``: the same collectives by the mesh axes
+        they span (``data``, ``model``, ``data+model``).
     """
 
     n_params: int
@@ -52,6 +60,7 @@ class PlanReport:
     formula: dict[str, int]
     replicated_leaves: list[dict[str, Any]]
     notes: list[str] = dataclasses.field(default_factory=list)
+    collectives_by_axis: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -67,9 +76,12 @@ class PlanReport:
         """The human-readable report."""
         d, f, c = self.per_device, self.formula, self.collectives
         s = self.setting
+        mesh = s.get("mesh") or {}
+        shape = f" (data {mesh['data']} x model {mesh['model']})" if mesh.get("model", 1) > 1 \
+            else ""
         lines = [
-            f"zjax plan: {self.n_params:,} parameters on {self.n_devices} devices, ZeRO stage "
-            f"{s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, grad_accum "
+            f"zjax plan: {self.n_params:,} parameters on {self.n_devices} devices{shape}, ZeRO "
+            f"stage {s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, grad_accum "
             f"{s['grad_accum']}, remat {s['remat']}",
             f"  {'per device':<22}{'compiled':>14}{'ZeRO paper':>14}",
         ]
@@ -85,6 +97,10 @@ class PlanReport:
                 f"{k.removesuffix('_bytes').replace('_', '-')} {_size(v)}"
                 for k, v in c.items()),
         ]
+        if len(self.collectives_by_axis) > 1 or mesh.get("model", 1) > 1:
+            lines += [f"    over {axes}: " + ", ".join(f"{k.replace('_', '-')} {_size(v)}"
+                                                       for k, v in kinds.items())
+                      for axes, kinds in self.collectives_by_axis.items()]
         if self.replicated_leaves:
             lines.append(f"  replicated leaves ({len(self.replicated_leaves)}):")
             lines += [f"    {r['path']} {tuple(r['shape'])}: {r['reason']}"
@@ -127,8 +143,12 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     zero = plan.zero
     shard = lambda tree: bytes_per_device(tree, jax.tree.map(lambda x: x.sharding, tree))
     n_params = sum(leaf.size for leaf in plan.leaves)
+    # what one model slice holds: tensor parallelism divides the split leaves
+    slice_params = sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
+                       for leaf in plan.leaves)
     reduce = zero.reduce  # the configured dtype: the one an accelerator reduces in
     grads = sum(leaf.size // (plan.n_data if leaf.dim is not None and zero.stage >= 2 else 1)
+                // (plan.n_model if leaf.model_dim is not None else 1)
                 for leaf in plan.leaves) * reduce.itemsize
     optimizer = shard(a.opt_state) + (shard(a.master) if a.master is not None else 0)
     params = shard(a.params)
@@ -136,7 +156,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     mem = compiled.memory_analysis()
     peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
             - mem.alias_size_in_bytes)
-    coll = collective_bytes(compiled.as_text())
+    coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape))
     # K of the paper: float32 master plus the optimizer's per-parameter state
     k = 4 + _nbytes(a.opt_state) / max(1, n_params)
     notes = []
@@ -150,10 +170,11 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
         "grad_accum": grad_accum,
         "remat": remat,
+        "mesh": {"data": plan.n_data, "model": plan.n_model},
     }
     return PlanReport(
         n_params=n_params,
-        n_devices=plan.n_data,
+        n_devices=plan.n_data * plan.n_model,
         setting=setting,
         per_device={
             "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
@@ -165,12 +186,13 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
                      "reduce_scatter_bytes": coll.reduce_scatter,
                      "all_reduce_bytes": coll.all_reduce,
                      "wire_bytes": coll.wire},
-        formula=formula(n_params, plan.n_data, stage=zero.stage,
+        formula=formula(slice_params, plan.n_data, stage=zero.stage,
                         param_bytes=zero.gather.itemsize, grad_bytes=reduce.itemsize,
                         optimizer_bytes_per_param=k),
         replicated_leaves=[{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                            for leaf in plan.replicated],
         notes=notes,
+        collectives_by_axis=coll.by_axis,
     )
 
 

@@ -1,7 +1,9 @@
 """Collective traffic read off a compiled program's HLO text.
 
 Loop bodies are weighted by their trip count (``known_trip_count`` in the while's backend
-config), so a scan over L layers counts each per-layer collective L times.
+config), so a scan over L layers counts each per-layer collective L times. Given the mesh's axis
+sizes, each collective is also attributed to the mesh axes its replica groups span (device ids
+in a jit-compiled SPMD program are positions in the mesh's row-major device order).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class CollectiveBytes:
     all_to_all: int = 0
     collective_permute: int = 0
     counts: dict = dataclasses.field(default_factory=dict)
+    by_axis: dict = dataclasses.field(default_factory=dict)
 
     @property
     def wire(self) -> int:
@@ -52,7 +55,7 @@ class CollectiveBytes:
         return {"all_gather_bytes": self.all_gather, "reduce_scatter_bytes": self.reduce_scatter,
                 "all_reduce_bytes": self.all_reduce, "all_to_all_bytes": self.all_to_all,
                 "collective_permute_bytes": self.collective_permute, "wire_bytes": self.wire,
-                "counts": dict(self.counts)}
+                "counts": dict(self.counts), "by_axis": dict(self.by_axis)}
 
 
 def _shape_bytes(text: str) -> int:
@@ -74,8 +77,49 @@ def _group_size(line: str) -> int:
     return 1
 
 
-def collective_bytes(hlo_text: str) -> CollectiveBytes:
-    """Sum collective tensor bytes of a compiled module (``compiled.as_text()``)."""
+def _groups(line: str) -> list[list[int]] | None:
+    """The replica groups of a collective (explicit or iota form); None for all devices."""
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
+        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m and m.group(1):
+        groups = re.findall(r"\{([\d,]*)\}", m.group(1))
+        return [[int(x) for x in g.split(",") if x] for g in groups]
+    return None
+
+
+def _axes_of(line: str, mesh_axes: dict[str, int]) -> str:
+    """``data``, ``model``, ``data+model``... : the mesh axes one collective's groups span."""
+    groups = _groups(line)
+    names, sizes = list(mesh_axes), list(mesh_axes.values())
+    if groups is None:  # every device
+        spanned = [n for n, k in zip(names, sizes, strict=True) if k > 1]
+    else:
+        spanned = []
+        for i, name in enumerate(names):
+            for g in groups:
+                coords = {np.unravel_index(d, sizes)[i] for d in g if d < np.prod(sizes)}
+                if len(coords) > 1:
+                    spanned.append(name)
+                    break
+    return "+".join(spanned) or "none"
+
+
+def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None
+                     ) -> CollectiveBytes:
+    """Sum collective tensor bytes of a compiled module (``compiled.as_text()``).
+
+    Args:
+      hlo_text: the compiled module's text.
+      mesh_axes: the mesh's axis sizes in order (``dict(mesh.shape)``): fills ``by_axis``,
+        ``{axes: {kind: bytes}}`` per combination of mesh axes a collective spans.
+    """
     comps: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -120,6 +164,7 @@ def collective_bytes(hlo_text: str) -> CollectiveBytes:
     visit(entry, 1.0)
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, float] = defaultdict(float)
+    by_axis: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for name, w in weight.items():
         for line in comps[name]:
             m = _OP.match(_COMMENT.sub("", line))
@@ -133,5 +178,9 @@ def collective_bytes(hlo_text: str) -> CollectiveBytes:
                 nbytes *= _group_size(line)
             sums[kind] += w * nbytes
             counts[kind] += w
+            if mesh_axes:
+                by_axis[_axes_of(line, mesh_axes)][kind] += w * nbytes
     return CollectiveBytes(**{k: int(v) for k, v in sums.items()},
-                           counts={k: int(v) for k, v in counts.items()})
+                           counts={k: int(v) for k, v in counts.items()},
+                           by_axis={a: {k: int(v) for k, v in d.items()}
+                                    for a, d in sorted(by_axis.items())})

@@ -11,12 +11,14 @@ import os
 import re
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zjax._schema import choices
 from zjax.errors import ConfigError
 
-__all__ = ["DATA", "MODEL", "MeshConfig", "make_mesh", "simulate_cpu_devices"]
+__all__ = ["DATA", "MODEL", "MeshConfig", "make_mesh", "process_batch_slice",
+           "simulate_cpu_devices"]
 
 DATA = "data"
 MODEL = "model"
@@ -28,7 +30,8 @@ class MeshConfig:
 
     Attributes:
       data: size of the ``data`` axis (ZeRO shards along it).
-      model: size of the ``model`` axis (tensor parallelism; 1 for now).
+      model: size of the ``model`` axis (tensor parallelism: the model's heads and MLP
+        hidden units are split over it; ZeRO shards over ``data``).
       distributed: join a multi-process job through ``jax.distributed``: ``auto`` when the
         environment says this process is one of several (``zjax launch``, ``ZJAX_*``
         variables, SLURM, Open MPI), ``on`` to require it, ``off`` to run alone.
@@ -85,3 +88,25 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
     return jax.make_mesh(
         (data, model), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices
     )
+
+
+def process_batch_slice(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
+    """Which of ``count`` equal slices of each global batch this process loads: ``(i, count)``.
+
+    The batch is split over ``data`` only, so processes whose devices sit at the same ``data``
+    coordinates (a ``model`` axis spanning processes) load the same slice.
+    """
+    process_index = jax.process_index() if process_index is None else process_index
+    axis = mesh.axis_names.index(DATA)
+    rows: dict[int, set] = {}
+    for idx in np.ndindex(mesh.devices.shape):
+        rows.setdefault(mesh.devices[idx].process_index, set()).add(idx[axis])
+    slices = sorted({tuple(sorted(r)) for r in rows.values()})
+    flat = [i for s in slices for i in s]
+    if len(flat) != len(set(flat)) or len({len(s) for s in slices}) != 1:
+        raise ConfigError(
+            f"mesh: data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} gives the processes "
+            f"overlapping or unequal slices of the data axis ({slices}); choose axis sizes "
+            "whose data rows divide evenly among the processes"
+        )
+    return slices.index(tuple(sorted(rows[process_index]))), len(slices)

@@ -92,7 +92,7 @@ def autotune(config: Config, *, budget: int | str, devices: int | None = None,
     Args:
       config: the starting configuration.
       budget: device memory per device, in bytes or as text (``"80GiB"``).
-      devices: devices on the ``data`` axis, at most this process's (the CLI ``zjax plan
+      devices: devices in the mesh, at most this process's (the CLI ``zjax plan
         --budget B --devices N`` simulates more).
       **space: narrows the search (``stages``, ``offloads``, ``prefetch``, ``grad_accum``,
         ``remat``; see :func:`zjax._autotune.autotune`).

@@ -1,9 +1,14 @@
 """The train step: pjit outside, explicit ZeRO inside.
 
 1. ``jax.jit`` with in/out shardings from the :class:`~zjax.partition.ShardPlan`, state donated.
-2. Inside, ``jax.shard_map`` manual over ``data`` runs loss and grads per replica on its local
-   batch (micro-batched for gradient accumulation). At stage 3 params enter as shards and are
-   gathered on use; gradients leave reduce-scattered (stage 2-3) or all-reduced.
+2. Inside, ``jax.shard_map`` manual over ``data`` and ``model`` runs loss and grads per replica
+   on its local batch (micro-batched for gradient accumulation). At stage 3 params enter as
+   shards and are gathered over ``data`` on use; gradients leave reduce-scattered (stage 2-3)
+   or all-reduced over ``data``. Leaves the rules split over ``model`` stay split: the model
+   computes on its tensor-parallel slices with Megatron's operators
+   (:mod:`zjax.nn.tensor_parallel`), so the ZeRO collectives move ``1/model`` of each leaf.
+   (A region manual over ``data`` only, with ``model`` left to GSPMD, is what one would like;
+   XLA then all-gathers every weight over ``model`` at the region's entry, losing the split.)
 3. The optax update runs outside the ``shard_map`` on sharded arrays, so global reductions
    (``clip_by_global_norm``) see the whole tree.
 4. Offload (:mod:`zjax.offload`): state placed in host memory through the in/out shardings is
@@ -32,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ConfigError
-from zjax.mesh import DATA
+from zjax.mesh import DATA, MODEL
 from zjax.offload import (
     check_memory_kind,
     global_norm,
@@ -206,7 +211,8 @@ def make_step(
     if micro_batches < 1:
         raise ConfigError(f"train.grad_accum: must be >= 1, got {micro_batches}")
     abstract_params = jax.eval_shape(trainable.init, jax.random.key(0))
-    plan = make_plan(abstract_params, zero, mesh, stacked=trainable.stacked)
+    plan = make_plan(abstract_params, zero, mesh, stacked=trainable.stacked,
+                     logical_axes=trainable.logical_axes)
     _check_offload(plan, mesh)
     stored_dtypes = plan.tree(plan.stored_param_dtype(leaf) for leaf in plan.leaves)
 
@@ -283,7 +289,7 @@ def make_step(
         mesh=mesh,
         in_specs=(plan.param_specs, P(DATA)),
         out_specs=(plan.grad_specs, P()),
-        axis_names={DATA},
+        axis_names={DATA, MODEL},
         check_vma=False,
     )
 
@@ -335,7 +341,7 @@ def make_step(
 
     evaluate = jax.jit(
         jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs, P(DATA)),
-                      out_specs=P(), axis_names={DATA}, check_vma=False),
+                      out_specs=P(), axis_names={DATA, MODEL}, check_vma=False),
         in_shardings=(shardings.params, batch_sharding),
     )
     init = jax.jit(init_fn, out_shardings=shardings)

@@ -43,11 +43,14 @@ class Trainable:
       loss: ``loss(params, batch, plan) -> (loss_sum, count)``: ``params`` as stored by the plan
         (shards at stage 3), run inside the step's ``shard_map``.
       stacked: predicate on a leaf path: True where dimension 0 stacks layers.
+      logical_axes: a leaf's logical dimension names by path (None when it names none); the
+        rules of :mod:`zjax.partition.rules` split some of them over the ``model`` axis.
     """
 
     init: Callable[[jax.Array], Params]
     loss: Callable[[Params, Any, ShardPlan], LossOut]
     stacked: Callable[[str], bool] = lambda path: False
+    logical_axes: Callable[[str], tuple[str | None, ...] | None] = lambda path: None
 
 
 def _zero_args(plan: ShardPlan) -> dict:
@@ -93,11 +96,15 @@ def _shape_guard(fn: Callable[..., LossOut], plan: ShardPlan) -> Callable[..., L
 def from_pytree(
     init: Callable[[jax.Array], Params],
     loss_fn: Callable[[Params, Any], LossOut],
+    *,
+    logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None,
 ) -> Trainable:
     """Train any params pytree with a pure ``loss_fn(params, batch) -> (sum, count)``.
 
     At stage 3 every sharded leaf is gathered once on access (re-gathered in backward) and its
     gradient reduce-scattered; a leaf used several times has its gradients summed first.
+    ``logical_axes`` names a leaf's dimensions by path for tensor parallelism (the loss then
+    computes on local slices, see :mod:`zjax.nn.tensor_parallel`).
     """
 
     def loss(params, batch, plan: ShardPlan):
@@ -107,7 +114,8 @@ def from_pytree(
         run = gather_on_access(loss_fn, plan.dims, **_zero_args(plan))
         return _shape_guard(run, plan)(params, batch)
 
-    return Trainable(init=init, loss=loss)
+    return Trainable(init=init, loss=loss,
+                     **({"logical_axes": logical_axes} if logical_axes else {}))
 
 
 def from_nnx(
@@ -124,6 +132,10 @@ def from_nnx(
     if jax.tree.leaves(rest):
         raise ValueError("zjax trains models whose state is nnx.Param only; found other state")
     prefixes = tuple(f"{path}/layers/" for path, _ in iter_stacks(abstract))
+    names = {  # Flax's logical axis names (``out_sharding`` metadata) by leaf path
+        "/".join(map(str, path)): tuple(var.get_metadata().get("out_sharding") or ()) or None
+        for path, var in nnx.iter_graph(abstract) if isinstance(var, nnx.Param)
+    }
 
     def stacked(path: str) -> bool:
         return path.startswith(prefixes)
@@ -165,4 +177,4 @@ def from_nnx(
 
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
-    return Trainable(init=init, loss=loss, stacked=stacked)
+    return Trainable(init=init, loss=loss, stacked=stacked, logical_axes=names.get)

@@ -27,7 +27,7 @@ from zjax.config import Config, load_config
 from zjax.distributed import detect, initialize
 from zjax.errors import ConfigError
 from zjax.loop import Loop, resolve_loop
-from zjax.mesh import make_mesh
+from zjax.mesh import make_mesh, process_batch_slice
 from zjax.optim import make_optimizer, make_schedule
 from zjax.partition.plan import bytes_per_device
 from zjax.step import TrainState, ZeroStep, make_step
@@ -173,7 +173,9 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
                       micro_batches=config.train.grad_accum)
 
-    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    # processes that share data rows (a model axis across processes) load the same slice
+    index, count = process_batch_slice(mesh)
+    shard = dict(process_index=index, process_count=count)
     train_data = loop.data(config.data, split="train", seed=config.train.seed, **shard)
     eval_data = None
     if config.train.eval_every:
@@ -181,7 +183,7 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
 
     def put(local: Any) -> jax.Array:
         local = np.asarray(local)
-        global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+        global_shape = (local.shape[0] * count, *local.shape[1:])
         zstep.check_batch(global_shape)
         return jax.make_array_from_process_local_data(zstep.batch_sharding, local, global_shape)
 

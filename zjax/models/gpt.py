@@ -2,6 +2,11 @@
 
 Weights compute in whatever dtype they arrive in (zjax hands them over in ``zero.gather_dtype``);
 normalisation statistics, softmax and logits are float32.
+
+Every weight names its dimensions (``out_sharding`` metadata, Flax's logical axes): ``embed``,
+``heads``, ``mlp``, ``vocab``. On a mesh with ``model`` > 1 the rules split heads and the MLP
+hidden dimension (Megatron's layout), a block receives its local slices and computes with local
+head counts, and :mod:`zjax.nn.tensor_parallel` marks where partial results are summed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zjax.errors import ConfigError
-from zjax.nn import Stack
+from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
 
@@ -60,13 +65,16 @@ class GPTConfig:
         return self.d_ff or 4 * self.d_model
 
 
-def _param(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+def _param(rngs: nnx.Rngs, shape, std: float, axes: tuple[str | None, ...]) -> nnx.Param:
+    # logical axis names only: zjax places the weights, so Flax must not shard them eagerly
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
+                     out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, d: int):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=("embed",),
+                               eager_sharding=False)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
@@ -75,35 +83,46 @@ class RMSNorm(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm causal self-attention and GELU MLP, no biases."""
+    """Pre-norm causal self-attention and GELU MLP, no biases.
+
+    QKV and up projections are column-parallel, the output and down projections row-parallel:
+    with the weights split over ``model`` each device runs ``n_heads / model`` heads and
+    ``d_ff / model`` hidden units, and two all-reduces per block sum the partial outputs.
+    """
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         d, ff = cfg.d_model, cfg.ff
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
         self.n_heads = cfg.n_heads
         self.ln1 = RMSNorm(d)
-        self.wq = _param(rngs, (d, d), 0.02)
-        self.wk = _param(rngs, (d, d), 0.02)
-        self.wv = _param(rngs, (d, d), 0.02)
-        self.wo = _param(rngs, (d, d), out_std)
+        self.wq = _param(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wk = _param(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wv = _param(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wo = _param(rngs, (d, d), out_std, ("heads", "embed"))
         self.ln2 = RMSNorm(d)
-        self.w_up = _param(rngs, (d, ff), 0.02)
-        self.w_down = _param(rngs, (ff, d), out_std)
+        self.w_up = _param(rngs, (d, ff), 0.02, ("embed", "mlp"))
+        self.w_down = _param(rngs, (ff, d), out_std, ("mlp", "embed"))
 
     def __call__(self, x):
         b, t, d = x.shape
-        h, hd = self.n_heads, d // self.n_heads
-        y = self.ln1(x)
-        q = (y @ self.wq[...]).reshape(b, t, h, hd)
+        hd = d // self.n_heads
+        m = model_axis_size()
+        if self.n_heads % m:
+            raise ConfigError(f"mesh.model: {m} does not divide model.n_heads {self.n_heads} "
+                              "(attention heads are split over the model axis)")
+        wq = self.wq[...]
+        h = wq.shape[-1] // hd  # this device's heads
+        y = column_parallel_input(self.ln1(x))
+        q = (y @ wq).reshape(b, t, h, hd)
         k = (y @ self.wk[...]).reshape(b, t, h, hd)
         v = (y @ self.wv[...]).reshape(b, t, h, hd)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(hd)
         causal = jnp.tril(jnp.ones((t, t), bool))
         probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
-        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
-        x = x + att @ self.wo[...]
-        y = self.ln2(x)
-        return x + jax.nn.gelu(y @ self.w_up[...]) @ self.w_down[...]
+        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * hd)
+        x = x + row_parallel_output(att @ self.wo[...])
+        y = column_parallel_input(self.ln2(x))
+        return x + row_parallel_output(jax.nn.gelu(y @ self.w_up[...]) @ self.w_down[...])
 
 
 class GPT(nnx.Module):
@@ -111,13 +130,13 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), 0.02)
-        self.pos = _param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
+        self.pos = _param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01, (None, "embed"))
         self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs,
                             remat=cfg.remat)
         self.ln_f = RMSNorm(cfg.d_model)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), 0.02)
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""

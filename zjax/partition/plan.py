@@ -5,6 +5,11 @@ allocated), the ``zero`` config section and the mesh. For each leaf it picks one
 shard along the ``data`` axis (the largest one that the axis size divides, never the
 stacked-layer dimension) or says why the leaf stays replicated. From that it derives the
 PartitionSpecs of stored params, gradients, fp32 master params and optax state per ZeRO stage.
+
+On a 2-D mesh the model's logical axes (:mod:`zjax.partition.rules`) first split some leaves over
+``model`` (tensor parallelism); ZeRO then shards each leaf over ``data`` along a *different*
+dimension, so a device holds ``1/(data x model)`` of a leaf split both ways, and gathering it
+over ``data`` yields exactly the device's tensor-parallel slice.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ConfigError
-from zjax.mesh import DATA
+from zjax.mesh import DATA, MODEL
 from zjax.partition.config import ZeroConfig
+from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
 
 __all__ = ["LeafPlan", "ShardPlan", "bytes_per_device", "make_plan", "path_str"]
 
@@ -42,6 +48,7 @@ class LeafPlan:
       stacked: whether dimension 0 is a stacked-layer dimension (a ``Stack``'s leaf).
       dim: the dimension sharded over ``data``, or None if the leaf stays replicated.
       reason: why it is replicated (empty when sharded).
+      model_dim: the dimension split over ``model`` (tensor parallelism), or None.
     """
 
     path: str
@@ -50,6 +57,7 @@ class LeafPlan:
     stacked: bool
     dim: int | None
     reason: str = ""
+    model_dim: int | None = None
 
     @property
     def size(self) -> int:
@@ -57,13 +65,28 @@ class LeafPlan:
 
     @property
     def spec(self) -> P:
-        """PartitionSpec of the leaf when sharded (``P()`` when it stays replicated)."""
-        if self.dim is None:
-            return P()
-        return P(*([None] * self.dim + [DATA]))
+        """PartitionSpec of the leaf when ZeRO-sharded: ``data`` on ``dim``, ``model`` on
+        ``model_dim`` (``P()`` for a leaf whole on both axes)."""
+        return self._spec(data=True)
+
+    @property
+    def model_spec(self) -> P:
+        """PartitionSpec of the leaf replicated over ``data`` (still split over ``model``)."""
+        return self._spec(data=False)
+
+    def _spec(self, *, data: bool) -> P:
+        axes = [None] * len(self.shape)
+        if data and self.dim is not None:
+            axes[self.dim] = DATA
+        if self.model_dim is not None:
+            axes[self.model_dim] = MODEL
+        while axes and axes[-1] is None:
+            axes.pop()
+        return P(*axes)
 
 
-def _choose_dim(shape, *, n: int, stacked: bool, threshold: int) -> tuple[int | None, str]:
+def _choose_dim(shape, *, n: int, stacked: bool, threshold: int,
+                model_dim: int | None = None) -> tuple[int | None, str]:
     per_layer = int(np.prod(shape[1:] if stacked else shape, dtype=np.int64))
     if n == 1:
         return None, "data axis has size 1"
@@ -71,13 +94,32 @@ def _choose_dim(shape, *, n: int, stacked: bool, threshold: int) -> tuple[int | 
         what = "elements per layer" if stacked else "elements"
         return None, f"persistent: {per_layer} {what} < param_persistence_threshold {threshold}"
     first = 1 if stacked else 0
-    candidates = [d for d in range(first, len(shape)) if shape[d] % n == 0]
+    # never the dimension tensor parallelism already splits: data shards go along another one
+    candidates = [d for d in range(first, len(shape)) if shape[d] % n == 0 and d != model_dim]
     if not candidates:
         dims = shape[first:]
-        return None, f"no dimension of {tuple(dims)} divisible by data={n}"
+        besides = "" if model_dim is None else f" besides the model-split dimension {model_dim}"
+        return None, f"no dimension of {tuple(dims)}{besides} divisible by data={n}"
     # largest dimension; the last one on ties (keeps contiguous shards for row-major matmuls)
     best = max(candidates, key=lambda d: (shape[d], d))
     return best, ""
+
+
+def _model_dim(path, shape, stacked, logical_axes, rules, m) -> int | None:
+    names = logical_axes(path) if logical_axes else None
+    if not names or m == 1:
+        return None
+    names = tuple(names)
+    offset = 1 if stacked and len(names) == len(shape) - 1 else 0
+    if len(names) + offset != len(shape):
+        raise ValueError(f"{path}: logical axes {names} do not match its shape {shape}")
+    dim = model_dim(names, rules, offset=offset)
+    if dim is not None and shape[dim] % m:
+        raise ConfigError(
+            f"mesh.model: {m} does not divide the {names[dim - offset]!r} dimension of {path} "
+            f"(size {shape[dim]}, shape {shape}); use a model axis size that divides {shape[dim]}"
+        )
+    return dim
 
 
 def bytes_per_device(abstract: Any, shardings: Any) -> int:
@@ -106,6 +148,10 @@ class ShardPlan:
     @property
     def n_data(self) -> int:
         return self.mesh.shape[DATA]
+
+    @property
+    def n_model(self) -> int:
+        return self.mesh.shape[MODEL]
 
     def tree(self, values) -> Any:
         return jax.tree.unflatten(self.treedef, list(values))
@@ -138,7 +184,8 @@ class ShardPlan:
 
     @property
     def replicated_specs(self) -> Any:
-        return self.tree(P() for _ in self.leaves)
+        """Specs of leaves replicated over ``data`` (split over ``model`` where the rules say)."""
+        return self.tree(leaf.model_spec for leaf in self.leaves)
 
     # ---- what is stored, per stage ----------------------------------------------------------
     @property
@@ -224,8 +271,12 @@ class ShardPlan:
         host = params * self.params_on_host + master * self.master_on_host \
             + opt * self.opt_on_host
         lines = [
-            f"ZeRO stage {self.zero.stage} on data={self.n_data}: {total:,} parameters in "
-            f"{len(self.leaves)} leaves, {len(self.leaves) - len(self.replicated)} sharded",
+            f"ZeRO stage {self.zero.stage} on data={self.n_data}"
+            + (f" x model={self.n_model}" if self.n_model > 1 else "")
+            + f": {total:,} parameters in {len(self.leaves)} leaves, "
+            f"{len(self.leaves) - len(self.replicated)} sharded over data"
+            + (f", {sum(leaf.model_dim is not None for leaf in self.leaves)} split over model"
+               if self.n_model > 1 else ""),
             f"  params      {params / 2**20:10.2f} MiB/device {where(self.params_on_host)}",
             f"  grads       {grads / 2**20:10.2f} MiB/device (transient, float32)",
             f"  master      {master / 2**20:10.2f} MiB/device "
@@ -239,14 +290,14 @@ class ShardPlan:
         ]
         if self.replicated:
             rep_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in self.replicated)
-            lines.append(
-                f"  replicated leaves ({len(self.replicated)}, {rep_bytes:,} bytes each device):"
-            )
+            lines.append(f"  leaves replicated over data ({len(self.replicated)}, {rep_bytes:,} "
+                         "bytes before any model split):")
             lines += [f"    {leaf.path} {leaf.shape}: {leaf.reason}" for leaf in self.replicated]
         return "\n".join(lines)
 
     def _leaf_bytes(self, leaf: LeafPlan, dtype, sharded: bool) -> int:
         n = self.n_data if sharded and leaf.dim is not None else 1
+        n *= self.n_model if leaf.model_dim is not None else 1
         return leaf.size // n * np.dtype(dtype).itemsize
 
 
@@ -256,37 +307,52 @@ def make_plan(
     mesh: Mesh,
     *,
     stacked: Callable[[str], bool] | None = None,
+    logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None,
+    rules: Rules = DEFAULT_RULES,
 ) -> ShardPlan:
     """Decide the placement of every parameter leaf.
 
     Args:
       abstract_params: params pytree of ``jax.ShapeDtypeStruct`` (or arrays).
       zero: the ``zero`` config section.
-      mesh: a mesh with a ``data`` axis.
+      mesh: a mesh with ``data`` and ``model`` axes.
       stacked: predicate on a leaf's path: True for leaves whose dimension 0 stacks layers.
+      logical_axes: a leaf's logical dimension names by path (a stacked leaf's may omit the
+        layer dimension), or None; :data:`~zjax.partition.rules.DEFAULT_RULES` maps them to
+        ``model``.
+      rules: ``(logical name, mesh axis)`` pairs.
 
     Returns:
       The :class:`ShardPlan`.
 
     Raises:
-      ConfigError: stage 3 was asked for but no leaf can be sharded.
+      ConfigError: stage 3 was asked for but no leaf can be sharded; ``mesh.model`` does not
+        divide a dimension it must split, or the model has nothing to split over it.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
-    n = mesh.shape[DATA]
+    n, m = mesh.shape[DATA], mesh.shape[MODEL]
     leaves = []
     for key_path, leaf in flat:
         path = path_str(key_path)
         is_stacked = bool(stacked and stacked(path))
         shape = tuple(leaf.shape)
+        mdim = _model_dim(path, shape, is_stacked, logical_axes, rules, m)
         if zero.stage == 0:
             dim, reason = None, "stage 0 replicates everything"
         elif not np.issubdtype(leaf.dtype, np.floating):
             dim, reason = None, f"not a float leaf ({leaf.dtype})"
         else:
             dim, reason = _choose_dim(
-                shape, n=n, stacked=is_stacked, threshold=zero.param_persistence_threshold
+                shape, n=n, stacked=is_stacked, threshold=zero.param_persistence_threshold,
+                model_dim=mdim,
             )
-        leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason))
+        leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason, mdim))
+    if m > 1 and all(leaf.model_dim is None for leaf in leaves):
+        raise ConfigError(
+            f"mesh.model: {m}, but the model names no parameter dimension that the rules split "
+            f"over the model axis ({', '.join(k for k, v in rules if v == MODEL)}); annotate "
+            "its weights with logical axes (see zjax.partition.rules) or use mesh.model: 1"
+        )
     plan = ShardPlan(zero, mesh, tuple(leaves), treedef)
     if zero.stage == 3 and n > 1 and len(plan.replicated) == len(leaves):
         raise ConfigError(

@@ -1,0 +1,180 @@
+"""Hybrid parallelism: ZeRO over ``data`` x Megatron tensor parallelism over ``model``."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import zjax
+from tests.helpers import FP32, adam_moments, assert_trees_close, reference_run
+from tests.models import gpt_reference_loss, gpt_trainable, token_batches
+from tests.test_equivalence import make_tx
+from zjax._planning import report as plan_report
+from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
+from zjax.export import export
+from zjax.hlo import collective_bytes
+from zjax.models import GPTConfig
+
+# 4 heads (model = 1, 2, 4 all divide them); d_ff 96 so that no TP slice of one weight has
+# the shape of another whole weight (the HLO test tells them apart by shape)
+CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, d_ff=96, max_seq_len=16)
+MESHES = [(8, 1), (4, 2), (2, 4)]
+
+
+def _zstep(data: int, model: int, *, prefetch: int = 1, stage: int = 3, cfg=CFG, devices=None):
+    zero = zjax.ZeroConfig(stage=stage, prefetch_layers=prefetch, param_persistence_threshold=0,
+                           gather_dtype="float32", reduce_dtype="float32")
+    mesh = zjax.make_mesh(zjax.MeshConfig(data=data, model=model), devices=devices)
+    return zjax.make_step(gpt_trainable(cfg), make_tx(), zero=zero, mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    batches = token_batches(5)
+    return batches, reference_run(gpt_trainable(CFG).init, gpt_reference_loss(CFG), make_tx(),
+                                  batches)
+
+
+@pytest.mark.parametrize(("data", "model"), MESHES)
+def test_stage3_on_2d_meshes_matches_single_device(reference, data, model):
+    """5 steps on each mesh equal single-device optax within fp32 tolerance (FP32)."""
+    batches, (ref_params, ref_opt, ref_losses) = reference
+    zstep = _zstep(data, model)
+    state = zstep.init(jax.random.key(0))
+    losses = []
+    for b in batches:
+        state, metrics = zstep.step(state, zstep.put_batch(b))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state.params, ref_params, **FP32, what="params")
+    mu, nu = adam_moments(state.opt_state)
+    ref_mu, ref_nu = adam_moments(ref_opt)
+    assert_trees_close(mu, ref_mu, **FP32, what="mu")
+    assert_trees_close(nu, ref_nu, rtol=FP32["rtol"], atol=1e-9, what="nu")
+    # every leaf's stored shard is 1/data of it, and 1/model more where the rules split it
+    for leaf, x in zip(zstep.plan.leaves, jax.tree.leaves(state.params), strict=True):
+        shard = x.addressable_shards[0].data.shape
+        expected = list(leaf.shape)
+        expected[leaf.dim] //= data
+        if leaf.model_dim is not None:
+            expected[leaf.model_dim] //= model
+        assert shard == tuple(expected), leaf.path
+
+
+def test_plan_splits_heads_and_mlp_over_model_and_shards_data_elsewhere():
+    plan = _zstep(4, 2).plan
+    by = plan.leaves_by_path
+    # Megatron layout: QKV / up column-parallel, output / down row-parallel (dim 0 stacks layers)
+    for name, mdim in [("wq", 2), ("wk", 2), ("wv", 2), ("w_up", 2), ("wo", 1), ("w_down", 1)]:
+        leaf = by[f"blocks/layers/{name}"]
+        assert leaf.model_dim == mdim and leaf.dim not in (None, 0, mdim), name
+        assert str(leaf.spec) == str(jax.P(None, *(
+            "data" if d == leaf.dim else "model" for d in (1, 2))))
+    for name in ("embed", "pos", "ln_f/scale", "blocks/layers/ln1/scale"):
+        assert by[name].model_dim is None, name
+
+
+def test_4x2_bytes_and_collectives_by_axis():
+    """Split leaves take total/8 per device; ZeRO moves 1/model of them over data, and tensor
+    parallelism all-reduces only activations over model."""
+    zstep = _zstep(4, 2, prefetch=0)
+    plan = zstep.plan
+    compiled = zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32)).compile()
+    a = zstep.abstract_state
+    for leaf, x in zip(plan.leaves, jax.tree.leaves(a.params), strict=True):
+        per_device = np.prod(x.sharding.shard_shape(x.shape)) * 4
+        split = 8 if leaf.model_dim is not None else 4
+        assert per_device * split == leaf.size * 4, leaf.path
+    text = compiled.as_text()
+    coll = collective_bytes(text, mesh_axes=dict(plan.mesh.shape))
+    # each sharded leaf's gradient is reduce-scattered once over data, 1/model of it
+    slice_bytes = sum(leaf.size // (2 if leaf.model_dim is not None else 1) * 4
+                      for leaf in plan.leaves if leaf.dim is not None)
+    assert coll.by_axis["data"]["reduce_scatter"] == slice_bytes
+    assert set(coll.by_axis["model"]) == {"all_reduce"}  # no weight ever moves over model
+    # per layer group: the gathered weights are the TP slices, never whole weights
+    gathered = {m.group(1) for m in re.finditer(r"u32\[([\d,]+)\][^\n]* all-gather\(", text)}
+    assert {"32,48", "48,32", "32,16", "16,32"} <= gathered  # w_up, w_down, wq/k/v, wo
+    assert not gathered & {"32,96", "96,32", "32,32"}
+    # model-axis all-reduces are activations [B/data, T, d_model]: 2 per layer forward, 1 in
+    # the recomputed forward (attention output), 2 in backward (QKV and MLP inputs)
+    ar = [line for line in text.splitlines() if re.search(r" all-reduce\(", line)
+          and "{{0,1},{2,3},{4,5},{6,7}}" in line]
+    assert ar and all("f32[4,16,32]" in line for line in ar)
+    assert coll.by_axis["model"]["all_reduce"] == 5 * CFG.n_layers * 4 * 16 * 32 * 4
+    # the plan reports the same split
+    report = plan_report(zstep, compiled)
+    assert report.collectives_by_axis == coll.by_axis
+    assert report.setting["mesh"] == {"data": 4, "model": 2} and report.n_devices == 8
+
+
+def test_bad_meshes_are_config_errors():
+    with pytest.raises(zjax.ConfigError, match=r"mesh: data=3 x model=2 = 6 does not equal the 8"):
+        zjax.make_mesh(zjax.MeshConfig(data=3, model=2))
+    with pytest.raises(zjax.ConfigError, match=r"mesh.model: 3 does not divide the 8 devices"):
+        zjax.make_mesh(zjax.MeshConfig(model=3))
+    odd_ff = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=36, max_seq_len=16)
+    with pytest.raises(zjax.ConfigError,
+                       match=r"mesh.model: 8 does not divide the 'mlp' dimension of "
+                             r"blocks/layers/w_(up|down) \(size 36"):
+        _zstep(1, 8, cfg=odd_ff)
+    zstep = _zstep(1, 8, cfg=GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
+                                       max_seq_len=16))
+    with pytest.raises(zjax.ConfigError, match=r"mesh.model: 8 does not divide model.n_heads 4"):
+        zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32))
+    # a model that names no dimension for tensor parallelism cannot use a model axis
+    plain = zjax.from_pytree(lambda rng: {"w": jax.random.normal(rng, (8, 8))},
+                             lambda p, b: (jax.numpy.sum(p["w"]) * 0, 1.0))
+    with pytest.raises(zjax.ConfigError, match=r"mesh.model: 2, but the model names no"):
+        zjax.make_step(plain, make_tx(), zero=zjax.ZeroConfig(stage=3),
+                       mesh=zjax.make_mesh(zjax.MeshConfig(model=2)))
+
+
+def _canonical(state, zstep):
+    return jax.tree.map(np.asarray, to_canonical(state, zstep))
+
+
+def _restored(zstep, run):
+    ckpt = Checkpointer(run / "checkpoints", CheckpointConfig())
+    step, state, _, _ = ckpt.restore_latest(zstep)
+    ckpt.close()
+    return step, state
+
+
+def _save(run, step, state, zstep):
+    ckpt = Checkpointer(run / "checkpoints", CheckpointConfig())
+    ckpt.save(step, state, zstep)
+    ckpt.close()  # written before the next step donates the state
+
+
+def test_checkpoints_move_between_mesh_shapes_bitwise(reference, tmp_path):
+    """8x1 -> 4x2 -> 2x4 -> 1 device: each hop restores the previous mesh's checkpoint
+    bitwise, saves it from its own shards and trains on; the export is the same throughout."""
+    batches, _ = reference
+    zstep = _zstep(8, 1)
+    state = zstep.init(jax.random.key(0))
+    for b in batches[:3]:
+        state, _ = zstep.step(state, zstep.put_batch(b))
+    expected = _canonical(state, zstep)
+    runs = [tmp_path / "run8x1"]
+    _save(runs[0], 3, state, zstep)
+    _, metrics = zstep.step(state, zstep.put_batch(batches[3]))
+    next_losses = [float(metrics["loss"])]
+    for data, model, devices in [(4, 2, None), (2, 4, None), (1, 1, jax.devices()[:1])]:
+        zstep = _zstep(data, model, devices=devices)
+        step, state = _restored(zstep, runs[-1])
+        assert step == 3
+        for x, y in zip(jax.tree.leaves(_canonical(state, zstep)), jax.tree.leaves(expected),
+                        strict=True):
+            np.testing.assert_array_equal(x, y)
+        runs.append(tmp_path / f"run{data}x{model}")
+        _save(runs[-1], step, state, zstep)
+        _, metrics = zstep.step(state, zstep.put_batch(batches[3]))
+        next_losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(next_losses, next_losses[0], rtol=1e-6)
+    exports = [export(run, tmp_path / f"{run.name}.safetensors", dtype="float32",
+                           format="safetensors").read_bytes() for run in runs]
+    assert all(e == exports[0] for e in exports[1:])
