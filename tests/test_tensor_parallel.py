@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,16 +18,20 @@ import zjax
 from tests.helpers import FP32, adam_moments, assert_trees_close, reference_run
 from tests.models import gpt_reference_loss, gpt_trainable, token_batches
 from tests.test_equivalence import make_tx
+from zjax._autotune import autotune as _autotune
 from zjax._planning import report as plan_report
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
+from zjax.config import load_config
 from zjax.export import export
 from zjax.hlo import collective_bytes
 from zjax.models import GPTConfig
+from zjax.planner import compile_report
 
 # 4 heads (model = 1, 2, 4 all divide them); d_ff 96 so that no TP slice of one weight has
 # the shape of another whole weight (the HLO test tells them apart by shape)
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, d_ff=96, max_seq_len=16)
 MESHES = [(8, 1), (4, 2), (2, 4)]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _zstep(data: int, model: int, *, prefetch: int = 1, stage: int = 3, cfg=CFG, devices=None):
@@ -178,3 +188,39 @@ def test_checkpoints_move_between_mesh_shapes_bitwise(reference, tmp_path):
     exports = [export(run, tmp_path / f"{run.name}.safetensors", dtype="float32",
                            format="safetensors").read_bytes() for run in runs]
     assert all(e == exports[0] for e in exports[1:])
+
+
+def _plan_cli(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "zjax", "plan", "configs/tiny.yaml",
+                           "model.n_layers=2", "data.seq_len=32", *args], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=ROOT)
+
+
+def test_plan_cli_on_a_2d_mesh():
+    r = _plan_cli("mesh.data=4", "mesh.model=2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["setting"]["mesh"] == {"data": 4, "model": 2} and report["n_devices"] == 8
+    by_axis = report["collectives_by_axis"]
+    assert by_axis["data"]["all_gather"] > 0 and by_axis["data"]["reduce_scatter"] > 0
+    assert set(by_axis["model"]) == {"all_reduce"}
+    # tiny.yaml's 4 heads cannot be split 8 ways: exit 2, the key and sizes, no traceback
+    r = _plan_cli("mesh.model=8")
+    assert r.returncode == 2 and "mesh.model: 8 does not divide model.n_heads 4" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_budget_search_picks_a_model_axis_when_only_it_fits():
+    """Stage 0 alone: splitting the weights over model is what makes a tight budget fit."""
+    config = load_config(ROOT / "configs/tiny.yaml", ["model.n_layers=2", "data.seq_len=32"])
+    space = dict(stages=(0,), offloads=("none",), grad_accum=(1,), remat=(True,), model=(1, 2))
+    tune = functools.partial(_autotune, config, compile_report=lambda c: compile_report(
+        c, jax.devices()), n_devices=8, **space)
+    rows = {c.model: r for c, r in tune(budget_bytes=2**40).rows}
+    totals = {m: r.per_device["total_bytes"] for m, r in rows.items()}
+    assert totals[2] < totals[1]  # params, master and moments of the split leaves halve
+    assert rows[2].per_device["model_state_bytes"] < rows[1].per_device["model_state_bytes"]
+    result = tune(budget_bytes=(totals[1] + totals[2]) // 2)
+    assert result.config.mesh.model == 2 and result.config.mesh.data == -1
+    assert "model" in result.table().splitlines()[1]

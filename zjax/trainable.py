@@ -160,7 +160,10 @@ def from_nnx(
             _, state = nnx.split(stack.layers)
             flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
             layer_leaves = [by_path[f"{path}/layers/{path_str(p)}"] for p, _ in flat]
-            per_layer = sum(leaf.size // leaf.shape[0] for leaf in layer_leaves)
+            # what one device gathers per layer: 1/model of the leaves tensor parallelism splits
+            per_layer = sum(leaf.size // leaf.shape[0]
+                            // (plan.n_model if leaf.model_dim is not None else 1)
+                            for leaf in layer_leaves)
             spec = ScheduleSpec(
                 dims=tuple(leaf.dim for leaf in layer_leaves),
                 prefetch=plan.zero.prefetch_depth(layer_elements=per_layer,
