@@ -4,6 +4,7 @@ across process counts, `zjax launch` ending a job whose child dies, an unreachab
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -162,3 +163,39 @@ def test_unreachable_coordinator_is_a_clear_error():
     assert r.returncode == 2, r.stderr[-2000:]
     assert "the coordinator 127.0.0.1:9 could not be reached within 3 s" in r.stderr
     assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
+
+
+def test_model_axis_across_processes_trains_like_one(runs):
+    """4 processes x 2 devices on a data=2 x model=4 mesh: each model group spans two
+    processes, which load the same slice of every batch; the 5 steps match 1 x 8."""
+    tmp = runs[0]
+    four = _run(_launch(4, 2, *TRAIN, "mesh.data=2", "mesh.model=4", "--run-dir",
+                        str(tmp / "four")))
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "data 2 x model 4" in four.stdout
+    a, b = _restore(tmp / "one", 5), _restore(tmp / "four", 5)
+    assert_trees_close(b["params"], a["params"], **FP32, what="params")
+    assert_trees_close(b["opt_state"], a["opt_state"], **FP32, what="optimizer state")
+    loss = lambda run: json.loads((tmp / run / "metrics.jsonl").read_text())["loss"]
+    np.testing.assert_allclose(loss("four"), loss("one"), rtol=1e-5)
+
+
+class _Dev:
+    def __init__(self, process_index: int):
+        self.process_index = process_index
+
+
+@pytest.mark.parametrize(("shape", "expected"), [
+    ((2, 4), [(0, 2), (1, 2)]),  # model within a process: one data row each
+    ((4, 2), [(0, 2), (1, 2)]),  # two data rows per process
+    ((1, 8), [(0, 1), (0, 1)]),  # one data row across both: the same slice
+])
+def test_process_batch_slice(shape, expected):
+    from types import SimpleNamespace
+
+    from zjax.mesh import process_batch_slice
+
+    devices = np.array([_Dev(i // 4) for i in range(8)], dtype=object).reshape(shape)
+    mesh = SimpleNamespace(axis_names=("data", "model"), devices=devices,
+                           shape={"data": shape[0], "model": shape[1]})
+    assert [process_batch_slice(mesh, p) for p in (0, 1)] == expected

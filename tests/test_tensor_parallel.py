@@ -105,6 +105,7 @@ def test_4x2_bytes_and_collectives_by_axis():
                       for leaf in plan.leaves if leaf.dim is not None)
     assert coll.by_axis["data"]["reduce_scatter"] == slice_bytes
     assert set(coll.by_axis["model"]) == {"all_reduce"}  # no weight ever moves over model
+    assert set(coll.by_axis) == {"data", "model"}  # each collective runs over one axis
     # per layer group: the gathered weights are the TP slices, never whole weights
     gathered = {m.group(1) for m in re.finditer(r"u32\[([\d,]+)\][^\n]* all-gather\(", text)}
     assert {"32,48", "48,32", "32,16", "16,32"} <= gathered  # w_up, w_down, wq/k/v, wo
@@ -224,3 +225,22 @@ def test_budget_search_picks_a_model_axis_when_only_it_fits():
     result = tune(budget_bytes=(totals[1] + totals[2]) // 2)
     assert result.config.mesh.model == 2 and result.config.mesh.data == -1
     assert "model" in result.table().splitlines()[1]
+
+
+@pytest.mark.parametrize(("groups", "axes", "size"), [
+    ("{{0,2,4,6},{1,3,5,7}}", "data", 4),
+    ("[4,2]<=[8]", "model", 2),
+    ("[2,4]<=[4,2]T(1,0)", "data", 4),
+    ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}", "data", 4),
+    ("mesh['axis_0'=1,'axis_1'=4,'axis_2'=2] {'axis_2'}", "model", 2),
+    ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_2'}", "data", 4),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", "data+model", 8),
+    ("{}", "data+model", 1),  # all devices
+])
+def test_replica_group_spellings_map_to_mesh_axes(groups, axes, size):
+    """XLA writes replica groups three ways; each is attributed to the axes it spans on 4x2."""
+    from zjax.hlo import _axes_of, _group_size
+
+    line = f"%x = f32[8] all-reduce(%y), channel_id=1, replica_groups={groups}, to_apply=%r"
+    assert _axes_of(line, {"data": 4, "model": 2}) == axes
+    assert _group_size(line) == size

@@ -68,25 +68,44 @@ def _shape_bytes(text: str) -> int:
 
 
 def _group_size(line: str) -> int:
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
-    if m:
-        return int(m.group(1).split(",")[-1])
-    return 1
+    groups = _groups(line)
+    return len(groups[0]) if groups else 1
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """``[4,2]T(1,0)``: iota over ``dims``, transposed by ``perm``, flattened."""
+    shape = [int(x) for x in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    if perm:
+        ids = ids.transpose([int(x) for x in perm.split(",")])
+    return ids.reshape(-1)
+
+
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r"\s*\{([^}]*)\}")
 
 
 def _groups(line: str) -> list[list[int]] | None:
-    """The replica groups of a collective (explicit or iota form); None for all devices."""
+    """The replica groups of a collective; None for all devices.
+
+    Three spellings: explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[4]``, ``[2,4]<=[4,2]T(1,0)``)
+    and mesh (``mesh['axis_0'=4,'axis_1'=2] {'axis_0'}``, optionally with
+    ``device_ids=([4,2]T(1,0))``: a group per coordinate of the axes not listed).
+    """
+    m = _MESH_GROUPS.search(line)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        sizes = [int(k) for _, k in axes]
+        ids = _iota(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))
+        reduced = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(4)]
+        kept = [i for i in range(len(axes)) if i not in reduced]
+        grid = ids.reshape(sizes).transpose(kept + reduced)
+        return grid.reshape(-1, int(np.prod([sizes[i] for i in reduced]))).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
-        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape[0], -1).tolist()
+        n_groups = int(m.group(1).split(",")[0])
+        return _iota(m.group(2), m.group(3)).reshape(n_groups, -1).tolist()
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
     if m and m.group(1):
         groups = re.findall(r"\{([\d,]*)\}", m.group(1))
