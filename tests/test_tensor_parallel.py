@@ -48,11 +48,12 @@ def reference():
                                   batches)
 
 
-@pytest.mark.parametrize(("data", "model"), MESHES)
-def test_stage3_on_2d_meshes_matches_single_device(reference, data, model):
+@pytest.mark.parametrize(("data", "model", "stage"), [(d, m, 3) for d, m in MESHES]
+                         + [(4, 2, 1)])
+def test_2d_meshes_match_single_device(reference, data, model, stage):
     """5 steps on each mesh equal single-device optax within fp32 tolerance (FP32)."""
     batches, (ref_params, ref_opt, ref_losses) = reference
-    zstep = _zstep(data, model)
+    zstep = _zstep(data, model, stage=stage)
     state = zstep.init(jax.random.key(0))
     losses = []
     for b in batches:
@@ -64,14 +65,35 @@ def test_stage3_on_2d_meshes_matches_single_device(reference, data, model):
     ref_mu, ref_nu = adam_moments(ref_opt)
     assert_trees_close(mu, ref_mu, **FP32, what="mu")
     assert_trees_close(nu, ref_nu, rtol=FP32["rtol"], atol=1e-9, what="nu")
-    # every leaf's stored shard is 1/data of it, and 1/model more where the rules split it
-    for leaf, x in zip(zstep.plan.leaves, jax.tree.leaves(state.params), strict=True):
+    # every leaf's stored shard is 1/data of it (stage 3; the optimizer state's at stage 1),
+    # and 1/model more where the rules split it
+    stored = state.params if stage == 3 else adam_moments(state.opt_state)[0]
+    for leaf, x in zip(zstep.plan.leaves, jax.tree.leaves(stored), strict=True):
         shard = x.addressable_shards[0].data.shape
         expected = list(leaf.shape)
         expected[leaf.dim] //= data
         if leaf.model_dim is not None:
             expected[leaf.model_dim] //= model
         assert shard == tuple(expected), leaf.path
+
+
+def test_bf16_working_copy_on_a_2d_mesh(reference):
+    """Stage 1 with bf16 gathers: a float32 master split both ways, the bf16 working copy
+    all-gathered over data only (still split over model); losses within 1% of float32."""
+    batches, (_, _, ref_losses) = reference
+    zero = zjax.ZeroConfig(stage=1, gather_dtype="bfloat16", param_persistence_threshold=0)
+    zstep = zjax.make_step(gpt_trainable(CFG), make_tx(), zero=zero,
+                           mesh=zjax.make_mesh(zjax.MeshConfig(data=4, model=2)))
+    assert zstep.plan.has_master
+    state = zstep.init(jax.random.key(0))
+    losses = []
+    for b in batches:
+        state, metrics = zstep.step(state, zstep.put_batch(b))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=0.01)
+    w_up = state.params["blocks"]["layers"]["w_up"]
+    assert w_up.dtype == jax.numpy.bfloat16
+    assert w_up.addressable_shards[0].data.shape == (3, 32, 48)  # whole over data, 1/2 model
 
 
 def test_plan_splits_heads_and_mlp_over_model_and_shards_data_elsewhere():

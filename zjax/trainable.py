@@ -114,8 +114,7 @@ def from_pytree(
         run = gather_on_access(loss_fn, plan.dims, **_zero_args(plan))
         return _shape_guard(run, plan)(params, batch)
 
-    return Trainable(init=init, loss=loss,
-                     **({"logical_axes": logical_axes} if logical_axes else {}))
+    return Trainable(init=init, loss=loss, logical_axes=logical_axes or (lambda path: None))
 
 
 def from_nnx(
