@@ -24,7 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from zero_step import Built, gpt_trainable, make_tx, measure  # benchmarks/, the script directory
+from zero_step import (  # benchmarks/, the script directory
+    Built,
+    add_model_args,
+    gpt_trainable,
+    make_tx,
+    measure,
+)
 
 from zjax import MeshConfig, ZeroConfig, make_mesh, make_step, simulate_cpu_devices
 from zjax.hlo import collective_bytes
@@ -81,17 +87,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--n-layers", type=int, default=16)
-    p.add_argument("--n-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16, help="global batch size")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+    add_model_args(p)
     p.add_argument("--meshes", default="8x1,4x2,2x4", help="DATAxMODEL, first is the baseline")
     p.add_argument("--prefetch", default="0,1", help="prefetch_layers values")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps (after 2 warmups)")
-    p.add_argument("--no-time", action="store_true", help="compile and analyse only")
     p.add_argument("--job-mesh", default=None, help=argparse.SUPPRESS)
     p.add_argument("--job-prefetch", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -308,8 +308,8 @@ def spawn(job: str, argv: list[str], retries: int) -> Any:
     return {"name": job, "error": f"exit code {proc.returncode}: {' | '.join(tail)}"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The GPT, batch and device options every benchmark of the engine shares."""
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--n-layers", type=int, default=16)
     p.add_argument("--n-heads", type=int, default=8)
@@ -317,10 +317,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16, help="global batch size")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    p.add_argument("--stages", default="0,1,2,3", help="zjax stages to run")
-    p.add_argument("--layers", default="", help="comma-separated L sweep, e.g. 4,8,16")
     p.add_argument("--repeats", type=int, default=5, help="timed steps (after 2 warmups)")
     p.add_argument("--no-time", action="store_true", help="compile and analyse only")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--stages", default="0,1,2,3", help="zjax stages to run")
+    p.add_argument("--layers", default="", help="comma-separated L sweep, e.g. 4,8,16")
     p.add_argument("--retries", type=int, default=1, help="reruns of a job whose process dies")
     p.add_argument("--prefetch", type=int, default=1, help="zjax prefetch_layers")
     p.add_argument("--offload", default="", help="stage-3 offload rows, e.g. optimizer,both "

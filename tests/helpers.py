@@ -64,3 +64,16 @@ def adam_moments(opt_state):
         if hasattr(s, "mu"):
             return s.mu, s.nu
     raise AssertionError("no Adam state found")
+
+
+def assert_matches_reference(losses, state, reference) -> None:
+    """A sharded run's losses, params and Adam moments against ``reference_run``'s (FP32)."""
+    ref_params, ref_opt, ref_losses = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state.params, ref_params, **FP32, what="params")
+    mu, nu = adam_moments(state.opt_state)
+    ref_mu, ref_nu = adam_moments(ref_opt)
+    assert_trees_close(mu, ref_mu, **FP32, what="mu")
+    # nu is ~g^2 (1e-8 and below): its absolute tolerance scales down with it
+    assert_trees_close(nu, ref_nu, rtol=FP32["rtol"], atol=1e-9, what="nu")
+

@@ -9,7 +9,13 @@ import optax
 import pytest
 
 import zjax
-from tests.helpers import FP32, adam_moments, assert_trees_close, reference_run
+from tests.helpers import (
+    FP32,
+    adam_moments,
+    assert_matches_reference,
+    assert_trees_close,
+    reference_run,
+)
 from tests.models import gpt_reference_loss, gpt_trainable, linen_trainable, token_batches
 
 
@@ -43,18 +49,13 @@ CASES = [(s, 1, t) for s in (0, 1, 2) for t in (0, 100)] + [
 
 @pytest.mark.parametrize(("stage", "prefetch", "threshold"), CASES)
 def test_gpt_matches_single_device(gpt_reference, stage, prefetch, threshold):
-    batches, (ref_params, ref_opt, ref_losses) = gpt_reference
+    batches, reference = gpt_reference
     zero = zjax.ZeroConfig(stage=stage, prefetch_layers=prefetch,
                            param_persistence_threshold=threshold,
                            gather_dtype="float32", reduce_dtype="float32")
     zstep, state, losses = run_zjax(gpt_trainable(), zero, batches)
     assert (len(zstep.plan.replicated) > 0) == (threshold > 0 or stage == 0)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(state.params, ref_params, **FP32, what="params")
-    mu, nu = adam_moments(state.opt_state)
-    ref_mu, ref_nu = adam_moments(ref_opt)
-    assert_trees_close(mu, ref_mu, **FP32, what="mu")
-    assert_trees_close(nu, ref_nu, rtol=FP32["rtol"], atol=1e-9, what="nu")
+    assert_matches_reference(losses, state, reference)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import zjax
-from tests.helpers import FP32, adam_moments, assert_trees_close, reference_run
+from tests.helpers import adam_moments, assert_matches_reference, reference_run
 from tests.models import gpt_reference_loss, gpt_trainable, token_batches
 from tests.test_equivalence import make_tx
 from zjax._autotune import autotune as _autotune
@@ -52,19 +52,14 @@ def reference():
                          + [(4, 2, 1)])
 def test_2d_meshes_match_single_device(reference, data, model, stage):
     """5 steps on each mesh equal single-device optax within fp32 tolerance (FP32)."""
-    batches, (ref_params, ref_opt, ref_losses) = reference
+    batches, expected = reference
     zstep = _zstep(data, model, stage=stage)
     state = zstep.init(jax.random.key(0))
     losses = []
     for b in batches:
         state, metrics = zstep.step(state, zstep.put_batch(b))
         losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(state.params, ref_params, **FP32, what="params")
-    mu, nu = adam_moments(state.opt_state)
-    ref_mu, ref_nu = adam_moments(ref_opt)
-    assert_trees_close(mu, ref_mu, **FP32, what="mu")
-    assert_trees_close(nu, ref_nu, rtol=FP32["rtol"], atol=1e-9, what="nu")
+    assert_matches_reference(losses, state, expected)
     # every leaf's stored shard is 1/data of it (stage 3; the optimizer state's at stage 1),
     # and 1/model more where the rules split it
     stored = state.params if stage == 3 else adam_moments(state.opt_state)[0]
