@@ -48,6 +48,7 @@ from zjax.offload import (
 )
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import UINT as _UINT
+from zjax.partition.gather import reduce_scatter
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.trainable import Trainable
 
@@ -167,7 +168,8 @@ def _reduce_grads(grads, plan: ShardPlan, *, reduced_in_backward: bool):
         elif plan.params_on_host:  # a persistent leaf's local gradient, back from the host
             g = lax.psum(to_device(g).astype(rd), DATA)
         elif leaf.dim is not None and plan.zero.stage >= 2:
-            g = lax.psum_scatter(g.astype(rd), DATA, scatter_dimension=leaf.dim, tiled=True)
+            g = reduce_scatter(g.astype(rd), DATA, dim=leaf.dim,
+                               via_all_reduce=plan.scatter_via_all_reduce)
         else:
             g = lax.psum(g.astype(rd), DATA)
         out.append(g.astype(jnp.float32))

@@ -31,6 +31,7 @@ __all__ = [
     "gather",
     "gather_on_access",
     "gather_tree",
+    "reduce_scatter",
 ]
 
 GATHERED = "zjax_gathered"
@@ -81,20 +82,39 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = No
     return lax.bitcast_convert_type(full, x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype):
+def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int,
+                   via_all_reduce: bool = False) -> jax.Array:
+    """Tiled reduce-scatter of ``x`` along ``dim`` over ``axis_name``.
+
+    ``via_all_reduce`` sums with an all-reduce and keeps this device's slice instead: twice the
+    traffic, but correct where XLA:CPU's reduce-scatter is not. With ``jax.distributed``
+    initialised, XLA:CPU runs collectives through gloo, whose halving-doubling reduce-scatter
+    intermittently returns wrong values at the end of rank 0's chunk, with no error
+    (jax-ml/jax#40830; seen here as a silently wrong embedding row on 2 processes).
+    """
+    if not via_all_reduce:
+        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
+    size = x.shape[dim] // lax.axis_size(axis_name)
+    start = lax.axis_index(axis_name) * size
+    return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), start, size, axis=dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, via_all_reduce: bool):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
     # the gathered value itself (the custom call's output would otherwise be saved)
     return all_gather(x.astype(gather_dtype), axis_name, axis=dim, name=GATHERED)
 
 
-def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype):
+def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype, via_all_reduce):
     # the zero-size residual carries the shard's dtype for the backward cast
-    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
+    out = _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, via_all_reduce)
+    return out, jnp.zeros((0,), x.dtype)
 
 
-def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, like, g):
-    shard = lax.psum_scatter(g.astype(reduce_dtype), axis_name, scatter_dimension=dim, tiled=True)
+def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, via_all_reduce, like, g):
+    shard = reduce_scatter(g.astype(reduce_dtype), axis_name, dim=dim,
+                           via_all_reduce=via_all_reduce)
     return (shard.astype(like.dtype),)
 
 
@@ -109,6 +129,7 @@ def gather(
     gather_dtype=None,
     reduce_dtype=None,
     from_host: bool = False,
+    scatter_via_all_reduce: bool = False,
 ) -> jax.Array:
     """All-gather shard ``x`` along ``dim`` over ``axis_name`` (inside ``shard_map``).
 
@@ -120,6 +141,8 @@ def gather(
       reduce_dtype: dtype of the reduce-scatter of its cotangent (default: ``x.dtype``).
       from_host: ``x`` lives in host memory (``zero.offload_param``): it is brought to the
         device first, and its cotangent goes back to host memory.
+      scatter_via_all_reduce: reduce the cotangent with an all-reduce (see
+        :func:`reduce_scatter`).
 
     Returns:
       The full weight in ``gather_dtype``. Its cotangent comes back to ``x`` reduce-scattered
@@ -133,7 +156,7 @@ def gather(
         return x
     if dim is None:
         return x.astype(gather_dtype)
-    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype)
+    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter_via_all_reduce)
 
 
 def gather_tree(
@@ -144,6 +167,7 @@ def gather_tree(
     gather_dtype=None,
     reduce_dtype=None,
     from_host: bool = False,
+    scatter_via_all_reduce: bool = False,
 ) -> Any:
     """Gather every leaf of ``shards`` once (each gathered value is tagged :data:`GATHERED`).
 
@@ -153,7 +177,8 @@ def gather_tree(
 
     def one(x, dim):
         return gather(x, dim=dim, axis_name=axis_name, gather_dtype=gather_dtype,
-                      reduce_dtype=reduce_dtype, from_host=from_host)
+                      reduce_dtype=reduce_dtype, from_host=from_host,
+                      scatter_via_all_reduce=scatter_via_all_reduce)
 
     leaves, treedef = jax.tree.flatten(shards)
     dim_leaves = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
@@ -170,6 +195,7 @@ def gather_on_access(
     gather_dtype=None,
     reduce_dtype=None,
     from_host: bool = False,
+    scatter_via_all_reduce: bool = False,
     remat: bool = True,
 ) -> Callable[..., Any]:
     """Wrap ``fn(params, *args)`` so it runs on shards: ``fn(shards, *args)``.
@@ -181,7 +207,8 @@ def gather_on_access(
 
     def wrapped(shards, *args):
         full = gather_tree(shards, dims, axis_name=axis_name, gather_dtype=gather_dtype,
-                           reduce_dtype=reduce_dtype, from_host=from_host)
+                           reduce_dtype=reduce_dtype, from_host=from_host,
+                           scatter_via_all_reduce=scatter_via_all_reduce)
         return fn(full, *args)
 
     return jax.checkpoint(wrapped, policy=REMAT_POLICY) if remat else wrapped

@@ -170,6 +170,16 @@ class ShardPlan:
         return rd
 
     @property
+    def scatter_via_all_reduce(self) -> bool:
+        """Whether gradients are reduce-scattered as an all-reduce plus a slice.
+
+        On CPU with ``jax.distributed`` (more than one process), XLA:CPU's reduce-scatter runs
+        through gloo, which intermittently returns wrong values at the end of rank 0's chunk
+        (jax-ml/jax#40830, jaxlib 0.10-0.12); an all-reduce is correct, at twice the traffic.
+        """
+        return self.mesh.devices.flat[0].platform == "cpu" and jax.process_count() > 1
+
+    @property
     def leaves_by_path(self) -> dict[str, LeafPlan]:
         return {leaf.path: leaf for leaf in self.leaves}
 
@@ -286,7 +296,9 @@ class ShardPlan:
             f" {host / 2**20:.2f} MiB/device in host memory",
             f"  gather in {self.zero.gather.name}, reduce in {self.reduce_dtype.name}"
             + ("" if self.reduce_dtype == self.zero.reduce else
-               f" (zero.reduce_dtype {self.zero.reduce.name} is not supported by XLA:CPU)"),
+               f" (zero.reduce_dtype {self.zero.reduce.name} is not supported by XLA:CPU)")
+            + (", reduce-scatters as all-reduces (XLA:CPU's gloo reduce-scatter is unreliable)"
+               if self.scatter_via_all_reduce else ""),
         ]
         if self.replicated:
             rep_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in self.replicated)

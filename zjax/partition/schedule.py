@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zjax.partition.gather import all_gather
+from zjax.partition.gather import all_gather, reduce_scatter
 
 __all__ = ["ScheduleSpec", "scheduled_scan"]
 
@@ -49,6 +49,8 @@ class ScheduleSpec:
       from_host: the stacked shards live in host memory (``zero.offload_param``): each
         layer's slice is brought to the device as it is gathered, and each layer's gradient
         shard goes back into a host buffer as soon as it is reduce-scattered.
+      scatter_via_all_reduce: reduce-scatter with an all-reduce and a slice
+        (:func:`~zjax.partition.gather.reduce_scatter`).
     """
 
     dims: tuple[int | None, ...]
@@ -57,6 +59,7 @@ class ScheduleSpec:
     reduce_dtype: Any = np.float32
     prefetch: int = 1
     from_host: bool = False
+    scatter_via_all_reduce: bool = False
 
 
 def _slice(leaf, i):
@@ -152,10 +155,8 @@ def scheduled_scan(
             new = []
             for g, dw, dim, leaf in zip(grads, dws, spec.dims, leaves, strict=True):
                 if dim is not None:
-                    dw = lax.psum_scatter(
-                        dw.astype(reduce_dtype), spec.axis_name, scatter_dimension=dim - 1,
-                        tiled=True,
-                    )
+                    dw = reduce_scatter(dw.astype(reduce_dtype), spec.axis_name, dim=dim - 1,
+                                        via_all_reduce=spec.scatter_via_all_reduce)
                 new.append(lax.dynamic_update_index_in_dim(g, to_home(dw.astype(leaf.dtype)), i, 0))
             return dx, tuple(new)
 
