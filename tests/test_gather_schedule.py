@@ -119,3 +119,25 @@ def test_ungathered_use_names_the_sharded_leaves():
     batch = jnp.ones((8, 16), jnp.int32)
     with pytest.raises(zjax.NotGatheredError, match="stack/layers/kernel"):
         zstep.step(state, jax.device_put(batch, zstep.batch_sharding))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_reduce_scatter_via_all_reduce_is_the_same_sum(dim):
+    """The multi-process CPU fallback (all-reduce + own slice) gives each device its slice of
+    the sum, like the reduce-scatter, and its HLO holds no reduce-scatter."""
+    from zjax.partition.gather import reduce_scatter
+
+    x = np.random.default_rng(0).standard_normal((N * 16, 24)).astype(np.float32)
+
+    def local(a, via):  # device d contributes [a_d, 2 a_d, ..., N a_d] along dim
+        t = jnp.concatenate([a * (k + 1) for k in range(N)], axis=dim)
+        return reduce_scatter(t, "data", dim=dim, via_all_reduce=via)
+
+    out = P("data") if dim == 0 else P(None, "data")
+    total = x.reshape(N, 16, 24).sum(0)
+    expected = np.concatenate([total * (k + 1) for k in range(N)], axis=dim)
+    for via in (False, True):
+        f = smap(lambda a, via=via: local(a, via), (P("data"),), out)
+        np.testing.assert_allclose(f(x), expected, rtol=1e-5, atol=1e-5)
+    text = smap(lambda a: local(a, True), (P("data"),), out).lower(x).compile().as_text()
+    assert "reduce-scatter(" not in text and collective_bytes(text).all_reduce > 0
