@@ -12,10 +12,17 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import zjax
-from tests.helpers import adam_moments, assert_matches_reference, reference_run
+from tests.helpers import (
+    FP32,
+    adam_moments,
+    assert_matches_reference,
+    assert_trees_close,
+    reference_run,
+)
 from tests.models import gpt_reference_loss, gpt_trainable, token_batches
 from tests.test_equivalence import make_tx
 from zjax._autotune import autotune as _autotune
@@ -266,3 +273,37 @@ def test_replica_group_spellings_map_to_mesh_axes(groups, axes, size):
     line = f"%x = f32[8] all-reduce(%y), channel_id=1, replica_groups={groups}, to_apply=%r"
     assert _axes_of(line, {"data": 4, "model": 2}) == axes
     assert _group_size(line) == size
+
+
+def test_trainer_runs_and_evaluates_on_a_2d_mesh(tmp_path):
+    cfg = load_config(ROOT / "configs/tiny-tp.yaml",
+                      ["model.n_layers=2", "data.seq_len=32", "train.steps=2",
+                       "train.log_every=1", "train.eval_every=2", "logging.tensorboard=false"])
+    history = zjax.train(None, cfg, run_dir=tmp_path / "run").history
+    assert [row["step"] for row in history] == [1, 2]
+    assert all(np.isfinite(row["loss"]) for row in history)
+    assert np.isfinite(history[-1]["eval_loss"])
+
+
+def test_offload_on_a_2d_mesh_matches_no_offload(reference):
+    """Both offloads (update on the host) at 4x2 give the same params as no offload."""
+    from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+    from zjax.optim import clip_by_global_norm
+
+    batches, _ = reference
+    host = dict(offload_optimizer=OptimizerOffloadConfig(device="host", update_on="host"),
+                offload_param=OffloadConfig(device="host"))
+    params = []
+    for offload in ({}, host):
+        zero = zjax.ZeroConfig(stage=3, gather_dtype="float32", param_persistence_threshold=0,
+                               **offload)
+        tx = optax.chain(clip_by_global_norm(0.5), optax.adamw(3e-3, eps=1e-5))  # host-safe
+        zstep = zjax.make_step(gpt_trainable(CFG), tx, zero=zero,
+                               mesh=zjax.make_mesh(zjax.MeshConfig(data=4, model=2)))
+        state = zstep.init(jax.random.key(0))
+        for b in batches[:2]:
+            state, _ = zstep.step(state, zstep.put_batch(b))
+        assert jax.tree.leaves(state.params)[0].sharding.memory_kind == \
+            ("pinned_host" if offload else "device")
+        params.append(jax.tree.map(np.asarray, state.params))
+    assert_trees_close(params[1], params[0], **FP32, what="params")

@@ -32,8 +32,8 @@ class GPTConfig:
       vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
       d_model: width of the residual stream.
       n_layers: transformer blocks (one ``Stack``).
-      n_heads: attention heads (must divide ``d_model``).
-      d_ff: MLP hidden width; empty for 4 x d_model.
+      n_heads: attention heads (must divide ``d_model``; ``mesh.model`` must divide them).
+      d_ff: MLP hidden width; empty for 4 x d_model (``mesh.model`` must divide it).
       max_seq_len: longest sequence (size of the learned position table).
       tie_embeddings: reuse the token embedding as the output projection.
       remat: recompute each block in the backward pass instead of keeping its activations
