@@ -2,16 +2,20 @@
 
 Every candidate is compiled (nothing allocated) and judged on its exact figures. Collective
 bytes depend only on the stage, the number of micro-batches and the ``model`` axis size
-(offload, prefetch and remat move no collective bytes), so the search compiles one candidate
-per (stage, grad_accum, model) group to rank the groups, then walks them from the least
+(offload, prefetch and remat move no collective bytes), so the search ranks (stage,
+grad_accum, model) groups by one compiled candidate each and walks them from the least
 communicating, trying each group's variants from the most to the least preferred (least
-offload, no remat, deepest prefetch); the first variant that fits is the answer. DeepSpeed's
-autotuner runs experiments instead.
+offload, no remat, deepest prefetch); the first variant that fits is the answer. Groups with
+more micro-batches are compiled only when the walk reaches them (they never communicate less).
+DeepSpeed's autotuner runs experiments instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -177,32 +181,45 @@ def autotune(
             f"needs {_size(leanest.per_device['total_bytes'])} (model {lean.model}, stage "
             f"{lean.stage}, offload {lean.offload}, prefetch {lean.prefetch}, grad_accum "
             f"{lean.grad_accum}, remat {lean.remat})")
-    groups = {}
+    # Best-first over (stage, grad_accum, model) groups, keyed by wire bytes. Only each
+    # (stage, model)'s fewest micro-batches are compiled up front: more micro-batches never
+    # communicate less (stages 2-3 gather and reduce per micro-batch), so a group's wire is a
+    # lower bound for the next count's, which is compiled only when the walk reaches it.
+    variants = functools.partial(_variants, offloads=offloads, prefetch=prefetch,
+                                 remat=remat if has_remat else (None,))
+    heap: list = []
+    order = itertools.count()  # ties never reach the entries' reports
+
+    def push(stage: int, m: int, accums: list[int], bound: int = 0) -> None:
+        if accums:  # key: least wire, fewer micro-batches, higher stage, narrower model
+            heapq.heappush(heap, ((bound, accums[0], -stage, m), next(order), stage, m, accums,
+                                  None))
+
     for m in sizes:
         for stage in stages:
-            for ga in grad_accum:
-                if local(m) % ga:
-                    continue
-                variants = _variants(stage, ga, m, offloads=offloads, prefetch=prefetch,
-                                     remat=remat if has_remat else (None,))
-                first = next((r for r in map(evaluate, variants[:1]) if r is not None), None)
-                if first is not None:
-                    groups[stage, ga, m] = (first, variants)
-    if not groups:
-        raise ConfigError("--budget: no configuration in the search space could be built")
-    # least wire first; then fewer micro-batches, higher stage (less memory), narrower model
-    order = sorted(groups, key=lambda g: (groups[g][0].collectives["wire_bytes"], g[1], -g[0],
-                                          g[2]))
+            push(stage, m, [ga for ga in grad_accum if local(m) % ga == 0])
     fits: list[tuple[Candidate, PlanReport]] = []
-    for g in order:
-        first, variants = groups[g]
-        for i, cand in enumerate(variants):
+    built = False
+    while heap and len(fits) <= runners_up:
+        key, _, stage, m, accums, first = heapq.heappop(heap)
+        group = variants(stage, accums[0], m)
+        if first is None:  # a lower bound so far: compile the group's first variant
+            first = evaluate(group[0])
+            if first is not None:
+                built = True
+                wire = first.collectives["wire_bytes"]
+                heapq.heappush(heap, ((wire, *key[1:]), next(order), stage, m, accums, first))
+            else:
+                push(stage, m, accums[1:], key[0])
+            continue
+        push(stage, m, accums[1:], key[0])
+        for i, cand in enumerate(group):
             r = first if i == 0 else evaluate(cand)
             if r is not None and r.fits(budget_bytes):
                 fits.append((cand, r))
                 break
-        if len(fits) > runners_up:
-            break
+    if not built and not fits:
+        raise ConfigError("--budget: no configuration in the search space could be built")
     if not fits:
         leanest = min(rows, key=lambda cr: cr[1].per_device["total_bytes"])
         c, r = leanest
