@@ -159,26 +159,27 @@ def autotune(
                 seen[cand] = None  # not a valid combination (its build says why)
         return seen[cand]
 
-    # the leanest candidate first: if even it does not fit, nothing will (one compile); the
-    # widest model axis the model accepts is the leanest
+    # the leanest candidates first: if even they do not fit, nothing will. One per model axis
+    # size: a wider model axis splits the weights further but raises each device's share of
+    # the batch (fewer data replicas), so which is leanest depends on the model.
     accums = [ga for ga in grad_accum if local(sizes[0]) % ga == 0]
     if not accums:
         raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
                           f"local batch of {local(sizes[0])} (data.batch_size / devices)")
-    leanest = lean = None
-    for m in sorted(sizes, reverse=True):
+    leans = []
+    for m in sizes:
         lean = Candidate(max(stages), max(ga for ga in accums if local(m) % ga == 0),
                          offloads[-1] if max(stages) else "none",
                          min(prefetch) if max(stages) == 3 else None,
                          (True if True in remat else None) if has_remat and max(stages) < 3
                          else None, m)
-        leanest = evaluate(lean)
-        if leanest is not None:
-            break
-    if leanest is not None and not leanest.fits(budget_bytes):
+        if (r := evaluate(lean)) is not None:
+            leans.append((lean, r))
+    if leans and not any(r.fits(budget_bytes) for _, r in leans):
+        lean, r = min(leans, key=lambda cr: cr[1].per_device["total_bytes"])
         raise ConfigError(
             f"--budget: {_size(budget_bytes)} per device fits no configuration; the smallest "
-            f"needs {_size(leanest.per_device['total_bytes'])} (model {lean.model}, stage "
+            f"needs {_size(r.per_device['total_bytes'])} (model {lean.model}, stage "
             f"{lean.stage}, offload {lean.offload}, prefetch {lean.prefetch}, grad_accum "
             f"{lean.grad_accum}, remat {lean.remat})")
     # Best-first over (stage, grad_accum, model) groups, keyed by wire bytes. Only each
