@@ -147,9 +147,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     slice_params = sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
                        for leaf in plan.leaves)
     reduce = zero.reduce  # the configured dtype: the one an accelerator reduces in
-    grads = sum(leaf.size // (plan.n_data if leaf.dim is not None and zero.stage >= 2 else 1)
-                // (plan.n_model if leaf.model_dim is not None else 1)
-                for leaf in plan.leaves) * reduce.itemsize
+    grads = sum(plan.leaf_bytes(leaf, reduce, zero.stage >= 2) for leaf in plan.leaves)
     optimizer = shard(a.opt_state) + (shard(a.master) if a.master is not None else 0)
     params = shard(a.params)
     host = state_bytes(a)["host"]

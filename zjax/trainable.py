@@ -43,14 +43,15 @@ class Trainable:
       loss: ``loss(params, batch, plan) -> (loss_sum, count)``: ``params`` as stored by the plan
         (shards at stage 3), run inside the step's ``shard_map``.
       stacked: predicate on a leaf path: True where dimension 0 stacks layers.
-      logical_axes: a leaf's logical dimension names by path (None when it names none); the
-        rules of :mod:`zjax.partition.rules` split some of them over the ``model`` axis.
+      logical_axes: a leaf's logical dimension names by path (None when it names none), or
+        None for a model without names; the rules of :mod:`zjax.partition.rules` split some
+        of them over the ``model`` axis.
     """
 
     init: Callable[[jax.Array], Params]
     loss: Callable[[Params, Any, ShardPlan], LossOut]
     stacked: Callable[[str], bool] = lambda path: False
-    logical_axes: Callable[[str], tuple[str | None, ...] | None] = lambda path: None
+    logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None
 
 
 def _zero_args(plan: ShardPlan) -> dict:
@@ -115,7 +116,7 @@ def from_pytree(
         run = gather_on_access(loss_fn, plan.dims, **_zero_args(plan))
         return _shape_guard(run, plan)(params, batch)
 
-    return Trainable(init=init, loss=loss, logical_axes=logical_axes or (lambda path: None))
+    return Trainable(init=init, loss=loss, logical_axes=logical_axes)
 
 
 def from_nnx(

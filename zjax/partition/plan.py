@@ -265,13 +265,13 @@ class ShardPlan:
 
     def summary(self, *, opt_state: Any = None, tx=None) -> str:
         """A readable table: bytes per device per category, and the replicated leaves."""
-        params = sum(self._leaf_bytes(leaf, self.stored_param_dtype(leaf), self.zero.stage == 3)
+        params = sum(self.leaf_bytes(leaf, self.stored_param_dtype(leaf), self.zero.stage == 3)
                      for leaf in self.leaves)
-        grads = sum(self._leaf_bytes(leaf, np.dtype(np.float32), self.zero.stage >= 2)
+        grads = sum(self.leaf_bytes(leaf, np.dtype(np.float32), self.zero.stage >= 2)
                     for leaf in self.leaves)
         master = 0
         if self.has_master:
-            master = sum(self._leaf_bytes(leaf, leaf.dtype, self.zero.stage >= 1)
+            master = sum(self.leaf_bytes(leaf, leaf.dtype, self.zero.stage >= 1)
                          for leaf in self.leaves)
         opt = 0
         if opt_state is not None and tx is not None:
@@ -307,7 +307,9 @@ class ShardPlan:
             lines += [f"    {leaf.path} {leaf.shape}: {leaf.reason}" for leaf in self.replicated]
         return "\n".join(lines)
 
-    def _leaf_bytes(self, leaf: LeafPlan, dtype, sharded: bool) -> int:
+    def leaf_bytes(self, leaf: LeafPlan, dtype, sharded: bool) -> int:
+        """Bytes of ``leaf`` in ``dtype`` on one device: split over ``model`` where the rules
+        say, and over ``data`` too when ``sharded`` (the stage shards it) and the plan does."""
         n = self.n_data if sharded and leaf.dim is not None else 1
         n *= self.n_model if leaf.model_dim is not None else 1
         return leaf.size // n * np.dtype(dtype).itemsize
