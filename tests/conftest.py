@@ -1,12 +1,11 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 simulated CPU devices, set before jax creates its backends."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
+from zjax.mesh import simulate_cpu_devices  # imports jax; its backends start later
 
-jax.config.update("jax_num_cpu_devices", 8)
+# XLA_FLAGS' device count and PJRT_NPROC (room for collectives in flight), inherited by the
+# subprocesses tests start.
+simulate_cpu_devices(8)

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import zjax
-from zjax.hlo import collective_bytes
+from zjax.hlo import collective_bytes, unordered_collectives
 from zjax.models import GPT, GPTConfig, lm_loss
 
 BATCH = jax.ShapeDtypeStruct((16, 65), jnp.int32)
@@ -57,6 +57,12 @@ def test_stage3_temp_memory_flat_in_depth(prefetch):
     for a, b in itertools.pairwise(layers):
         per_layer = (temps[b] - temps[a]) / (b - a)
         assert per_layer < layer_bytes, (temps, layer_bytes)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_no_collective_runs_beside_a_same_kind_one_in_a_loop(prefetch):
+    """XLA:CPU would collide them (see tests/test_cpu_collectives.py)."""
+    assert unordered_collectives(compiled_step(8, prefetch)[1].as_text()) == []
 
 
 def test_prefetch_costs_a_bounded_number_of_layers():

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
-__all__ = ["CollectiveBytes", "collective_bytes"]
+__all__ = ["CollectiveBytes", "UnorderedPair", "collective_bytes", "unordered_collectives"]
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -130,15 +130,8 @@ def _axes_of(line: str, mesh_axes: dict[str, int]) -> str:
     return "+".join(spanned) or "none"
 
 
-def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None
-                     ) -> CollectiveBytes:
-    """Sum collective tensor bytes of a compiled module (``compiled.as_text()``).
-
-    Args:
-      hlo_text: the compiled module's text.
-      mesh_axes: the mesh's axis sizes in order (``dict(mesh.shape)``): fills ``by_axis``,
-        ``{axes: {kind: bytes}}`` per combination of mesh axes a collective spans.
-    """
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """The module's computations (name -> instruction lines) and the ENTRY's name."""
     comps: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -153,7 +146,19 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None
             comps[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
 
+
+def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None
+                     ) -> CollectiveBytes:
+    """Sum collective tensor bytes of a compiled module (``compiled.as_text()``).
+
+    Args:
+      hlo_text: the compiled module's text.
+      mesh_axes: the mesh's axis sizes in order (``dict(mesh.shape)``): fills ``by_axis``,
+        ``{axes: {kind: bytes}}`` per combination of mesh axes a collective spans.
+    """
+    comps, entry = _computations(hlo_text)
     weight: dict[str, float] = defaultdict(float)
 
     def visit(name: str, w: float, depth: int = 0) -> None:
@@ -203,3 +208,114 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None
                            counts={k: int(v) for k, v in counts.items()},
                            by_axis={a: {k: int(v) for k, v in d.items()}
                                     for a, d in sorted(by_axis.items())})
+
+
+@dataclasses.dataclass(frozen=True)
+class UnorderedPair:
+    """Two instructions of one computation that may run collectives of one kind at once.
+
+    ``first`` or ``second`` (or both) is a loop, call or conditional whose body holds the
+    collectives; ``kinds`` are the collective kinds the two have in common (over the same
+    device groups).
+    """
+
+    computation: str
+    first: str
+    second: str
+    kinds: tuple[str, ...]
+
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply)=%?([\w.\-]+)")
+
+
+def _operands(line: str, start: int) -> set[str]:
+    """Names in the balanced parentheses opening at ``line[start]``, and control predecessors."""
+    depth, end = 0, len(line)
+    for i in range(start, len(line)):
+        depth += {"(": 1, ")": -1}.get(line[i], 0)
+        if depth == 0:
+            end = i
+            break
+    names = set(re.findall(r"%([\w.\-]+)", line[start:end]))
+    preds = re.search(r"control-predecessors=\{([^}]*)\}", line)
+    if preds:
+        names |= {n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", preds.group(1))}
+    return names
+
+
+def unordered_collectives(hlo_text: str) -> list[UnorderedPair]:
+    """Pairs of collectives of one kind that XLA:CPU may run at the same time on one device.
+
+    XLA:CPU runs the collectives of one computation in program order, but a loop's (or
+    call's) body runs in its own executor: nothing orders the collectives inside it against
+    the collectives around it except data dependencies. Every collective JAX emits has channel
+    id 1, so two all-gathers over the same devices running at once share XLA's rendezvous key:
+    the run aborts (``Id can't be larger than the number of participating threads``) or hangs.
+    This lists each such pair: same computation, at least one side a loop, call or
+    conditional, a collective of the same kind over the same device groups in common, and
+    neither reachable from the other through operands or control predecessors. A step that is
+    safe on XLA:CPU has none.
+    """
+    comps, _ = _computations(hlo_text)
+    kinds_of: dict[str, frozenset[str]] = {}
+
+    def kinds_in(name: str, depth: int = 0) -> frozenset[str]:
+        if name not in kinds_of:
+            kinds_of[name] = frozenset()  # cycles cannot occur; this guards bad text
+            found: set[str] = set()
+            for line in comps.get(name, ()):
+                op = _OP.match(_COMMENT.sub("", line))
+                if op and op.group(2) in _KINDS:
+                    found.add(_signature(op.group(2), line))
+                elif depth < 64:
+                    for callee in _callees(line):
+                        found |= kinds_in(callee, depth + 1)
+            kinds_of[name] = frozenset(found)
+        return kinds_of[name]
+
+    pairs = []
+    for comp, lines in comps.items():
+        index: dict[str, int] = {}
+        ancestors: list[int] = []  # bitset of instruction indices each one depends on
+        units: list[tuple[int, str, frozenset[str], bool]] = []
+        for raw in lines:
+            line = _COMMENT.sub("", raw)
+            name, op = _NAME.match(line), _OP.match(line)
+            if not name or not op:
+                continue
+            i = len(ancestors)
+            index[name.group(1)] = i
+            bits = 0
+            for dep in _operands(line, op.end() - 1):
+                if dep in index:
+                    bits |= ancestors[index[dep]] | (1 << index[dep])
+            ancestors.append(bits)
+            if op.group(2) in _KINDS:
+                units.append((i, name.group(1), frozenset({_signature(op.group(2), line)}), False))
+            else:
+                nested = frozenset().union(*(kinds_in(c) for c in _callees(line)))
+                if nested:
+                    units.append((i, name.group(1), nested, True))
+        for a, (i, first, kinds_a, nested_a) in enumerate(units):
+            for j, second, kinds_b, nested_b in units[a + 1:]:
+                common = kinds_a & kinds_b
+                ordered = ancestors[j] >> i & 1 or ancestors[i] >> j & 1
+                if common and (nested_a or nested_b) and not ordered:
+                    kinds = tuple(sorted({kind for kind, _ in common}))
+                    pairs.append(UnorderedPair(comp, first, second, kinds))
+    return pairs
+
+
+def _signature(opcode: str, line: str) -> tuple[str, str]:
+    """What XLA:CPU's rendezvous key tells collectives apart by: kind and device groups."""
+    groups = _groups(line)
+    return _KINDS[opcode], "all" if groups is None else repr(sorted(map(sorted, groups)))
+
+
+def _callees(line: str) -> list[str]:
+    names = _CALLEES.findall(line)
+    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if branches:
+        names += [c.strip().lstrip("%") for c in branches.group(1).split(",")]
+    return names

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from zjax.distributed import ENV
+from zjax.mesh import simulated_device_env
 
 __all__ = ["launch"]
 
@@ -61,7 +62,7 @@ def launch(command: Sequence[str], *, processes: int, devices_per_process: int |
         env.update({ENV["coordinator"]: address, ENV["num_processes"]: str(processes),
                     ENV["process_id"]: str(i)})
         if devices_per_process:
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+            env.update(simulated_device_env(devices_per_process, env))
             env["JAX_PLATFORMS"] = "cpu"
         procs.append(subprocess.Popen(list(command), env=env))
 

@@ -1,7 +1,7 @@
 """The device mesh (``data``, ``model``) and CPU device simulation.
 
-This module reads the process environment (``XLA_FLAGS``) on purpose: simulating devices must
-happen before jax initialises its backends.
+This module reads the process environment (``XLA_FLAGS``, ``PJRT_NPROC``) on purpose:
+simulating devices must happen before jax initialises its backends.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ from zjax._schema import choices
 from zjax.errors import ConfigError
 
 __all__ = ["DATA", "MODEL", "MeshConfig", "make_mesh", "process_batch_slice",
-           "simulate_cpu_devices"]
+           "simulate_cpu_devices", "simulated_device_env"]
 
 DATA = "data"
 MODEL = "model"
@@ -54,11 +55,39 @@ class MeshConfig:
             raise ConfigError(f"mesh.init_timeout_s: must be > 0, got {self.init_timeout_s}")
 
 
+# Threads XLA:CPU gets per simulated device (PJRT_NPROC). Its thread pool defaults to
+# max(cores, devices): exactly one thread per device on a small machine. A collective's
+# rendezvous blocks a pool thread until every device arrives, and a device may start a second,
+# independent collective (one in a scan body, one outside it) on another thread; with no thread
+# left for the last device to arrive, the step deadlocks and XLA aborts after 40 s (measured
+# here: 2 cores, 8 devices). Four per device leaves room for three collectives in flight.
+_THREADS_PER_DEVICE = 4
+
+
+def simulated_device_env(n: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment variables that make a process's CPU backend expose ``n`` devices.
+
+    ``XLA_FLAGS`` gains ``--xla_force_host_platform_device_count=n`` (replacing any earlier
+    count), and ``PJRT_NPROC`` sizes XLA:CPU's thread pool so that collectives across the
+    simulated devices cannot starve it (see ``_THREADS_PER_DEVICE``); a ``PJRT_NPROC`` already
+    set is kept.
+
+    Args:
+      n: number of devices to simulate.
+      environ: the environment to start from (default: this process's).
+    """
+    environ = os.environ if environ is None else environ
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   environ.get("XLA_FLAGS", ""))
+    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
+    if not environ.get("PJRT_NPROC"):
+        env["PJRT_NPROC"] = str(max(os.cpu_count() or 1, _THREADS_PER_DEVICE * n))
+    return env
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Make the CPU backend expose ``n`` devices. Call before jax creates its backends."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ.update(simulated_device_env(n))
     jax.config.update("jax_num_cpu_devices", n)
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from zjax.errors import NotGatheredError
 from zjax.nn import Stack, bind_runners, iter_stacks
-from zjax.partition.gather import REMAT_POLICY, gather_on_access, gather_tree
+from zjax.partition.gather import REMAT_POLICY, gather_on_access, gather_tree, join_gathers
 from zjax.partition.plan import ShardPlan, path_str
 from zjax.partition.schedule import ScheduleSpec, scheduled_scan
 
@@ -113,7 +113,7 @@ def from_pytree(
         if plan.zero.stage < 3:
             return loss_fn(params, batch)
 
-        run = gather_on_access(loss_fn, plan.dims, **_zero_args(plan))
+        run = gather_on_access(loss_fn, plan.dims, join=plan.join_gathers, **_zero_args(plan))
         return _shape_guard(run, plan)(params, batch)
 
     return Trainable(init=init, loss=loss, logical_axes=logical_axes)
@@ -155,6 +155,11 @@ def from_nnx(
             leaves = jax.tree.leaves(shards)
             out = [x if leaf.stacked else gather_tree(x, leaf.dim, **args)
                    for x, leaf in zip(leaves, plan.leaves, strict=True)]
+            if plan.join_gathers:  # XLA:CPU: none may overlap the stack's loops
+                joined = [i for i, leaf in enumerate(plan.leaves)
+                          if not leaf.stacked and leaf.dim is not None]
+                for i, v in zip(joined, join_gathers([out[i] for i in joined]), strict=True):
+                    out[i] = v
             return plan.tree(out)
 
         def runner(path: str, stack: Stack):

@@ -1,7 +1,14 @@
 """ZeRO partitioning: placement plan, gather primitive, scheduled layer scan."""
 
 from zjax.partition.config import ZeroConfig
-from zjax.partition.gather import GATHERED, REMAT_POLICY, gather, gather_on_access, gather_tree
+from zjax.partition.gather import (
+    GATHERED,
+    REMAT_POLICY,
+    gather,
+    gather_on_access,
+    gather_tree,
+    join_gathers,
+)
 from zjax.partition.plan import LeafPlan, ShardPlan, bytes_per_device, make_plan
 from zjax.partition.schedule import ScheduleSpec, scheduled_scan
 
@@ -16,6 +23,7 @@ __all__ = [
     "gather",
     "gather_on_access",
     "gather_tree",
+    "join_gathers",
     "make_plan",
     "scheduled_scan",
 ]

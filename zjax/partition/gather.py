@@ -31,6 +31,7 @@ __all__ = [
     "gather",
     "gather_on_access",
     "gather_tree",
+    "join_gathers",
     "reduce_scatter",
 ]
 
@@ -40,7 +41,9 @@ _SAVE_ALL_BUT_GATHERED = jax.checkpoint_policies.save_anything_except_these_name
 # ``x @ w.T``) would be saved and keep a gathered weight alive from forward to backward.
 _VIEWS = frozenset({"transpose", "reshape", "convert_element_type", "broadcast_in_dim",
                     "squeeze", "expand_dims", "copy", "copy_p", "bitcast_convert_type",
-                    "reduce_precision"})
+                    "reduce_precision",
+                    # join_gathers' barrier passes gathered weights through: recompute it too
+                    "optimization_barrier"})
 
 
 def _is_gather_call(params) -> bool:
@@ -159,6 +162,22 @@ def gather(
     return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter_via_all_reduce)
 
 
+def join_gathers(values: list[jax.Array]) -> list[jax.Array]:
+    """Make gathered weights available together, and their cotangents reduced together.
+
+    One ``lax.optimization_barrier`` over all of them: no value comes out before every gather
+    is done, and its transpose holds every cotangent until the last one is ready, so all the
+    reduce-scatters follow it. XLA:CPU needs this around a layer loop: it runs a loop's
+    collectives in an executor of their own, unordered against the collectives outside, and
+    two same-kind collectives in flight at once on a device share one rendezvous key (JAX
+    gives every collective channel id 1), which aborts or hangs the step. With the barrier,
+    the gathers of weights used after the loop (final norm, head) finish before the loop
+    starts, and their reduce-scatters wait for the loop's gradient of the embeddings.
+    :func:`zjax.hlo.unordered_collectives` checks a compiled step for such pairs.
+    """
+    return list(lax.optimization_barrier(tuple(values))) if len(values) > 1 else list(values)
+
+
 def gather_tree(
     shards: Any,
     dims: Any,
@@ -168,11 +187,12 @@ def gather_tree(
     reduce_dtype=None,
     from_host: bool = False,
     scatter_via_all_reduce: bool = False,
+    join: bool = False,
 ) -> Any:
     """Gather every leaf of ``shards`` once (each gathered value is tagged :data:`GATHERED`).
 
     ``dims`` is a pytree with the structure of ``shards`` holding each leaf's sharded
-    dimension or None.
+    dimension or None. With ``join`` the gathered leaves pass :func:`join_gathers`.
     """
 
     def one(x, dim):
@@ -184,7 +204,12 @@ def gather_tree(
     dim_leaves = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
     if len(dim_leaves) != len(leaves):
         raise ValueError(f"dims has {len(dim_leaves)} leaves, params have {len(leaves)}")
-    return jax.tree.unflatten(treedef, [one(x, d) for x, d in zip(leaves, dim_leaves, strict=True)])
+    out = [one(x, d) for x, d in zip(leaves, dim_leaves, strict=True)]
+    if join:
+        gathered = [i for i, d in enumerate(dim_leaves) if d is not None]
+        for i, v in zip(gathered, join_gathers([out[i] for i in gathered]), strict=True):
+            out[i] = v
+    return jax.tree.unflatten(treedef, out)
 
 
 def gather_on_access(
@@ -196,19 +221,21 @@ def gather_on_access(
     reduce_dtype=None,
     from_host: bool = False,
     scatter_via_all_reduce: bool = False,
+    join: bool = False,
     remat: bool = True,
 ) -> Callable[..., Any]:
     """Wrap ``fn(params, *args)`` so it runs on shards: ``fn(shards, *args)``.
 
     The wrapped function gathers each sharded leaf once (summing the gradients of repeated
-    uses before one reduce-scatter). With ``remat`` the backward pass re-gathers instead of
+    uses before one reduce-scatter); ``join`` passes them through :func:`join_gathers`. With
+    ``remat`` the backward pass re-gathers instead of
     keeping the gathered weights alive across the step.
     """
 
     def wrapped(shards, *args):
         full = gather_tree(shards, dims, axis_name=axis_name, gather_dtype=gather_dtype,
                            reduce_dtype=reduce_dtype, from_host=from_host,
-                           scatter_via_all_reduce=scatter_via_all_reduce)
+                           scatter_via_all_reduce=scatter_via_all_reduce, join=join)
         return fn(full, *args)
 
     return jax.checkpoint(wrapped, policy=REMAT_POLICY) if remat else wrapped

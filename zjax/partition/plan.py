@@ -180,6 +180,15 @@ class ShardPlan:
         return self.mesh.devices.flat[0].platform == "cpu" and jax.process_count() > 1
 
     @property
+    def join_gathers(self) -> bool:
+        """Whether the gathers outside the layer loops are joined (XLA:CPU only).
+
+        See :func:`zjax.partition.gather.join_gathers`: on XLA:CPU, a collective outside a
+        loop and one inside it may otherwise run at once and collide.
+        """
+        return self.mesh.devices.flat[0].platform == "cpu"
+
+    @property
     def leaves_by_path(self) -> dict[str, LeafPlan]:
         return {leaf.path: leaf for leaf in self.leaves}
 
