@@ -258,27 +258,27 @@ def unordered_collectives(hlo_text: str) -> list[UnorderedPair]:
     safe on XLA:CPU has none.
     """
     comps, _ = _computations(hlo_text)
-    kinds_of: dict[str, frozenset[str]] = {}
+    sigs_of: dict[str, frozenset[tuple[str, str]]] = {}  # a computation's collectives, nested
 
-    def kinds_in(name: str, depth: int = 0) -> frozenset[str]:
-        if name not in kinds_of:
-            kinds_of[name] = frozenset()  # cycles cannot occur; this guards bad text
-            found: set[str] = set()
+    def sigs_in(name: str, depth: int = 0) -> frozenset[tuple[str, str]]:
+        if name not in sigs_of:
+            sigs_of[name] = frozenset()  # cycles cannot occur; this guards bad text
+            found: set[tuple[str, str]] = set()
             for line in comps.get(name, ()):
                 op = _OP.match(_COMMENT.sub("", line))
                 if op and op.group(2) in _KINDS:
                     found.add(_signature(op.group(2), line))
                 elif depth < 64:
                     for callee in _callees(line):
-                        found |= kinds_in(callee, depth + 1)
-            kinds_of[name] = frozenset(found)
-        return kinds_of[name]
+                        found |= sigs_in(callee, depth + 1)
+            sigs_of[name] = frozenset(found)
+        return sigs_of[name]
 
     pairs = []
     for comp, lines in comps.items():
         index: dict[str, int] = {}
         ancestors: list[int] = []  # bitset of instruction indices each one depends on
-        units: list[tuple[int, str, frozenset[str], bool]] = []
+        units: list[tuple[int, str, frozenset[tuple[str, str]], bool]] = []
         for raw in lines:
             line = _COMMENT.sub("", raw)
             name, op = _NAME.match(line), _OP.match(line)
@@ -294,12 +294,12 @@ def unordered_collectives(hlo_text: str) -> list[UnorderedPair]:
             if op.group(2) in _KINDS:
                 units.append((i, name.group(1), frozenset({_signature(op.group(2), line)}), False))
             else:
-                nested = frozenset().union(*(kinds_in(c) for c in _callees(line)))
+                nested = frozenset().union(*(sigs_in(c) for c in _callees(line)))
                 if nested:
                     units.append((i, name.group(1), nested, True))
-        for a, (i, first, kinds_a, nested_a) in enumerate(units):
-            for j, second, kinds_b, nested_b in units[a + 1:]:
-                common = kinds_a & kinds_b
+        for a, (i, first, sigs_a, nested_a) in enumerate(units):
+            for j, second, sigs_b, nested_b in units[a + 1:]:
+                common = sigs_a & sigs_b
                 ordered = ancestors[j] >> i & 1 or ancestors[i] >> j & 1
                 if common and (nested_a or nested_b) and not ordered:
                     kinds = tuple(sorted({kind for kind, _ in common}))
