@@ -48,7 +48,7 @@ def test_stage3_collective_bytes(gather, reduce):
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_stage3_temp_memory_flat_in_depth(prefetch):
     temps = {}
-    for n_layers in (4, 8, 16, 32):
+    for n_layers in (4, 8, 16):  # 32 measured flat too; its compiles cost the suite 35 s
         zstep, compiled = compiled_step(n_layers, prefetch)
         temps[n_layers] = compiled.memory_analysis().temp_size_in_bytes
     cfg_layer = [leaf for leaf in zstep.plan.leaves if leaf.stacked]
