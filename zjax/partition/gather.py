@@ -228,8 +228,8 @@ def gather_on_access(
 
     The wrapped function gathers each sharded leaf once (summing the gradients of repeated
     uses before one reduce-scatter); ``join`` passes them through :func:`join_gathers`. With
-    ``remat`` the backward pass re-gathers instead of
-    keeping the gathered weights alive across the step.
+    ``remat`` the backward pass re-gathers instead of keeping the gathered weights alive
+    across the step.
     """
 
     def wrapped(shards, *args):
