@@ -156,10 +156,8 @@ def from_nnx(
             out = [x if leaf.stacked else gather_tree(x, leaf.dim, **args)
                    for x, leaf in zip(leaves, plan.leaves, strict=True)]
             if plan.join_gathers:  # XLA:CPU: none may overlap the stack's loops
-                joined = [i for i, leaf in enumerate(plan.leaves)
-                          if not leaf.stacked and leaf.dim is not None]
-                for i, v in zip(joined, join_gathers([out[i] for i in joined]), strict=True):
-                    out[i] = v
+                out = join_gathers(out, [not leaf.stacked and leaf.dim is not None
+                                         for leaf in plan.leaves])
             return plan.tree(out)
 
         def runner(path: str, stack: Stack):

@@ -39,7 +39,7 @@ GATHERED = "zjax_gathered"
 _SAVE_ALL_BUT_GATHERED = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
 # Views of a value are recomputed from it rather than saved: otherwise ``w.T`` (a residual of
 # ``x @ w.T``) would be saved and keep a gathered weight alive from forward to backward.
-_VIEWS = frozenset({"transpose", "reshape", "convert_element_type", "broadcast_in_dim",
+_RECOMPUTED = frozenset({"transpose", "reshape", "convert_element_type", "broadcast_in_dim",
                     "squeeze", "expand_dims", "copy", "copy_p", "bitcast_convert_type",
                     "reduce_precision",
                     # join_gathers' barrier passes gathered weights through: recompute it too
@@ -55,7 +55,7 @@ def _is_gather_call(params) -> bool:
 
 def REMAT_POLICY(prim, *avals, **params) -> bool:
     """Remat policy: save everything but gathered weights and views (re-gather in backward)."""
-    if prim.name in _VIEWS:
+    if prim.name in _RECOMPUTED:
         return False
     if prim.name == "custom_vjp_call" and _is_gather_call(params):
         return False  # the gather primitive, seen from outside as one call
@@ -162,7 +162,7 @@ def gather(
     return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter_via_all_reduce)
 
 
-def join_gathers(values: list[jax.Array]) -> list[jax.Array]:
+def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> list[jax.Array]:
     """Make gathered weights available together, and their cotangents reduced together.
 
     One ``lax.optimization_barrier`` over all of them: no value comes out before every gather
@@ -174,8 +174,18 @@ def join_gathers(values: list[jax.Array]) -> list[jax.Array]:
     the gathers of weights used after the loop (final norm, head) finish before the loop
     starts, and their reduce-scatters wait for the loop's gradient of the embeddings.
     :func:`zjax.hlo.unordered_collectives` checks a compiled step for such pairs.
+
+    Args:
+      values: the gathered weights (any values).
+      which: per value, whether it is joined (default: all); the others pass unchanged.
     """
-    return list(lax.optimization_barrier(tuple(values))) if len(values) > 1 else list(values)
+    out = list(values)
+    picked = [i for i, w in enumerate(which or [True] * len(out)) if w]
+    if len(picked) > 1:
+        joined = lax.optimization_barrier(tuple(out[i] for i in picked))
+        for i, v in zip(picked, joined, strict=True):
+            out[i] = v
+    return out
 
 
 def gather_tree(
@@ -206,9 +216,7 @@ def gather_tree(
         raise ValueError(f"dims has {len(dim_leaves)} leaves, params have {len(leaves)}")
     out = [one(x, d) for x, d in zip(leaves, dim_leaves, strict=True)]
     if join:
-        gathered = [i for i, d in enumerate(dim_leaves) if d is not None]
-        for i, v in zip(gathered, join_gathers([out[i] for i in gathered]), strict=True):
-            out[i] = v
+        out = join_gathers(out, [d is not None for d in dim_leaves])
     return jax.tree.unflatten(treedef, out)
 
 
