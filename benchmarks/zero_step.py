@@ -10,18 +10,29 @@ Prints one JSON object on stdout (progress goes to stderr). Rows:
   activations constrained to batch sharding in every scanned layer, XLA inserts the gathers
   (what MaxText-style FSDP gives); per-layer ``jax.checkpoint``, fp32.
 - ``gspmd_fsdp_noremat``: the same without the per-layer checkpoint.
+- ``gspmd_fsdp_bf16``: ``gspmd_fsdp`` computing in bf16 as MaxText does (``weight_dtype``
+  float32, ``dtype`` bfloat16): each layer's float32 weights cast to bf16 inside the scanned
+  layer, the other weights where the model is merged, so XLA may gather bf16.
+- ``zjax_stage3_p{k}_{f32,bf16}`` (with ``--variants``): stage 3 at prefetch k and that reduce
+  dtype.
 - ``zjax_stage3_offload_{mode}`` (with ``--offload``): stage 3 with ZeRO-Offload, ``mode`` one
   of ``optimizer`` (moments in host memory, update on device), ``optimizer-host`` (update on
   the host too), ``param`` (float32 master shards in host memory), ``both`` (all of it, update
   on the host). Each reports device and host state bytes and ``offload_time_ratio`` against
   ``zjax_stage3``.
 
-Per row: per-device argument / output / temp bytes from ``compiled.memory_analysis()``, train
-state bytes per device, collective bytes read off the HLO, median step time, and ratios to
-``gspmd_fsdp``. ``targets`` checks stage 3 against ``gspmd_fsdp``. Every row runs in a fresh
-process (its own memory; a runtime abort costs that row only and is retried ``--retries`` times).
+Per row: per-device argument / output / temp / peak bytes from ``compiled.memory_analysis()``,
+train state bytes per device, collective bytes and the fraction overlapped with compute read
+off the scheduled HLO, median step time, and ratios to ``gspmd_fsdp``. ``targets`` checks
+stage 3 against ``gspmd_fsdp`` (and, where the rows exist, against ``gspmd_fsdp_bf16``). Every
+row runs in a fresh process (its own memory; a runtime abort costs that row only and is retried
+``--retries`` times).
 
-Usage: ``python benchmarks/zero_step.py [--repeats 3] [--no-time] [--layers 4,8,16]``
+With ``--target h100:8`` (or ``h200:8``, ``v5p:2x2x2``, ...) every row is compiled by that
+accelerator's compiler for its compile-only devices (:mod:`zjax.targets`); nothing is timed.
+
+Usage: ``python benchmarks/zero_step.py [--repeats 3] [--no-time] [--layers 4,8,16]
+[--target h100:8 --variants]``
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax import ZeroConfig, from_nnx, make_mesh, make_plan, make_step, simulate_cpu_devices
+from zjax._backend import backend
 from zjax.hlo import collective_bytes
 from zjax.mesh import DATA
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
@@ -56,6 +68,7 @@ from zjax.nn import bind_runners
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig, state_bytes
 from zjax.optim import clip_by_global_norm
 from zjax.partition import bytes_per_device
+from zjax.targets import target
 from zjax.trainable import Trainable
 
 BASELINE = "gspmd_fsdp"
@@ -115,9 +128,10 @@ OFFLOAD_MODES = {
 
 
 def build_zjax(stage: int, trainable: Trainable, mesh: Mesh, batch: jax.ShapeDtypeStruct,
-               prefetch: int = 1, offload: str | None = None) -> Built:
-    """zjax's step at ``stage``, compiled with its own ``COMPILER_OPTIONS``."""
-    zero = ZeroConfig(stage=stage, gather_dtype="bfloat16", reduce_dtype="float32",
+               prefetch: int = 1, offload: str | None = None,
+               reduce_dtype: str = "float32") -> Built:
+    """zjax's step at ``stage``, compiled with its backend's options (:mod:`zjax._backend`)."""
+    zero = ZeroConfig(stage=stage, gather_dtype="bfloat16", reduce_dtype=reduce_dtype,
                       prefetch_layers=prefetch, **OFFLOAD_MODES.get(offload, {}))
     zs = make_step(trainable, make_tx(), zero=zero, mesh=mesh)
     t0 = time.perf_counter()
@@ -127,13 +141,19 @@ def build_zjax(stage: int, trainable: Trainable, mesh: Mesh, batch: jax.ShapeDty
                  time.perf_counter() - t0)
 
 
+def _to(dtype, tree: Any) -> Any:
+    return tree if dtype is None else jax.tree.map(
+        lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, tree)
+
+
 def _constrained_scan(layer_fn: Callable, params: Any, x: jax.Array, *,
-                      sharding: NamedSharding, remat: bool) -> jax.Array:
-    """A ``Stack`` runner: plain scan with the hidden state pinned to batch sharding."""
+                      sharding: NamedSharding, remat: bool, dtype=None) -> jax.Array:
+    """A ``Stack`` runner: plain scan with the hidden state pinned to batch sharding (and the
+    layer's weights cast to ``dtype`` at use)."""
     pin = lambda h: lax.with_sharding_constraint(h, sharding)
 
     def body(h, layer_params):
-        return pin(layer_fn(layer_params, pin(h))), None
+        return pin(layer_fn(_to(dtype, layer_params), pin(h))), None
 
     if remat:
         body = jax.checkpoint(body)
@@ -142,13 +162,21 @@ def _constrained_scan(layer_fn: Callable, params: Any, x: jax.Array, *,
 
 def build_baseline(kind: str, trainable: Trainable, graphdef: Any, mesh: Mesh,
                    batch: jax.ShapeDtypeStruct) -> Built:
-    """Plain ``jax.jit`` baselines: ``ddp``, ``gspmd_fsdp``, ``gspmd_fsdp_noremat``."""
+    """Plain ``jax.jit`` baselines: ``ddp``, ``gspmd_fsdp``, ``gspmd_fsdp_noremat``,
+    ``gspmd_fsdp_bf16``."""
     tx = make_tx()
     act = NamedSharding(mesh, P(DATA))
     fsdp = kind.startswith("gspmd_fsdp")
-    runner = functools.partial(_constrained_scan, sharding=act, remat=not kind.endswith("noremat"))
+    dtype = jnp.bfloat16 if kind.endswith("bf16") else None
+    runner = functools.partial(_constrained_scan, sharding=act, dtype=dtype,
+                               remat=not kind.endswith("noremat"))
 
     def loss_fn(params, tokens):
+        if dtype is not None:  # the non-stacked weights at the merge; the layers' at use
+            flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+            params = treedef.unflatten(
+                [w if trainable.stacked(jax.tree_util.keystr(path, simple=True, separator="/"))
+                 else _to(dtype, w) for path, w in flat])
         model = nnx.merge(graphdef, params)
         if fsdp:
             bind_runners(model, lambda path, stack: runner)
@@ -205,19 +233,23 @@ def measure(built: Built, tokens: jax.Array | None, repeats: int) -> dict:
     """Memory, state, collective and time figures of one compiled step."""
     mem = built.compiled.memory_analysis()
     shardings = jax.tree.map(lambda a: a.sharding, built.abstract_state)
-    coll = collective_bytes(built.compiled.as_text())
+    platform = jax.tree.leaves(built.abstract_state)[0].sharding.mesh.devices.flat[0].platform
+    coll = collective_bytes(built.compiled.as_text(),
+                            decomposed=backend(platform).decomposes_collectives)
     row = {
         "name": built.name,
         "argument_bytes": int(mem.argument_size_in_bytes),
         "output_bytes": int(mem.output_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
+        "peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                          + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
         "state_bytes": bytes_per_device(built.abstract_state, shardings),
         **{f"state_{k}_bytes": v for k, v in state_bytes(built.abstract_state).items()},
         "total_state_bytes": total_bytes(built.abstract_state),
         "collectives": {"all_gather": coll.all_gather, "reduce_scatter": coll.reduce_scatter,
                         "all_reduce": coll.all_reduce, "wire": coll.wire,
                         "other": coll.all_to_all + coll.collective_permute,
-                        "counts": coll.counts},
+                        "counts": coll.counts, "overlap": coll.overlap},
         "compile_s": round(built.compile_s, 2),
     }
     if tokens is not None:
@@ -243,7 +275,24 @@ def targets(rows: dict[str, dict], n_devices: int) -> dict:
         "temp_bytes": _check(s3["temp_bytes"], base["temp_bytes"]),
         "wire_bytes": _check(s3["collectives"]["wire"], 0.6 * base["collectives"]["wire"]),
         "step_time": _check(t3, None if tb is None else 1.10 * tb),
+        **_bf16_targets(rows),
     }
+
+
+def _bf16_targets(rows: dict[str, dict]) -> dict:
+    """Stage 3 at prefetch 1 against MaxText's bf16-compute FSDP: temp no higher, >= 90% of
+    the gathered bytes overlapped, wire bytes no higher at the same (bf16) reduce dtype."""
+    s3, bf16 = rows.get("zjax_stage3", {}), rows.get("gspmd_fsdp_bf16", {})
+    s3_bf16 = rows.get("zjax_stage3_p1_bf16", {})
+    if "error" in s3 or "error" in bf16 or not bf16:
+        return {}
+    out = {"temp_vs_bf16_baseline": _check(s3["temp_bytes"], bf16["temp_bytes"]),
+           "gather_overlap": {"value": (o := s3["collectives"]["overlap"].get("all_gather", 0)),
+                              "limit": 0.9, "pass": o >= 0.9}}
+    if s3_bf16 and "error" not in s3_bf16:
+        out["wire_vs_bf16_baseline"] = _check(s3_bf16["collectives"]["wire"],
+                                              bf16["collectives"]["wire"])
+    return out
 
 
 def sweep(args: argparse.Namespace, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> list[dict]:
@@ -262,22 +311,31 @@ def sweep(args: argparse.Namespace, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> 
 
 def run_job(args: argparse.Namespace) -> Any:
     """One job in this process: a row (``zjax_stage3``, ``ddp``, ...) or ``sweep``."""
-    simulate_cpu_devices(args.devices)  # before jax creates its backends
-    mesh = make_mesh()
+    if args.target:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no backend of its own
+        mesh = make_mesh(devices=list(target(args.target).devices))
+    else:
+        simulate_cpu_devices(args.devices)  # before jax creates its backends
+        mesh = make_mesh()
     batch = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32,
                                  sharding=NamedSharding(mesh, P(DATA)))
     if args.job == "sweep":
         return sweep(args, mesh, batch)
     trainable, graphdef = gpt_trainable(args, args.n_layers)
     log(f"{args.job}: compiling")
-    if args.job.startswith("zjax_stage"):
+    if args.job.startswith("zjax_stage3_p"):  # zjax_stage3_p{k}_{f32,bf16}
+        k, _, rd = args.job.removeprefix("zjax_stage3_p").partition("_")
+        built = build_zjax(3, trainable, mesh, batch, int(k),
+                           reduce_dtype={"f32": "float32", "bf16": "bfloat16"}[rd])
+        built.name = args.job
+    elif args.job.startswith("zjax_stage"):
         stage, _, offload = args.job.removeprefix("zjax_stage").partition("_offload_")
         built = build_zjax(int(stage), trainable, mesh, batch, args.prefetch, offload or None)
     else:
         built = build_baseline(args.job, trainable, graphdef, mesh, batch)
     log(f"{args.job}: compiled in {built.compile_s:.1f}s" + ("" if args.no_time else "; timing"))
     tokens = None
-    if not args.no_time:
+    if not args.no_time and not args.target:
         host = np.random.default_rng(0).integers(0, args.vocab, batch.shape, dtype=np.int32)
         tokens = jax.device_put(host, batch.sharding)
     row = measure(built, tokens, args.repeats)
@@ -330,6 +388,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=1, help="zjax prefetch_layers")
     p.add_argument("--offload", default="", help="stage-3 offload rows, e.g. optimizer,both "
                    f"(modes: {', '.join(OFFLOAD_MODES)})")
+    p.add_argument("--target", default=None, help="compile for an accelerator (h100:8, "
+                   "v5p:2x2x2, ...; zjax.targets): compile only, nothing timed")
+    p.add_argument("--variants", action="store_true", help="stage-3 rows at prefetch 0/1/2 "
+                   "x reduce dtype float32/bfloat16")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # internal: one job
     args = p.parse_args(argv)
     args.stages = [int(s) for s in args.stages.split(",") if s]
@@ -348,7 +410,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.job is not None:
         print(json.dumps(run_job(args)))
         return
-    jobs = [f"zjax_stage{s}" for s in args.stages] + ["ddp", BASELINE, "gspmd_fsdp_noremat"]
+    jobs = [f"zjax_stage{s}" for s in args.stages] + ["ddp", BASELINE, "gspmd_fsdp_noremat",
+                                                      "gspmd_fsdp_bf16"]
+    if args.variants:
+        jobs += [f"zjax_stage3_p{k}_{rd}" for k in (0, 1, 2) for rd in ("f32", "bf16")]
     jobs += [f"zjax_stage3_offload_{m}" for m in args.offload]
     rows = {job: spawn(job, argv, args.retries) for job in jobs}
     base = rows[BASELINE]
@@ -367,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
                                                s3["state_device_bytes"])
     result: dict[str, Any] = {
         "config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "vocab",
-                                                  "seq_len", "batch", "devices", "repeats")},
+                                                  "seq_len", "batch", "devices", "repeats",
+                                                  "target")},
         "params": n_params,
         "rows": list(rows.values()),
     }

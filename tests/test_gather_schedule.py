@@ -12,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 import zjax
 from tests.helpers import GRADS, assert_trees_close
+from zjax._backend import backend
 from zjax.hlo import collective_bytes
 from zjax.nn import Stack
 from zjax.partition import REMAT_POLICY, ScheduleSpec, gather_tree, scheduled_scan
-from zjax.step import COMPILER_OPTIONS
 
 N = 8
 
@@ -23,7 +23,7 @@ N = 8
 def smap(f, in_specs, out_specs):
     return jax.jit(jax.shard_map(f, mesh=zjax.make_mesh(), in_specs=in_specs,
                                  out_specs=out_specs, axis_names={"data"}, check_vma=False),
-                   compiler_options=COMPILER_OPTIONS)
+                   compiler_options=dict(backend("cpu").compiler_options))
 
 
 def tied_loss(full, x):

@@ -22,6 +22,7 @@ from zjax.hlo import collective_bytes
 from zjax.offload import state_bytes
 from zjax.partition.plan import bytes_per_device
 from zjax.step import ZeroStep
+from zjax.targets import Target
 
 __all__ = ["PlanReport", "formula", "report"]
 
@@ -50,6 +51,12 @@ class PlanReport:
       notes: caveats of this backend (e.g. XLA:CPU reducing in float32).
       collectives_by_axis: ``{axes: {kind: bytes}}``: the same collectives by the mesh axes
         they span (``data``, ``model``, ``data+model``).
+      device_kind: the devices compiled for (``cpu``, ``NVIDIA H100 80GB HBM3``, ``TPU v5``).
+      fits_device: whether ``total_bytes`` fits the devices' memory (``per_device.capacity_bytes``,
+        known for targets); None when unknown.
+      overlap: per collective kind, the fraction of its bytes with compute scheduled between
+        its start and its done, loops weighted by trip count (0 where the backend runs it
+        synchronously).
     """
 
     n_params: int
@@ -61,6 +68,9 @@ class PlanReport:
     replicated_leaves: list[dict[str, Any]]
     notes: list[str] = dataclasses.field(default_factory=list)
     collectives_by_axis: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    device_kind: str = ""
+    fits_device: bool | None = None
+    overlap: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -79,10 +89,11 @@ class PlanReport:
         mesh = s.get("mesh") or {}
         shape = f" (data {mesh['data']} x model {mesh['model']})" if mesh.get("model", 1) > 1 \
             else ""
+        where = f" ({s['target']}: {self.device_kind})" if s.get("target") else ""
         lines = [
-            f"zjax plan: {self.n_params:,} parameters on {self.n_devices} devices{shape}, ZeRO "
-            f"stage {s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, grad_accum "
-            f"{s['grad_accum']}, remat {s['remat']}",
+            f"zjax plan{where}: {self.n_params:,} parameters on {self.n_devices} devices{shape}, "
+            f"ZeRO stage {s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, "
+            f"grad_accum {s['grad_accum']}, remat {s['remat']}",
             f"  {'per device':<22}{'compiled':>14}{'ZeRO paper':>14}",
         ]
         for key, name in [("params_bytes", "params"), ("grads_bytes", "gradients"),
@@ -93,10 +104,15 @@ class PlanReport:
             f"  {'activations/temp':<22}{_size(d['temp_bytes']):>14}",
             f"  {'total on device':<22}{_size(d['total_bytes']):>14}",
             f"  {'in host memory':<22}{_size(d['host_bytes']):>14}",
-            "  collectives per step: " + ", ".join(
-                f"{k.removesuffix('_bytes').replace('_', '-')} {_size(v)}"
-                for k, v in c.items()),
         ]
+        if d.get("capacity_bytes"):
+            lines.append(f"  {'device memory':<22}{_size(d['capacity_bytes']):>14}"
+                         f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
+        lines.append("  collectives per step: " + ", ".join(
+            f"{k.removesuffix('_bytes').replace('_', '-')} {_size(v)}" for k, v in c.items()))
+        if self.overlap:
+            lines.append("  overlapped with compute: " + ", ".join(
+                f"{k.replace('_', '-')} {v:.0%}" for k, v in self.overlap.items()))
         if len(self.collectives_by_axis) > 1 or mesh.get("model", 1) > 1:
             lines += [f"    over {axes}: " + ", ".join(f"{k.replace('_', '-')} {_size(v)}"
                                                        for k, v in kinds.items())
@@ -137,8 +153,11 @@ def _nbytes(tree: Any) -> int:
 
 
 def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
-           remat: bool | None = None) -> PlanReport:
-    """The :class:`PlanReport` of ``zstep`` from its compiled step (``lower(b).compile()``)."""
+           remat: bool | None = None, target: Target | None = None) -> PlanReport:
+    """The :class:`PlanReport` of ``zstep`` from its compiled step (``lower(b).compile()``).
+
+    ``target``: the compile-only target compiled for (name and device memory).
+    """
     plan, a = zstep.plan, zstep.abstract_state
     zero = plan.zero
     shard = lambda tree: bytes_per_device(tree, jax.tree.map(lambda x: x.sharding, tree))
@@ -154,7 +173,12 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     mem = compiled.memory_analysis()
     peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
             - mem.alias_size_in_bytes)
-    coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape))
+    # TPU counts host-memory arguments and outputs apart (host_*); XLA:CPU counts them in
+    # argument/output, so there the host-placed state is taken out by its shardings
+    host_apart = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
+                  + mem.host_temp_size_in_bytes) > 0
+    coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape),
+                            decomposed=plan.backend.decomposes_collectives)
     # K of the paper: float32 master plus the optimizer's per-parameter state
     k = 4 + _nbytes(a.opt_state) / max(1, n_params)
     notes = []
@@ -172,7 +196,12 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         "grad_accum": grad_accum,
         "remat": remat,
         "mesh": {"data": plan.n_data, "model": plan.n_model},
+        "target": target.name if target else None,
     }
+    capacity = target.capacity_bytes if target else None
+    if host_apart:  # the compiler's own figure: it includes the backend's padding
+        host = int(mem.host_argument_size_in_bytes)
+    total = int(peak) - (0 if host_apart else host)
     return PlanReport(
         n_params=n_params,
         n_devices=plan.n_data * plan.n_model,
@@ -181,7 +210,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
             "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
             "model_state_bytes": params + grads + optimizer,
             "temp_bytes": int(mem.temp_size_in_bytes), "host_bytes": host,
-            "total_bytes": int(peak) - host,
+            "total_bytes": total, "capacity_bytes": capacity,
         },
         collectives={"all_gather_bytes": coll.all_gather,
                      "reduce_scatter_bytes": coll.reduce_scatter,
@@ -194,6 +223,10 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
                            for leaf in plan.replicated],
         notes=notes,
         collectives_by_axis=coll.by_axis,
+        device_kind=plan.mesh.devices.flat[0].device_kind,
+        fits_device=None if capacity is None else total <= capacity,
+        overlap={k: coll.overlap[k] for k in ("all_gather", "reduce_scatter", "all_reduce")
+                 if k in coll.overlap},
     )
 
 

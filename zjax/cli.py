@@ -46,10 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     pn.add_argument("overrides", nargs="*", help="key=value overrides")
     pn.add_argument("--devices", type=int, default=None,
                     help="devices on the data axis (simulated on the CPU if needed)")
+    pn.add_argument("--target", default=None,
+                    help="compile for an accelerator without one: h100:8, h200:8, h100:2x8 "
+                    "(hosts x GPUs), or a TPU topology (v5p:2x2x2, v5e:4x4, v6e:2x4, ...)")
     pn.add_argument("--json", action="store_true", help="print one JSON object")
     pn.add_argument("--budget", default=None,
-                    help="device memory per device (e.g. 80GiB): search stages, offload, "
-                    "prefetch, micro-batches and remat for the best config that fits")
+                    help="device memory per device (e.g. 80GiB; with --target, 'device' for "
+                    "its memory): search stages, offload, prefetch, micro-batches and remat "
+                    "for the best config that fits")
     pn.add_argument("--write", default=None, help="with --budget: save the chosen config here")
     ex = sub.add_parser("export", help="write a run's params, unsharded, for programs without zjax")
     ex.add_argument("run_dir")
@@ -74,23 +78,28 @@ def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[s
     return config, overrides
 
 
-def _accelerator_plugins() -> list[str]:
-    import importlib.util
+_ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
 
-    names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
-    return [n for n in names if importlib.util.find_spec(n) is not None]
+
+def _accelerators() -> list[str]:
+    """This machine's accelerator device files (NVIDIA, TPU, AMD).
+
+    A compiler plugin alone (``zjax[targets]`` installs CUDA's and libtpu for compile-only
+    targets) does not make an accelerator: without the hardware, zjax simulates CPU devices.
+    """
+    import glob
+
+    return [f for pattern in _ACCELERATOR_FILES for f in glob.glob(pattern)]
 
 
 def _setup_devices(n: int | None) -> None:
-    """Simulate CPU devices when asked, or by default (8) on a machine with only a CPU."""
-    import os
-
+    """Simulate CPU devices when asked, or by default (8) on a machine with no accelerator."""
     import jax
 
     if n is None:
         if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
             return
-        if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu") or _accelerator_plugins():
+        if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu") or _accelerators():
             return
     from zjax.mesh import simulate_cpu_devices
 
@@ -143,14 +152,18 @@ def _plan(args) -> int:
         raise ConfigError(f"--write: {args.write!r} already exists; zjax does not replace it")
     if args.write and not args.budget:
         raise ConfigError("--write: needs --budget (it saves the configuration chosen)")
-    _setup_devices(args.devices)
+    if args.budget == "device" and not args.target:
+        raise ConfigError("--budget: 'device' takes the memory of a --target; give a size "
+                          "(e.g. 80GiB) or a --target")
+    _setup_devices(None if args.target else args.devices)
     from zjax.planner import autotune, plan
 
     if not args.budget:
-        report = plan(config, devices=args.devices)
+        report = plan(config, devices=args.devices, target=args.target)
         print(json.dumps(report.to_json()) if args.json else report.table())
         return 0
-    result = autotune(config, budget=args.budget, devices=args.devices)
+    result = autotune(config, budget=None if args.budget == "device" else args.budget,
+                      devices=args.devices, target=args.target)
     if args.json:
         print(json.dumps({"budget_bytes": result.budget_bytes, "best": result.report.to_json(),
                           "config": result.config.to_dict(),
@@ -208,7 +221,14 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``zjax`` console script."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides after an option (`plan CONFIG --target T a.b=1`) are still overrides
+    if extra and all("=" in x and not x.startswith("-") for x in extra) and hasattr(
+            args, "overrides") and args.command != "launch":
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging()
     try:
         if args.command == "train":

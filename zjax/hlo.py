@@ -1,9 +1,14 @@
-"""Collective traffic read off a compiled program's HLO text.
+"""Collective traffic and its overlap with compute, read off a compiled program's HLO text.
 
-Loop bodies are weighted by their trip count (``known_trip_count`` in the while's backend
-config), so a scan over L layers counts each per-layer collective L times. Given the mesh's axis
-sizes, each collective is also attributed to the mesh axes its replica groups span (device ids
-in a jit-compiled SPMD program are positions in the mesh's row-major device order).
+Loop bodies are weighted by their trip count, so a scan over L layers counts each per-layer
+collective L times. Given the mesh's axis sizes, each collective is also attributed to the mesh
+axes its replica groups span (device ids in a jit-compiled SPMD program are positions in the
+mesh's row-major device order). The three backends' spellings are read alike
+(:mod:`zjax._hlo_text`): synchronous collectives (XLA:CPU, TPU), ``*-start``/``*-done`` pairs
+(GPU) and TPU's async collective fusions (counted once, at their start). TPU often writes a
+reduce-scatter as an all-reduce whose result is dynamic-sliced, and a small all-gather as an
+all-reduce of a zero-padded buffer: with ``decomposed=True`` both are counted as what they are,
+and their extra traffic is in ``wire``.
 """
 
 from __future__ import annotations
@@ -14,20 +19,34 @@ from collections import defaultdict
 
 import numpy as np
 
-__all__ = ["CollectiveBytes", "UnorderedPair", "collective_bytes", "unordered_collectives"]
+from zjax._hlo_text import Instr, Module, parse_module, shape_bytes, tuple_elements
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16}
-_KINDS = {"all-gather": "all_gather", "all-gather-start": "all_gather",
-          "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
-          "all-reduce-start": "all_reduce", "all-to-all": "all_to_all",
-          "collective-permute": "collective_permute",
-          "collective-permute-start": "collective_permute"}
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->.*\{\s*$")
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([\w\-]+)\(")
-_COMMENT = re.compile(r"/\*.*?\*/")
-_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+__all__ = ["CollectiveBytes", "CollectiveSite", "UnorderedPair", "collective_bytes",
+           "collective_sites", "unordered_collectives"]
+
+_KINDS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+          "all-reduce": "all_reduce", "all-to-all": "all_to_all",
+          "collective-permute": "collective_permute"}
+_START_SHAPE_RESULT = {"all-gather", "reduce-scatter", "collective-permute"}  # (operand, result)
+# instructions that are not compute: moving, viewing or waiting on data
+_NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
+                "copy-start", "copy-done", "opt-barrier", "partition-id", "replica-id",
+                "after-all", "send", "send-done", "recv", "recv-done", "add-dependency",
+                "domain", "iota"}
+
+
+def _kind(opcode: str) -> tuple[str | None, str]:
+    """``(kind, "sync"|"start"|"done")`` of an opcode; kind None for other opcodes."""
+    for suffix in ("-start", "-done"):
+        if opcode.endswith(suffix) and opcode.removesuffix(suffix) in _KINDS:
+            return _KINDS[opcode.removesuffix(suffix)], suffix[1:]
+    return _KINDS.get(opcode), "sync"
+
+
+def _is_tpu_async(instr: Instr) -> bool:
+    """A TPU async collective fusion's continuation or done (they hold copies of it)."""
+    return instr.name.startswith("async-collective-done") or any(
+        c.startswith("async_collective_fusion") for c in instr.callees)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +54,10 @@ class CollectiveBytes:
     """Bytes of tensors moved by each kind of collective in one execution of a program.
 
     All-gather and reduce-scatter count the full (gathered / pre-scatter) tensor; all-reduce
-    counts its tensor once (``wire`` counts it twice, as a ring all-reduce moves it twice).
+    counts its tensor once. ``wire`` is what a ring moves: an all-reduce twice, and so the
+    reduce-scatters and all-gathers the compiler ran as all-reduces (``*_via_all_reduce``).
+    ``overlap`` is, per kind, the fraction of bytes whose collective has compute scheduled
+    between its start and its done (see :func:`collective_sites`).
     """
 
     all_gather: int = 0
@@ -43,28 +65,26 @@ class CollectiveBytes:
     all_reduce: int = 0
     all_to_all: int = 0
     collective_permute: int = 0
+    reduce_scatter_via_all_reduce: int = 0
+    all_gather_via_all_reduce: int = 0
     counts: dict = dataclasses.field(default_factory=dict)
     by_axis: dict = dataclasses.field(default_factory=dict)
+    overlap: dict = dataclasses.field(default_factory=dict)
 
     @property
     def wire(self) -> int:
         return (self.all_gather + self.reduce_scatter + 2 * self.all_reduce + self.all_to_all
-                + self.collective_permute)
+                + self.collective_permute + self.reduce_scatter_via_all_reduce
+                + self.all_gather_via_all_reduce)
 
     def as_dict(self) -> dict:
         return {"all_gather_bytes": self.all_gather, "reduce_scatter_bytes": self.reduce_scatter,
                 "all_reduce_bytes": self.all_reduce, "all_to_all_bytes": self.all_to_all,
                 "collective_permute_bytes": self.collective_permute, "wire_bytes": self.wire,
-                "counts": dict(self.counts), "by_axis": dict(self.by_axis)}
-
-
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        if dtype in _DTYPE_BYTES:
-            n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-            total += n * _DTYPE_BYTES[dtype]
-    return total
+                "reduce_scatter_via_all_reduce_bytes": self.reduce_scatter_via_all_reduce,
+                "all_gather_via_all_reduce_bytes": self.all_gather_via_all_reduce,
+                "counts": dict(self.counts), "by_axis": dict(self.by_axis),
+                "overlap": dict(self.overlap)}
 
 
 def _group_size(line: str) -> int:
@@ -130,84 +150,217 @@ def _axes_of(line: str, mesh_axes: dict[str, int]) -> str:
     return "+".join(spanned) or "none"
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-    """The module's computations (name -> instruction lines) and the ENTRY's name."""
-    comps: dict[str, list[str]] = {}
-    entry = None
-    current = None
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line.strip())
-        if m and not line.startswith(" "):
-            current = m.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif current is not None:
-            comps[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
+@dataclasses.dataclass(frozen=True)
+class CollectiveSite:
+    """One collective of a compiled module, as scheduled.
+
+    Attributes:
+      kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ...: what it computes (an
+        all-reduce whose result is dynamic-sliced is a ``reduce_scatter``).
+      nbytes: tensor bytes per execution (gathered / pre-scatter size).
+      weight: executions per step (loop trip counts multiplied).
+      computation: the scheduled computation it runs in.
+      name: its instruction there (the start of an async pair, or the TPU fusion).
+      overlapped: whether compute is scheduled between its start and its done.
+      via_all_reduce: it runs as an all-reduce (twice the wire bytes of a ring).
+      line: the collective's HLO line (replica groups).
+    """
+
+    kind: str
+    nbytes: int
+    weight: float
+    computation: str
+    name: str
+    overlapped: bool
+    via_all_reduce: bool
+    line: str
 
 
-def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None
-                     ) -> CollectiveBytes:
+_PASS_THROUGH = ("get-tuple-element", "bitcast", "copy", "copy-start", "copy-done")
+
+
+def _users(instrs: list[Instr]) -> dict[str, list[int]]:
+    users: dict[str, list[int]] = defaultdict(list)
+    for i, instr in enumerate(instrs):
+        for op in instr.operands:
+            users[op].append(i)
+    return users
+
+
+def _through_tuples(name: str, instrs: list[Instr], users: dict[str, list[int]]) -> list[Instr]:
+    """The users of ``name``, looking through tuples, bitcasts and copies (TPU moves values
+    between memories with ``copy-start``/``copy-done``)."""
+    out, todo, seen = [], [name], set()
+    while todo:
+        for i in users.get(todo.pop(), ()):
+            if i in seen:
+                continue
+            seen.add(i)
+            if instrs[i].opcode in _PASS_THROUGH:
+                todo.append(instrs[i].name)
+            else:
+                out.append(instrs[i])
+    return out
+
+
+def _elements(instr: Instr, instrs: list[Instr], users: dict[str, list[int]]
+              ) -> list[tuple[str, list[Instr]]]:
+    """``(shape, users)`` of each element of a (tuple-shaped) instruction's result."""
+    elements = tuple_elements(instr.shape)
+    if len(elements) == 1 and not instr.shape.lstrip().startswith("("):
+        return [(elements[0], _through_tuples(instr.name, instrs, users))]
+    by_index: dict[int, list[Instr]] = defaultdict(list)
+    for i in users.get(instr.name, ()):
+        gte = instrs[i]
+        m = re.search(r"index=(\d+)", gte.line)
+        if gte.opcode == "get-tuple-element" and m:
+            by_index[int(m.group(1))] += _through_tuples(gte.name, instrs, users)
+    return [(e, by_index[k]) for k, e in enumerate(elements)]
+
+
+def _made_by(name: str, defs: dict[str, Instr], opcode: str, module: Module) -> bool:
+    """Whether ``name`` comes from ``opcode``, looking back through copies, bitcasts and
+    single-operand custom calls (TPU's ``ZeroCrop``)."""
+    instr = defs.get(name)
+    for _ in range(16):
+        if instr is None:
+            return False
+        if _has_op(module, instr, opcode):
+            return True
+        if not (instr.opcode in _PASS_THROUGH[1:] or instr.opcode == "custom-call") \
+                or len(instr.operands) != 1:
+            return False
+        instr = defs.get(instr.operands[0])
+    return False
+
+
+def _has_op(module: Module, instr: Instr | None, opcode: str) -> bool:
+    if instr is None:
+        return False
+    if instr.opcode == opcode:
+        return True
+    return instr.opcode == "fusion" and any(
+        i.opcode == opcode for c in instr.callees for i in module.comps.get(c, ()))
+
+
+def _is_compute(instr: Instr) -> bool:
+    if instr.opcode in _NOT_COMPUTE or _kind(instr.opcode)[0] is not None:
+        return False
+    return not instr.name.startswith(("async-collective-start", "async-collective-done"))
+
+
+def _done_index(instrs: list[Instr], start: int, users: dict[str, list[int]]) -> int | None:
+    """Where the async collective started at ``start`` completes in the same computation."""
+    name = instrs[start].name
+    tpu = name.startswith("async-collective-start")
+    todo, seen = [name], set()
+    while todo:
+        for i in users.get(todo.pop(), ()):
+            if i in seen:
+                continue
+            seen.add(i)
+            instr = instrs[i]
+            if (tpu and instr.name.startswith("async-collective-done")) or (
+                    not tpu and instr.opcode.endswith("-done")):
+                return i
+            if tpu and (instr.opcode == "get-tuple-element" or _is_tpu_async(instr)):
+                todo.append(instr.name)
+    return None
+
+
+def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[CollectiveSite]:
+    """Every collective of a compiled module with its bytes, weight and overlap.
+
+    With ``decomposed`` (a TPU program: ``Backend.decomposes_collectives``) an all-reduce
+    whose result is only dynamic-sliced is read as a reduce-scatter, and an all-reduce of a
+    dynamic-update-sliced unsigned buffer as an all-gather (zjax gathers move uint bits).
+    """
+    module = parse_module(hlo_text)
+    weights = module.weights(skip=_is_tpu_async)
+    callers: dict[str, tuple[str, int]] = {}  # fused computation -> (computation, index)
+    for comp, instrs in module.comps.items():
+        for i, instr in enumerate(instrs):
+            if instr.opcode == "fusion":
+                for c in instr.callees:
+                    callers[c] = (comp, i)
+    users_of = {comp: _users(instrs) for comp, instrs in module.comps.items()}
+    sites = []
+    for comp, w in weights.items():
+        for instr in module.comps[comp]:
+            kind, phase = _kind(instr.opcode)
+            if kind is None or phase == "done":
+                continue
+            site_comp, site = comp, module.comps[comp].index(instr)
+            if comp in callers:  # inside a fusion (TPU async collective): the fusion is the site
+                site_comp, site = callers[comp]
+            instrs, users = module.comps[site_comp], users_of[site_comp]
+            nbytes = shape_bytes(instr.shape)
+            done = None
+            if phase == "start" or instrs[site].name.startswith("async-collective-start"):
+                done = _done_index(instrs, site, users)
+                if phase == "start" and done is not None:
+                    nbytes = shape_bytes(instrs[done].shape)
+                elif phase == "start" and instr.opcode.removesuffix("-start") in \
+                        _START_SHAPE_RESULT:
+                    nbytes = shape_bytes(tuple_elements(instr.shape)[1])
+            stop = len(instrs) if done is None else done
+            overlapped = done is not None or phase == "start" or \
+                instrs[site].name.startswith("async-collective-start")
+            overlapped = overlapped and any(_is_compute(x) for x in instrs[site + 1:stop])
+            site_name = instrs[site].name
+            if kind == "reduce_scatter":
+                nbytes *= _group_size(instr.line)
+            if (kind != "all_reduce" or phase != "sync" or not decomposed
+                    or _group_size(instr.line) == 1):
+                sites.append(CollectiveSite(kind, nbytes, w, site_comp, site_name, overlapped,
+                                            False, instr.line))
+                continue
+            # an all-reduce (a combined one: per tuple element) may be another collective
+            defs = {i.name: i for i in instrs}
+            for k, (element, users_of_element) in enumerate(_elements(instr, instrs, users)):
+                el_kind, via = "all_reduce", False
+                if re.search(r"\[\d", element) and any(
+                        _has_op(module, u, "dynamic-slice") for u in users_of_element):
+                    el_kind, via = "reduce_scatter", True
+                elif element.startswith("u") and k < len(instr.operands) and _made_by(
+                        instr.operands[k], defs, "dynamic-update-slice", module):
+                    el_kind, via = "all_gather", True  # unsigned bits: zjax's gathers
+                sites.append(CollectiveSite(el_kind, shape_bytes(element), w, site_comp,
+                                            site_name, overlapped, via, instr.line))
+    return sites
+
+
+def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
+                     decomposed: bool = False) -> CollectiveBytes:
     """Sum collective tensor bytes of a compiled module (``compiled.as_text()``).
 
     Args:
       hlo_text: the compiled module's text.
       mesh_axes: the mesh's axis sizes in order (``dict(mesh.shape)``): fills ``by_axis``,
         ``{axes: {kind: bytes}}`` per combination of mesh axes a collective spans.
+      decomposed: read TPU's decomposed collectives as what they are (see
+        :func:`collective_sites`).
     """
-    comps, entry = _computations(hlo_text)
-    weight: dict[str, float] = defaultdict(float)
-
-    def visit(name: str, w: float, depth: int = 0) -> None:
-        if name not in comps or depth > 64:
-            return
-        weight[name] += w
-        for line in comps[name]:
-            trips = 1
-            if " while(" in line:
-                t = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trips = int(t.group(1)) if t else 1
-                body = re.search(r"body=%?([\w.\-]+)", line)
-                cond = re.search(r"condition=%?([\w.\-]+)", line)
-                if body:
-                    visit(body.group(1), w * trips, depth + 1)
-                if cond:
-                    visit(cond.group(1), w * (trips + 1), depth + 1)
-                continue
-            for key in ("calls", "to_apply"):
-                for callee in re.findall(rf"{key}=%?([\w.\-]+)", line):
-                    visit(callee, w, depth + 1)
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if branches:
-                for callee in branches.group(1).split(","):
-                    visit(callee.strip().lstrip("%"), w, depth + 1)
-
-    visit(entry, 1.0)
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, float] = defaultdict(float)
+    hidden: dict[str, float] = defaultdict(float)
     by_axis: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for name, w in weight.items():
-        for line in comps[name]:
-            m = _OP.match(_COMMENT.sub("", line))
-            if not m or m.group(2) not in _KINDS:
-                continue
-            kind = _KINDS[m.group(2)]
-            nbytes = _shape_bytes(m.group(1))
-            if m.group(2).endswith("-start"):
-                nbytes //= 2  # async start returns (operand, result)
-            if kind == "reduce_scatter":
-                nbytes *= _group_size(line)
-            sums[kind] += w * nbytes
-            counts[kind] += w
-            if mesh_axes:
-                by_axis[_axes_of(line, mesh_axes)][kind] += w * nbytes
+    for s in collective_sites(hlo_text, decomposed=decomposed):
+        b = s.weight * s.nbytes
+        sums[s.kind] += b
+        counts[s.kind] += s.weight
+        hidden[s.kind] += b if s.overlapped else 0
+        if s.via_all_reduce:
+            sums[f"{s.kind}_via_all_reduce"] += b
+        if mesh_axes:
+            by_axis[_axes_of(s.line, mesh_axes)][s.kind] += b
+    overlap = {k: round(hidden[k] / v, 4) for k, v in sums.items()
+               if v and k in _KINDS.values()}
     return CollectiveBytes(**{k: int(v) for k, v in sums.items()},
                            counts={k: int(v) for k, v in counts.items()},
                            by_axis={a: {k: int(v) for k, v in d.items()}
-                                    for a, d in sorted(by_axis.items())})
+                                    for a, d in sorted(by_axis.items())},
+                           overlap=overlap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,23 +378,9 @@ class UnorderedPair:
     kinds: tuple[str, ...]
 
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply)=%?([\w.\-]+)")
-
-
-def _operands(line: str, start: int) -> set[str]:
-    """Names in the balanced parentheses opening at ``line[start]``, and control predecessors."""
-    depth, end = 0, len(line)
-    for i in range(start, len(line)):
-        depth += {"(": 1, ")": -1}.get(line[i], 0)
-        if depth == 0:
-            end = i
-            break
-    names = set(re.findall(r"%([\w.\-]+)", line[start:end]))
+def _control_preds(line: str) -> set[str]:
     preds = re.search(r"control-predecessors=\{([^}]*)\}", line)
-    if preds:
-        names |= {n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", preds.group(1))}
-    return names
+    return {n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", preds.group(1))} if preds else set()
 
 
 def unordered_collectives(hlo_text: str) -> list[UnorderedPair]:
@@ -257,46 +396,40 @@ def unordered_collectives(hlo_text: str) -> list[UnorderedPair]:
     neither reachable from the other through operands or control predecessors. A step that is
     safe on XLA:CPU has none.
     """
-    comps, _ = _computations(hlo_text)
+    comps = parse_module(hlo_text).comps
     sigs_of: dict[str, frozenset[tuple[str, str]]] = {}  # a computation's collectives, nested
 
     def sigs_in(name: str, depth: int = 0) -> frozenset[tuple[str, str]]:
         if name not in sigs_of:
             sigs_of[name] = frozenset()  # cycles cannot occur; this guards bad text
             found: set[tuple[str, str]] = set()
-            for line in comps.get(name, ()):
-                op = _OP.match(_COMMENT.sub("", line))
-                if op and op.group(2) in _KINDS:
-                    found.add(_signature(op.group(2), line))
+            for instr in comps.get(name, ()):
+                if instr.opcode in _KINDS:
+                    found.add(_signature(instr))
                 elif depth < 64:
-                    for callee in _callees(line):
+                    for callee in instr.callees:
                         found |= sigs_in(callee, depth + 1)
             sigs_of[name] = frozenset(found)
         return sigs_of[name]
 
     pairs = []
-    for comp, lines in comps.items():
+    for comp, instrs in comps.items():
         index: dict[str, int] = {}
         ancestors: list[int] = []  # bitset of instruction indices each one depends on
         units: list[tuple[int, str, frozenset[tuple[str, str]], bool]] = []
-        for raw in lines:
-            line = _COMMENT.sub("", raw)
-            name, op = _NAME.match(line), _OP.match(line)
-            if not name or not op:
-                continue
-            i = len(ancestors)
-            index[name.group(1)] = i
+        for i, instr in enumerate(instrs):
+            index[instr.name] = i
             bits = 0
-            for dep in _operands(line, op.end() - 1):
+            for dep in set(instr.operands) | _control_preds(instr.line):
                 if dep in index:
                     bits |= ancestors[index[dep]] | (1 << index[dep])
             ancestors.append(bits)
-            if op.group(2) in _KINDS:
-                units.append((i, name.group(1), frozenset({_signature(op.group(2), line)}), False))
+            if instr.opcode in _KINDS:
+                units.append((i, instr.name, frozenset({_signature(instr)}), False))
             else:
-                nested = frozenset().union(*(sigs_in(c) for c in _callees(line)))
+                nested = frozenset().union(*(sigs_in(c) for c in instr.callees))
                 if nested:
-                    units.append((i, name.group(1), nested, True))
+                    units.append((i, instr.name, nested, True))
         for a, (i, first, sigs_a, nested_a) in enumerate(units):
             for j, second, sigs_b, nested_b in units[a + 1:]:
                 common = sigs_a & sigs_b
@@ -307,15 +440,7 @@ def unordered_collectives(hlo_text: str) -> list[UnorderedPair]:
     return pairs
 
 
-def _signature(opcode: str, line: str) -> tuple[str, str]:
+def _signature(instr: Instr) -> tuple[str, str]:
     """What XLA:CPU's rendezvous key tells collectives apart by: kind and device groups."""
-    groups = _groups(line)
-    return _KINDS[opcode], "all" if groups is None else repr(sorted(map(sorted, groups)))
-
-
-def _callees(line: str) -> list[str]:
-    names = _CALLEES.findall(line)
-    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-    if branches:
-        names += [c.strip().lstrip("%") for c in branches.group(1).split(",")]
-    return names
+    groups = _groups(instr.line)
+    return _KINDS[instr.opcode], "all" if groups is None else repr(sorted(map(sorted, groups)))

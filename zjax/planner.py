@@ -3,6 +3,8 @@
 Nothing is allocated: the step is lowered from ``ShapeDtypeStruct``s. For more devices than
 this process has, the plan runs in a subprocess that simulates them on the CPU
 (``zjax plan --devices N --json``), since a process's device count is fixed when JAX starts.
+With ``target`` (``h100:8``, ``v5p:2x2x2``; :mod:`zjax.targets`) the step is compiled by that
+accelerator's own compiler for its compile-only devices, in this process.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from zjax.loop import resolve_loop
 from zjax.mesh import make_mesh
 from zjax.optim import make_optimizer
 from zjax.step import make_step
+from zjax.targets import Target, target
 
 __all__ = ["autotune", "compile_report", "plan", "run_cli_json"]
 
@@ -37,8 +40,13 @@ def _abstract_batch(loop, config: Config) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((config.data.batch_size, *first.shape[1:]), first.dtype)
 
 
-def compile_report(config: Config, devices: list) -> PlanReport:
-    """Build, lower and compile ``config``'s step on ``devices``; report its figures."""
+def compile_report(config: Config, devices: list, *, target: Target | None = None
+                   ) -> PlanReport:
+    """Build, lower and compile ``config``'s step on ``devices``; report its figures.
+
+    ``target``: the compile-only target the devices belong to (its name and capacity go in
+    the report).
+    """
     loop = resolve_loop(config.loop)
     mesh = make_mesh(config.mesh, devices=devices)
     tx = make_optimizer(config.optimizer, total_steps=config.train.steps)
@@ -48,22 +56,36 @@ def compile_report(config: Config, devices: list) -> PlanReport:
     zstep.check_batch(batch.shape)
     compiled = zstep.lower(batch).compile()
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
-                  remat=getattr(config.model, "remat", None))
+                  remat=getattr(config.model, "remat", None), target=target)
 
 
-def plan(config: Config, *, devices: int | None = None) -> PlanReport:
+def _target_devices(name: str, devices: int | None) -> tuple[Target, list]:
+    t = target(name)
+    if devices is not None and devices != len(t.devices):
+        raise ConfigError(f"--devices: {devices} conflicts with --target {name} "
+                          f"({len(t.devices)} devices); give one of them")
+    return t, list(t.devices)
+
+
+def plan(config: Config, *, devices: int | None = None, target: str | None = None
+         ) -> PlanReport:
     """Exact per-device memory and communication of ``config``'s train step.
 
     Args:
       config: a resolved :class:`zjax.Config`.
       devices: devices on the ``data`` axis (default: all of this process's). More than this
         process has are simulated in a subprocess.
+      target: compile for an accelerator instead (:func:`zjax.targets.target` names:
+        ``h100:8``, ``h200:8``, ``h100:2x8``, ``v5p:2x2x2``, ...): compile-only, in this process.
 
     Returns:
       A :class:`PlanReport` (``.table()`` to print, ``.to_json()`` for scripts).
     """
     if devices is not None and devices < 1:
         raise ConfigError(f"--devices: must be >= 1, got {devices}")
+    if target is not None:
+        t, devs = _target_devices(target, devices)
+        return compile_report(config, devs, target=t)
     if devices is not None and devices > jax.device_count():
         return PlanReport.from_json(run_cli_json(config, ["--devices", str(devices)]))
     return compile_report(config, jax.devices()[:devices] if devices else jax.devices())
@@ -85,18 +107,28 @@ def run_cli_json(config: Config, args: list[str]) -> dict:
     return json.loads(r.stdout)
 
 
-def autotune(config: Config, *, budget: int | str, devices: int | None = None,
-             **space) -> TuneResult:
+def autotune(config: Config, *, budget: int | str | None = None, devices: int | None = None,
+             target: str | None = None, **space) -> TuneResult:
     """The fitting configuration with the fewest collective bytes, then the least offload.
 
     Args:
       config: the starting configuration.
-      budget: device memory per device, in bytes or as text (``"80GiB"``).
+      budget: device memory per device, in bytes or as text (``"80GiB"``); with a
+        ``target``, its device memory by default.
       devices: devices in the mesh, at most this process's (the CLI ``zjax plan
         --budget B --devices N`` simulates more).
+      target: search against an accelerator's compiler (see :func:`plan`).
       **space: narrows the search (``stages``, ``offloads``, ``prefetch``, ``grad_accum``,
         ``remat``; see :func:`zjax._autotune.autotune`).
     """
+    if target is not None:
+        t, devs = _target_devices(target, devices)
+        budget_bytes = t.capacity_bytes if budget is None else (
+            budget if isinstance(budget, int) else parse_bytes(budget))
+        return _autotune(config, budget_bytes=budget_bytes, n_devices=len(devs),
+                         compile_report=lambda c: compile_report(c, devs, target=t), **space)
+    if budget is None:
+        raise ConfigError("--budget: needed unless --target gives the device memory")
     n = devices or jax.device_count()
     if n > jax.device_count():
         raise ConfigError(f"--devices: {n} exceeds this process's {jax.device_count()} devices;"

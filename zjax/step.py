@@ -52,12 +52,7 @@ from zjax.partition.gather import reduce_scatter
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.trainable import Trainable
 
-__all__ = ["COMPILER_OPTIONS", "TrainState", "ZeroStep", "make_step"]
-
-# XLA:CPU's ``cse_barrier_expander`` strips the remat barriers, after which CSE merges the
-# backward re-gather of a non-Stack leaf (a tied embedding) into its forward gather and keeps the
-# gathered weight alive across the whole step. Other backends do not run the pass.
-COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+__all__ = ["TrainState", "ZeroStep", "make_step"]
 
 
 class TrainState(NamedTuple):
@@ -183,6 +178,12 @@ def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
             f"zero.offload_param.device: host at stage {zero.stage} offloads the float32 master, "
             f"but with zero.gather_dtype {zero.gather_dtype} the stored params are the master "
             "(replicated, used whole by every step); use stage 3 or a 16-bit gather_dtype")
+    refused = plan.backend.no_host_update
+    if zero.offload_optimizer.update_on_host and refused:
+        raise ConfigError(
+            f"zero.offload_optimizer.update_on: host cannot compile on {plan.backend.platform}: "
+            f"{refused.reason} ({refused.link}); use update_on: device (the optimizer state "
+            "still lives in host memory between steps)")
     for key in ("offload_optimizer", "offload_param"):
         section = getattr(zero, key)
         if section.enabled:
@@ -231,13 +232,17 @@ def make_step(
     )
     shardings = plan.shardings(specs)
     off_opt, off_param = plan.zero.offload_optimizer, plan.zero.offload_param
+    # optax's step counts (scalars) stay in device memory: their bytes are nil, and an s32
+    # count updated on the host and aliased back to a host buffer fails TPU's HLO verifier
+    # ("Shape and memory space of the result ... must be the same as ... aliased parameter")
+    opt_home = jax.tree.map(lambda a: plan.opt_on_host and a.ndim > 0, abstract.opt_state)
     shardings = shardings._replace(
         params=on_host(shardings.params, off_param.memory_kind) if plan.params_on_host
         else shardings.params,
         master=on_host(shardings.master, off_param.memory_kind)
         if plan.has_master and plan.master_on_host else shardings.master,
-        opt_state=on_host(shardings.opt_state, off_opt.memory_kind) if plan.opt_on_host
-        else shardings.opt_state,
+        opt_state=jax.tree.map(lambda s, h: s.with_memory_kind(off_opt.memory_kind) if h
+                               else s, shardings.opt_state, opt_home),
     )
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
@@ -325,7 +330,8 @@ def make_step(
                 f"device values ({str(e).splitlines()[0]}); optax transforms that create "
                 "device constants cannot run on the host: use update_on: device") from None
         # offloaded state goes back to host memory; the rest stays on (or returns to) the device
-        opt_state = to_host(opt_state) if plan.opt_on_host else to_device(opt_state)
+        opt_state = jax.tree.map(lambda x, h: to_host(x) if h else to_device(x),
+                                 opt_state, opt_home)
         new = to_host(new) if plan.master_on_host else to_device(new)
         if plan.has_master:
             master = jax.lax.with_sharding_constraint(new, shardings.master)
@@ -349,5 +355,5 @@ def make_step(
     init = jax.jit(init_fn, out_shardings=shardings)
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0,
-                   compiler_options=COMPILER_OPTIONS)
+                   compiler_options=dict(plan.backend.compiler_options))
     return ZeroStep(plan, shardings, abstract, batch_sharding, init, step, evaluate)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zjax.errors import ConfigError
 
@@ -31,11 +31,25 @@ _IS_SHARDING = lambda x: isinstance(x, NamedSharding)
 
 
 def check_memory_kind(mesh: Mesh, kind: str, *, key: str) -> None:
-    """Raise ConfigError naming ``key`` if the mesh's devices have no memory of ``kind``."""
-    kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
-    if kind not in kinds:
-        raise ConfigError(f"{key}: this backend ({mesh.devices.flat[0].platform}) has no "
-                          f"{kind!r} memory; it has {', '.join(sorted(kinds))}")
+    """Raise ConfigError naming ``key`` if arrays cannot be placed in ``kind`` memory on ``mesh``.
+
+    JAX keeps a sharding's memory kind only for devices that list that memory; for devices
+    that list none (compile-only GPU devices of a deviceless target, jaxlib 0.10) it silently
+    drops it, so the placement would not happen.
+    """
+    device = mesh.devices.flat[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    placed = NamedSharding(mesh, PartitionSpec()).with_memory_kind(kind).memory_kind
+    if kind in kinds and placed == kind:
+        return
+    if not kinds:
+        raise ConfigError(
+            f"{key}: JAX cannot place arrays in {kind!r} memory on these {device.platform} "
+            f"devices ({device.device_kind}): compile-only devices of a deviceless GPU target "
+            "list no memories, and JAX drops the memory kind of their shardings. Offload runs "
+            "on real GPUs; plan it on a TPU target (v5p:2x2x2) or on CPU devices")
+    raise ConfigError(f"{key}: this backend ({device.platform}) has no "
+                      f"{kind!r} memory; it has {', '.join(sorted(kinds))}")
 
 
 def on_host(shardings: Any, kind: str = "pinned_host") -> Any:

@@ -24,6 +24,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zjax._backend import Backend, backend_of
 from zjax.errors import ConfigError
 from zjax.mesh import DATA, MODEL
 from zjax.partition.config import ZeroConfig
@@ -157,15 +158,19 @@ class ShardPlan:
         return jax.tree.unflatten(self.treedef, list(values))
 
     @property
+    def backend(self) -> Backend:
+        """The quirk record of the mesh's platform (:mod:`zjax._backend`)."""
+        return backend_of(self.mesh)
+
+    @property
     def reduce_dtype(self) -> np.dtype:
         """The dtype gradients are actually reduced in on this mesh's backend.
 
-        XLA:CPU (jaxlib 0.10) aborts compiling any 16-bit all-reduce or reduce-scatter
-        ("Invalid binary instruction opcode copy" in ChangeOpDataType), so on CPU a 16-bit
-        ``zero.reduce_dtype`` reduces in float32; the summary says so.
+        A backend that cannot compile 16-bit reductions (``Backend.wide_reduce``: XLA:CPU)
+        reduces a 16-bit ``zero.reduce_dtype`` in float32; the summary says so.
         """
         rd = self.zero.reduce
-        if rd.itemsize < 4 and self.mesh.devices.flat[0].platform == "cpu":
+        if rd.itemsize < 4 and self.backend.wide_reduce:
             return np.dtype(np.float32)
         return rd
 
@@ -173,20 +178,20 @@ class ShardPlan:
     def scatter_via_all_reduce(self) -> bool:
         """Whether gradients are reduce-scattered as an all-reduce plus a slice.
 
-        On CPU with ``jax.distributed`` (more than one process), XLA:CPU's reduce-scatter runs
-        through gloo, which intermittently returns wrong values at the end of rank 0's chunk
-        (jax-ml/jax#40830, jaxlib 0.10-0.12); an all-reduce is correct, at twice the traffic.
+        Only where the backend's multi-process reduce-scatter is wrong
+        (``Backend.scatter_via_all_reduce``: XLA:CPU through gloo) and the job has several
+        processes; an all-reduce is correct, at twice the traffic.
         """
-        return self.mesh.devices.flat[0].platform == "cpu" and jax.process_count() > 1
+        return self.backend.scatter_via_all_reduce is not None and jax.process_count() > 1
 
     @property
     def join_gathers(self) -> bool:
-        """Whether the gathers outside the layer loops are joined (XLA:CPU only).
+        """Whether the gathers outside the layer loops are joined (``Backend.join_gathers``).
 
         See :func:`zjax.partition.gather.join_gathers`: on XLA:CPU, a collective outside a
         loop and one inside it may otherwise run at once and collide.
         """
-        return self.mesh.devices.flat[0].platform == "cpu"
+        return self.backend.join_gathers is not None
 
     @property
     def leaves_by_path(self) -> dict[str, LeafPlan]:

@@ -1,0 +1,191 @@
+"""The step on real accelerator compilers: H100 (CUDA plugin) and TPU v5p (libtpu), deviceless.
+
+Nothing runs on an accelerator: each step is lowered from ShapeDtypeStructs and compiled for
+the target's compile-only devices, and the figures are the real compiler's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import zjax
+from zjax._backend import backend
+from zjax._planning import report
+from zjax.hlo import collective_bytes
+from zjax.loop import resolve_loop
+from zjax.mesh import make_mesh
+from zjax.optim import make_optimizer
+from zjax.planner import _abstract_batch
+from zjax.step import make_step
+from zjax.targets import target
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU, TPU = "h100:8", "v5p:2x2x2"
+# the tiny GPT, 2 layers so each compile takes seconds; every leaf sharded
+BASE = ["model.n_layers=2", "data.seq_len=64", "zero.param_persistence_threshold=0"]
+SETTINGS = {
+    "stage0": ["zero.stage=0"],
+    "stage1": ["zero.stage=1"],
+    "stage2": ["zero.stage=2"],
+    "stage3-prefetch0": ["zero.stage=3", "zero.prefetch_layers=0"],
+    "stage3-prefetch1": ["zero.stage=3", "zero.prefetch_layers=1"],
+    "stage3-tp": ["zero.stage=3", "mesh.data=4", "mesh.model=2"],
+}
+
+
+@functools.cache
+def _compiled(name: str, *overrides: str):
+    """(zstep, compiled, report) of the tiny GPT's step compiled for ``name``."""
+    config = zjax.load_config("configs/tiny.yaml", [*BASE, *overrides])
+    devices = jax.devices() if name == "cpu" else list(target(name).devices)
+    loop = resolve_loop(config.loop)
+    zstep = make_step(loop.trainable(config.model),
+                      make_optimizer(config.optimizer, total_steps=10), zero=config.zero,
+                      mesh=make_mesh(config.mesh, devices=devices))
+    compiled = zstep.lower(_abstract_batch(loop, config)).compile()
+    return zstep, compiled, report(zstep, compiled,
+                                  target=None if name == "cpu" else target(name))
+
+
+def test_accelerator_records_hold_no_cpu_workaround():
+    cpu = backend("cpu")
+    assert cpu.workarounds(), "the CPU record lost its workarounds"
+    for platform in ("gpu", "cuda", "tpu"):
+        record = backend(platform)
+        leaked = set(record.workarounds()) & set(cpu.workarounds())
+        assert not leaked, f"{platform} carries CPU workarounds {leaked}"
+        assert not set(record.compiler_options) & set(cpu.compiler_options)
+    assert set(backend("gpu").workarounds()) == set()
+    assert set(backend("tpu").workarounds()) == {"no_host_update"}
+
+
+@pytest.mark.parametrize("name", [GPU, TPU])
+def test_targets_are_compile_only_devices_of_their_chip(name):
+    t = target(name)
+    assert len(t.devices) == 8 and t.platform == t.devices[0].platform
+    assert t.device_kind == ("NVIDIA H100 80GB HBM3" if name == GPU else "TPU v5")
+    assert t.capacity_bytes == (84942979072 if name == GPU else 95 * 10**9)
+    assert target("h200:8").capacity_bytes == 151397597184
+    assert target("h100:2x4").hosts == 2 and len(target("h100:2x4").devices) == 8
+
+
+@pytest.mark.parametrize("bad, why", [("h10:8", "did you mean 'h100'"), ("h100:x", "GPU count"),
+                                      ("v5p:3x3", "not a v5p topology"), ("", "no known chip")])
+def test_unknown_targets_are_config_errors(bad, why):
+    with pytest.raises(zjax.ConfigError, match=why):
+        target(bad)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", [GPU, TPU])
+def test_every_stage_compiles_and_plans_the_compiled_memory(name, setting):
+    zstep, compiled, r = _compiled(name, *SETTINGS[setting])
+    mem = compiled.memory_analysis()
+    # compiling at all shows no CPU option leaked (GPU/TPU cannot compile opt-barrier)
+    assert zstep.plan.backend is backend(target(name).platform)
+    assert r.per_device["temp_bytes"] == mem.temp_size_in_bytes
+    assert r.per_device["total_bytes"] == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    assert r.setting["target"] == name and r.fits_device is True
+    assert r.per_device["capacity_bytes"] == target(name).capacity_bytes
+
+
+def _sharded_params(zstep) -> int:
+    """Ψ over the sharded leaves, per model slice (what one device gathers over ``data``)."""
+    plan = zstep.plan
+    return sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
+               for leaf in plan.leaves if leaf.dim is not None)
+
+
+@pytest.mark.parametrize("reduce_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", ["cpu", GPU, TPU])
+def test_stage3_moves_two_gathers_and_one_reduce_scatter_per_parameter(name, reduce_dtype):
+    zstep, compiled, _ = _compiled(name, "zero.stage=3", f"zero.reduce_dtype={reduce_dtype}")
+    coll = collective_bytes(compiled.as_text(), decomposed=name == TPU)
+    psi = _sharded_params(zstep)
+    # bf16 gathers; the reduce in the configured dtype, except on XLA:CPU (float32 only)
+    reduced = np.dtype("float32" if name == "cpu" else reduce_dtype).itemsize
+    assert coll.all_gather == pytest.approx(2 * psi * 2, rel=0.02)
+    assert coll.reduce_scatter == pytest.approx(psi * reduced, rel=0.02)
+    assert coll.all_reduce < 0.01 * psi  # scalars (loss, count, grad norm) only
+
+
+@pytest.mark.parametrize("name", ["cpu", GPU, TPU])
+def test_stage2_reduce_scatters_grads_and_gathers_the_working_copy(name):
+    zstep, compiled, _ = _compiled(name, "zero.stage=2")
+    coll = collective_bytes(compiled.as_text(), decomposed=name == TPU)
+    psi = _sharded_params(zstep)
+    assert coll.reduce_scatter == pytest.approx(psi * 4, rel=0.02)  # float32 reduce
+    assert coll.all_gather == pytest.approx(psi * 2, rel=0.02)  # the bf16 working copy
+
+
+def test_gpu_overlaps_the_zero_collectives_with_compute_and_cpu_cannot():
+    *_, gpu = _compiled(GPU, *SETTINGS["stage3-prefetch1"])
+    *_, cpu = _compiled("cpu", *SETTINGS["stage3-prefetch1"])
+    assert gpu.overlap["all_gather"] >= 0.9 and gpu.overlap["reduce_scatter"] >= 0.9
+    assert cpu.overlap["all_gather"] == 0 and cpu.overlap["reduce_scatter"] == 0
+
+
+OFFLOAD = {
+    "optimizer": ["zero.offload_optimizer.device=host"],
+    "param": ["zero.offload_param.device=host"],
+    "both": ["zero.offload_optimizer.device=host", "zero.offload_param.device=host"],
+}
+
+
+@pytest.mark.parametrize("mode", list(OFFLOAD))
+def test_offload_compiles_on_tpu_with_host_bytes_from_the_compiler(mode):
+    _, compiled, r = _compiled(TPU, "zero.stage=3", *OFFLOAD[mode])
+    mem = compiled.memory_analysis()
+    assert r.per_device["host_bytes"] > 0
+    # TPU counts host arguments apart: the plan's host bytes are the compiler's
+    assert mem.host_argument_size_in_bytes == r.per_device["host_bytes"]
+    assert r.per_device["total_bytes"] == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+
+
+@pytest.mark.parametrize("name, overrides, match", [
+    (TPU, ["zero.offload_optimizer.device=host", "zero.offload_optimizer.update_on=host"],
+     "update_on: host cannot compile on tpu"),
+    (GPU, OFFLOAD["optimizer"], "compile-only devices of a deviceless GPU target"),
+    (GPU, OFFLOAD["param"], "compile-only devices of a deviceless GPU target"),
+])
+def test_offload_the_compiler_cannot_take_is_refused_beforehand(name, overrides, match):
+    with pytest.raises(zjax.ConfigError, match=match):
+        _compiled(name, "zero.stage=3", *overrides)
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zjax", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600)
+
+
+def test_plan_cli_with_a_target_and_a_bad_one():
+    r = _cli("plan", "configs/tiny.yaml", "--target", GPU, "model.n_layers=2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["setting"]["target"] == GPU and out["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert out["per_device"]["capacity_bytes"] == 84942979072 and out["fits_device"] is True
+    assert out["overlap"]["all_gather"] >= 0.9
+    bad = _cli("plan", "--target", "v9z:2x2")
+    assert bad.returncode == 2 and "zjax: error: --target: 'v9z:2x2'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_cli_simulates_cpu_devices_with_the_compiler_plugins_installed():
+    # a fresh shell: no XLA_FLAGS, no JAX_PLATFORMS; the CUDA plugin and libtpu are installed
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PJRT_NPROC")}
+    r = _cli("plan", "configs/tiny.yaml", "model.n_layers=2", "--json", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["n_devices"] == 8 and out["device_kind"] == "cpu"

@@ -1,0 +1,126 @@
+"""What each XLA backend needs from zjax: one frozen record per platform, quirks in one place.
+
+Every backend-specific choice the plan, the step and the gather make is read from the
+:class:`Backend` of the mesh's platform, never from a ``platform == "cpu"`` test elsewhere. A
+workaround is a :class:`Quirk` with the reason and the bug it works around; CPU workarounds
+must never reach GPU or TPU (``tests/test_targets.py`` fails if one leaks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+
+from jax.sharding import Mesh
+
+__all__ = ["Backend", "Quirk", "backend", "backend_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Quirk:
+    """A workaround that is on for a backend, and why.
+
+    Attributes:
+      reason: what goes wrong without it.
+      link: the bug report (or the measurement) behind it.
+    """
+
+    reason: str
+    link: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One XLA backend's settings and workarounds (None: the workaround is off).
+
+    Attributes:
+      platform: ``cpu``, ``gpu`` or ``tpu`` (``jax.Device.platform``).
+      compiler_options: XLA options passed to the train step's ``jax.jit``; each key's reason
+        is in ``option_reasons``.
+      option_reasons: why each compiler option is set.
+      wide_reduce: reduce 16-bit gradients in float32 (the backend cannot compile 16-bit
+        reductions).
+      join_gathers: join the gathers outside the layer loops with one barrier
+        (:func:`zjax.partition.gather.join_gathers`).
+      scatter_via_all_reduce: with several processes, reduce-scatter as all-reduce + slice.
+      no_host_update: refuse ``zero.offload_optimizer.update_on: host`` (the compiler crashes).
+      decomposes_collectives: the compiler writes a reduce-scatter as an all-reduce whose
+        result is dynamic-sliced, and a small all-gather as an all-reduce of a zero-padded
+        buffer (TPU); :func:`zjax.hlo.collective_bytes` then reads them as what they are.
+    """
+
+    platform: str
+    compiler_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    option_reasons: Mapping[str, Quirk] = dataclasses.field(default_factory=dict)
+    wide_reduce: Quirk | None = None
+    join_gathers: Quirk | None = None
+    scatter_via_all_reduce: Quirk | None = None
+    no_host_update: Quirk | None = None
+    decomposes_collectives: bool = False
+
+    def workarounds(self) -> dict[str, Quirk]:
+        """The quirks that are on (compiler options by their option name)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), Quirk)}
+        return {**out, **{f"compiler_options.{k}": q for k, q in self.option_reasons.items()}}
+
+
+def _options(**pairs: tuple[str, Quirk]) -> dict:
+    return {"compiler_options": types.MappingProxyType({k: v for k, (v, _) in pairs.items()}),
+            "option_reasons": types.MappingProxyType({k: q for k, (_, q) in pairs.items()})}
+
+
+_CPU = Backend(
+    platform="cpu",
+    **_options(xla_disable_hlo_passes=("cse_barrier_expander", Quirk(
+        "XLA:CPU's cse_barrier_expander strips the remat barriers, after which CSE merges the "
+        "backward re-gather of a non-Stack leaf (a tied embedding) into its forward gather "
+        "and keeps it alive across the step; GPU and TPU do not run the pass and cannot "
+        "compile the barriers it would leave (opt-barrier)",
+        "measured here: tests/test_collectives_memory.py (temp flat in depth)"))),
+    wide_reduce=Quirk(
+        "XLA:CPU (jaxlib 0.10) aborts compiling a 16-bit all-reduce or reduce-scatter "
+        "('Invalid binary instruction opcode copy' in ChangeOpDataType)",
+        "measured here with jaxlib 0.10.2"),
+    join_gathers=Quirk(
+        "XLA:CPU runs a loop's collectives in an executor of their own, unordered against "
+        "those outside; two same-kind collectives in flight share one rendezvous key "
+        "(channel id 1) and abort or hang the step",
+        "zjax.hlo.unordered_collectives; jax-ml/jax#40830 (thread)"),
+    scatter_via_all_reduce=Quirk(
+        "with jax.distributed, XLA:CPU's gloo reduce-scatter intermittently returns wrong "
+        "values at the end of rank 0's chunk, with no error",
+        "https://github.com/jax-ml/jax/issues/40830"),
+)
+
+_GPU = Backend(platform="gpu")
+
+_TPU = Backend(
+    platform="tpu",
+    decomposes_collectives=True,
+    no_host_update=Quirk(
+        "libtpu 0.0.42 cannot compile an optimizer update placed on the host with "
+        "compute_on('device_host'): SIGILL in xla::HostOffloader::WalkDownHostMemoryOffloadPaths "
+        "or 'The async-start expects the async shape ... to match the async computation root "
+        "shape' after optimization",
+        "measured here: libtpu 0.0.42.1, v5p:2x2x2 deviceless compile, configs/tiny-offload.yaml"),
+)
+
+_BACKENDS = {"cpu": _CPU, "gpu": _GPU, "cuda": _GPU, "rocm": _GPU, "tpu": _TPU}
+
+
+def backend(platform: str) -> Backend:
+    """The record of ``platform`` (``cpu``, ``gpu``/``cuda``/``rocm``, ``tpu``)."""
+    try:
+        return _BACKENDS[platform]
+    except KeyError:
+        raise ValueError(f"no zjax backend record for platform {platform!r}; known: "
+                         f"{', '.join(sorted(_BACKENDS))}") from None
+
+
+def backend_of(mesh: Mesh) -> Backend:
+    """The record of the platform of ``mesh``'s devices."""
+    return backend(mesh.devices.flat[0].platform)
+
+
