@@ -31,7 +31,8 @@ _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\(")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply)=%?([\w.\-]+)")
+_CALLEES = re.compile(
+    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,8 +103,9 @@ class ZeroConfig:
 
         Args:
           layer_elements: parameter elements of one gathered layer.
-          n_layers: layers in the stack (the depth never exceeds ``n_layers // 2``: the
-            backward runs that many tail and head layers outside its loop).
+          n_layers: layers in the stack (the depth never exceeds ``n_layers // 2``: each step
+            gathers ``depth`` layers more than the stack needs, the backward's prefetches past
+            layer 0).
         """
         if self.prefetch_layers is not None:
             depth = self.prefetch_layers
