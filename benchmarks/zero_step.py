@@ -312,7 +312,7 @@ def sweep(args: argparse.Namespace, mesh: Mesh, batch: jax.ShapeDtypeStruct) -> 
 def run_job(args: argparse.Namespace) -> Any:
     """One job in this process: a row (``zjax_stage3``, ``ddp``, ...) or ``sweep``."""
     if args.target:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no backend of its own
+        jax.config.update("jax_platforms", "cpu")  # compile-only: CUDA's checks would fail
         mesh = make_mesh(devices=list(target(args.target).devices))
     else:
         simulate_cpu_devices(args.devices)  # before jax creates its backends

@@ -26,11 +26,12 @@ from tests.helpers import (
 from tests.models import gpt_reference_loss, gpt_trainable, token_batches
 from tests.test_equivalence import make_tx
 from zjax._autotune import autotune as _autotune
+from zjax._hlo_text import axes_of as _axes_of
 from zjax._planning import report as plan_report
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
 from zjax.config import load_config
 from zjax.export import export
-from zjax.hlo import _axes_of, collective_bytes
+from zjax.hlo import collective_bytes
 from zjax.models import GPTConfig
 from zjax.planner import compile_report
 
@@ -268,7 +269,8 @@ def test_budget_search_picks_a_model_axis_when_only_it_fits():
 ])
 def test_replica_group_spellings_map_to_mesh_axes(groups, axes, size):
     """XLA writes replica groups three ways; each is attributed to the axes it spans on 4x2."""
-    from zjax.hlo import _axes_of, _group_size
+    from zjax._hlo_text import axes_of as _axes_of
+    from zjax._hlo_text import group_size as _group_size
 
     line = f"%x = f32[8] all-reduce(%y), channel_id=1, replica_groups={groups}, to_apply=%r"
     assert _axes_of(line, {"data": 4, "model": 2}) == axes

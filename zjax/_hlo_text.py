@@ -22,7 +22,12 @@ from collections import defaultdict
 
 import numpy as np
 
-__all__ = ["Instr", "Module", "parse_module", "shape_bytes", "tuple_elements"]
+__all__ = ["KINDS", "Instr", "Module", "axes_of", "group_size", "parse_module", "replica_groups",
+           "shape_bytes", "tuple_elements"]
+
+KINDS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+         "all-reduce": "all_reduce", "all-to-all": "all_to_all",
+         "collective-permute": "collective_permute"}
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -233,3 +238,66 @@ def _step(body: list[Instr], k: int) -> int | None:
         if _tuple_index(x, defs) == k:
             return _constant(y, defs)
     return None
+
+
+def group_size(line: str) -> int:
+    groups = replica_groups(line)
+    return len(groups[0]) if groups else 1
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """``[4,2]T(1,0)``: iota over ``dims``, transposed by ``perm``, flattened."""
+    shape = [int(x) for x in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    if perm:
+        ids = ids.transpose([int(x) for x in perm.split(",")])
+    return ids.reshape(-1)
+
+
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r"\s*\{([^}]*)\}")
+
+
+def replica_groups(line: str) -> list[list[int]] | None:
+    """The replica groups of a collective; None for all devices.
+
+    Three spellings: explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[4]``, ``[2,4]<=[4,2]T(1,0)``)
+    and mesh (``mesh['axis_0'=4,'axis_1'=2] {'axis_0'}``, optionally with
+    ``device_ids=([4,2]T(1,0))``: a group per coordinate of the axes not listed).
+    """
+    m = _MESH_GROUPS.search(line)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        sizes = [int(k) for _, k in axes]
+        ids = _iota(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))
+        reduced = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(4)]
+        kept = [i for i in range(len(axes)) if i not in reduced]
+        grid = ids.reshape(sizes).transpose(kept + reduced)
+        return grid.reshape(-1, int(np.prod([sizes[i] for i in reduced]))).tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        n_groups = int(m.group(1).split(",")[0])
+        return _iota(m.group(2), m.group(3)).reshape(n_groups, -1).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m and m.group(1):
+        groups = re.findall(r"\{([\d,]*)\}", m.group(1))
+        return [[int(x) for x in g.split(",") if x] for g in groups]
+    return None
+
+
+def axes_of(line: str, mesh_axes: dict[str, int]) -> str:
+    """``data``, ``model``, ``data+model``... : the mesh axes one collective's groups span."""
+    groups = replica_groups(line)
+    names, sizes = list(mesh_axes), list(mesh_axes.values())
+    if groups is None:  # every device
+        spanned = [n for n, k in zip(names, sizes, strict=True) if k > 1]
+    else:
+        spanned = []
+        for i, name in enumerate(names):
+            for g in groups:
+                coords = {np.unravel_index(d, sizes)[i] for d in g if d < np.prod(sizes)}
+                if len(coords) > 1:
+                    spanned.append(name)
+                    break
+    return "+".join(spanned) or "none"

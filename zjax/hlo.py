@@ -17,16 +17,21 @@ import dataclasses
 import re
 from collections import defaultdict
 
-import numpy as np
-
-from zjax._hlo_text import Instr, Module, parse_module, shape_bytes, tuple_elements
+from zjax._hlo_order import UnorderedPair, unordered_collectives
+from zjax._hlo_text import KINDS as _KINDS
+from zjax._hlo_text import (
+    Instr,
+    Module,
+    axes_of,
+    group_size,
+    parse_module,
+    shape_bytes,
+    tuple_elements,
+)
 
 __all__ = ["CollectiveBytes", "CollectiveSite", "UnorderedPair", "collective_bytes",
            "collective_sites", "unordered_collectives"]
 
-_KINDS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-          "all-reduce": "all_reduce", "all-to-all": "all_to_all",
-          "collective-permute": "collective_permute"}
 _START_SHAPE_RESULT = {"all-gather", "reduce-scatter", "collective-permute"}  # (operand, result)
 # instructions that are not compute: moving, viewing or waiting on data
 _NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
@@ -85,69 +90,6 @@ class CollectiveBytes:
                 "all_gather_via_all_reduce_bytes": self.all_gather_via_all_reduce,
                 "counts": dict(self.counts), "by_axis": dict(self.by_axis),
                 "overlap": dict(self.overlap)}
-
-
-def _group_size(line: str) -> int:
-    groups = _groups(line)
-    return len(groups[0]) if groups else 1
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-    """``[4,2]T(1,0)``: iota over ``dims``, transposed by ``perm``, flattened."""
-    shape = [int(x) for x in dims.split(",")]
-    ids = np.arange(int(np.prod(shape))).reshape(shape)
-    if perm:
-        ids = ids.transpose([int(x) for x in perm.split(",")])
-    return ids.reshape(-1)
-
-
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
-                          r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-                          r"\s*\{([^}]*)\}")
-
-
-def _groups(line: str) -> list[list[int]] | None:
-    """The replica groups of a collective; None for all devices.
-
-    Three spellings: explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[4]``, ``[2,4]<=[4,2]T(1,0)``)
-    and mesh (``mesh['axis_0'=4,'axis_1'=2] {'axis_0'}``, optionally with
-    ``device_ids=([4,2]T(1,0))``: a group per coordinate of the axes not listed).
-    """
-    m = _MESH_GROUPS.search(line)
-    if m:
-        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-        sizes = [int(k) for _, k in axes]
-        ids = _iota(m.group(2), m.group(3)) if m.group(2) else np.arange(int(np.prod(sizes)))
-        reduced = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(4)]
-        kept = [i for i in range(len(axes)) if i not in reduced]
-        grid = ids.reshape(sizes).transpose(kept + reduced)
-        return grid.reshape(-1, int(np.prod([sizes[i] for i in reduced]))).tolist()
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
-        n_groups = int(m.group(1).split(",")[0])
-        return _iota(m.group(2), m.group(3)).reshape(n_groups, -1).tolist()
-    m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
-    if m and m.group(1):
-        groups = re.findall(r"\{([\d,]*)\}", m.group(1))
-        return [[int(x) for x in g.split(",") if x] for g in groups]
-    return None
-
-
-def _axes_of(line: str, mesh_axes: dict[str, int]) -> str:
-    """``data``, ``model``, ``data+model``... : the mesh axes one collective's groups span."""
-    groups = _groups(line)
-    names, sizes = list(mesh_axes), list(mesh_axes.values())
-    if groups is None:  # every device
-        spanned = [n for n, k in zip(names, sizes, strict=True) if k > 1]
-    else:
-        spanned = []
-        for i, name in enumerate(names):
-            for g in groups:
-                coords = {np.unravel_index(d, sizes)[i] for d in g if d < np.prod(sizes)}
-                if len(coords) > 1:
-                    spanned.append(name)
-                    break
-    return "+".join(spanned) or "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,9 +251,9 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
             overlapped = overlapped and any(_is_compute(x) for x in instrs[site + 1:stop])
             site_name = instrs[site].name
             if kind == "reduce_scatter":
-                nbytes *= _group_size(instr.line)
+                nbytes *= group_size(instr.line)
             if (kind != "all_reduce" or phase != "sync" or not decomposed
-                    or _group_size(instr.line) == 1):
+                    or group_size(instr.line) == 1):
                 sites.append(CollectiveSite(kind, nbytes, w, site_comp, site_name, overlapped,
                                             False, instr.line))
                 continue
@@ -353,7 +295,7 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
         if s.via_all_reduce:
             sums[f"{s.kind}_via_all_reduce"] += b
         if mesh_axes:
-            by_axis[_axes_of(s.line, mesh_axes)][s.kind] += b
+            by_axis[axes_of(s.line, mesh_axes)][s.kind] += b
     overlap = {k: round(hidden[k] / v, 4) for k, v in sums.items()
                if v and k in _KINDS.values()}
     return CollectiveBytes(**{k: int(v) for k, v in sums.items()},
@@ -361,86 +303,3 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
                            by_axis={a: {k: int(v) for k, v in d.items()}
                                     for a, d in sorted(by_axis.items())},
                            overlap=overlap)
-
-
-@dataclasses.dataclass(frozen=True)
-class UnorderedPair:
-    """Two instructions of one computation that may run collectives of one kind at once.
-
-    ``first`` or ``second`` (or both) is a loop, call or conditional whose body holds the
-    collectives; ``kinds`` are the collective kinds the two have in common (over the same
-    device groups).
-    """
-
-    computation: str
-    first: str
-    second: str
-    kinds: tuple[str, ...]
-
-
-def _control_preds(line: str) -> set[str]:
-    preds = re.search(r"control-predecessors=\{([^}]*)\}", line)
-    return {n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", preds.group(1))} if preds else set()
-
-
-def unordered_collectives(hlo_text: str) -> list[UnorderedPair]:
-    """Pairs of collectives of one kind that XLA:CPU may run at the same time on one device.
-
-    XLA:CPU runs the collectives of one computation in program order, but a loop's (or
-    call's) body runs in its own executor: nothing orders the collectives inside it against
-    the collectives around it except data dependencies. Every collective JAX emits has channel
-    id 1, so two all-gathers over the same devices running at once share XLA's rendezvous key:
-    the run aborts (``Id can't be larger than the number of participating threads``) or hangs.
-    This lists each such pair: same computation, at least one side a loop, call or
-    conditional, a collective of the same kind over the same device groups in common, and
-    neither reachable from the other through operands or control predecessors. A step that is
-    safe on XLA:CPU has none.
-    """
-    comps = parse_module(hlo_text).comps
-    sigs_of: dict[str, frozenset[tuple[str, str]]] = {}  # a computation's collectives, nested
-
-    def sigs_in(name: str, depth: int = 0) -> frozenset[tuple[str, str]]:
-        if name not in sigs_of:
-            sigs_of[name] = frozenset()  # cycles cannot occur; this guards bad text
-            found: set[tuple[str, str]] = set()
-            for instr in comps.get(name, ()):
-                if instr.opcode in _KINDS:
-                    found.add(_signature(instr))
-                elif depth < 64:
-                    for callee in instr.callees:
-                        found |= sigs_in(callee, depth + 1)
-            sigs_of[name] = frozenset(found)
-        return sigs_of[name]
-
-    pairs = []
-    for comp, instrs in comps.items():
-        index: dict[str, int] = {}
-        ancestors: list[int] = []  # bitset of instruction indices each one depends on
-        units: list[tuple[int, str, frozenset[tuple[str, str]], bool]] = []
-        for i, instr in enumerate(instrs):
-            index[instr.name] = i
-            bits = 0
-            for dep in set(instr.operands) | _control_preds(instr.line):
-                if dep in index:
-                    bits |= ancestors[index[dep]] | (1 << index[dep])
-            ancestors.append(bits)
-            if instr.opcode in _KINDS:
-                units.append((i, instr.name, frozenset({_signature(instr)}), False))
-            else:
-                nested = frozenset().union(*(sigs_in(c) for c in instr.callees))
-                if nested:
-                    units.append((i, instr.name, nested, True))
-        for a, (i, first, sigs_a, nested_a) in enumerate(units):
-            for j, second, sigs_b, nested_b in units[a + 1:]:
-                common = sigs_a & sigs_b
-                ordered = ancestors[j] >> i & 1 or ancestors[i] >> j & 1
-                if common and (nested_a or nested_b) and not ordered:
-                    kinds = tuple(sorted({kind for kind, _ in common}))
-                    pairs.append(UnorderedPair(comp, first, second, kinds))
-    return pairs
-
-
-def _signature(instr: Instr) -> tuple[str, str]:
-    """What XLA:CPU's rendezvous key tells collectives apart by: kind and device groups."""
-    groups = _groups(instr.line)
-    return _KINDS[instr.opcode], "all" if groups is None else repr(sorted(map(sorted, groups)))

@@ -71,9 +71,16 @@ def _gpu(name: str, chip: str, shape: str) -> Target:
 
     spec = importlib.resources.files("zjax").joinpath("target_specs", GPU_TARGETS[chip])
     text = spec.read_text()
-    topo = topologies.get_topology_desc(topology_name="gpu", platform="cuda",
-                                        target_config=text,
-                                        topology=f"1x{hosts}x{per_host}")
+    try:
+        topo = topologies.get_topology_desc(topology_name="gpu", platform="cuda",
+                                            target_config=text,
+                                            topology=f"1x{hosts}x{per_host}")
+    except NotImplementedError:  # the plugin failed its CUDA checks and did not register
+        raise ConfigError(
+            f"--target: {name!r} needs the CUDA plugin, which skipped registering: without a "
+            "GPU it does so unless JAX runs with JAX_PLATFORMS=cpu (the zjax CLI sets it; "
+            "in Python set it before importing jax, or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1)"
+        ) from None
     capacity = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
     devices = tuple(topo.devices)
     return Target(name, "gpu", devices, devices[0].device_kind, capacity, hosts)
