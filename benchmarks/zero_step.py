@@ -201,8 +201,12 @@ def build_baseline(kind: str, trainable: Trainable, graphdef: Any, mesh: Mesh,
     else:
         specs = jax.tree.map(lambda _: P(), abstract)
     shardings = plan.shardings(specs)
+    # on an accelerator, the backend's own compiler options (on TPU MaxText's async-collective
+    # flags, without which libtpu runs every collective synchronously); XLA:CPU's are zjax's
+    record = backend(mesh.devices.flat[0].platform)
+    options = {} if record.platform == "cpu" else dict(record.compiler_options)
     jit_step = jax.jit(step_fn, in_shardings=(shardings, act), out_shardings=(shardings, None),
-                       donate_argnums=0)
+                       donate_argnums=0, compiler_options=options)
     t0 = time.perf_counter()
     compiled = jit_step.lower(_with_shardings(abstract, shardings), batch).compile()
     init = jax.jit(init_fn, out_shardings=shardings)
