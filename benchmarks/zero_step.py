@@ -317,6 +317,7 @@ def run_job(args: argparse.Namespace) -> Any:
     """One job in this process: a row (``zjax_stage3``, ``ddp``, ...) or ``sweep``."""
     if args.target:
         jax.config.update("jax_platforms", "cpu")  # compile-only: CUDA's checks would fail
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to contend for
         mesh = make_mesh(devices=list(target(args.target).devices))
     else:
         simulate_cpu_devices(args.devices)  # before jax creates its backends

@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# compile-only TPU targets in both pytest workers and their subprocesses (no TPU here)
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from zjax.mesh import simulate_cpu_devices  # imports jax; its backends start later
 

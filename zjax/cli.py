@@ -96,6 +96,13 @@ def _setup_devices(n: int | None) -> None:
     """Simulate CPU devices when asked, or by default (8) on a machine with no accelerator."""
     import jax
 
+    if not _accelerators():
+        # only a CPU here: the compiler plugins serve compile-only targets (CUDA's would fail
+        # its version checks unless JAX runs on the CPU), and libtpu may be loaded by several
+        # processes at once (it otherwise refuses a second one with its lockfile)
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        if not os.environ.get("JAX_PLATFORMS"):
+            jax.config.update("jax_platforms", "cpu")
     if n is None:
         if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
             return

@@ -93,8 +93,13 @@ def _tpu(name: str, generation: str) -> Target:
     try:
         topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # libtpu's own message says what shapes it takes
-        raise _bad(name, f"is not a {generation} topology libtpu knows "
-                         f"({str(e).splitlines()[0][:200]})") from None
+        first = str(e).splitlines()[0][:200]
+        if "lockfile" in first:  # another process holds libtpu
+            raise ConfigError(
+                f"--target: {name!r}: another process has libtpu loaded ({first}); without a "
+                "TPU, ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets several compile (the zjax CLI sets "
+                "it when the machine has no accelerator)") from None
+        raise _bad(name, f"is not a {generation} topology libtpu knows ({first})") from None
     devices = tuple(topo.devices)
     hosts = len({d.process_index for d in devices})
     return Target(name, "tpu", devices, devices[0].device_kind, TPU_HBM_BYTES[generation], hosts)
