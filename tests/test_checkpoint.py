@@ -22,6 +22,8 @@ from zjax.loop import resolve_loop
 from zjax.optim import make_optimizer
 from zjax.step import make_step
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["model.n_layers=2", "data.seq_len=32", "train.log_every=5", "train.eval_every=0",
         "logging.tensorboard=false"]

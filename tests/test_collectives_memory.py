@@ -15,6 +15,8 @@ import zjax
 from zjax.hlo import collective_bytes, unordered_collectives
 from zjax.models import GPT, GPTConfig, lm_loss
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 BATCH = jax.ShapeDtypeStruct((16, 65), jnp.int32)
 
 

@@ -86,6 +86,7 @@ def test_shipped_configs_load():
         load_config(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-stage0.yaml", "tiny-stage1.yaml", "tiny-offload.yaml",
                                   "tiny-stage3-prefetch2.yaml"])
 def test_small_configs_train_a_few_steps(name):
@@ -114,6 +115,7 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
     assert "data.batch_size: the global batch of 12 is not divisible" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_trains_the_default_gpt_and_loss_falls():
     r = _cli("train", "configs/tiny.yaml", "train.steps=40", "train.log_every=10",
              "train.eval_every=40")
@@ -165,6 +167,7 @@ def test_cli_config_show_and_gin_error_exit_code(tmp_path):
     assert r.returncode == 2 and "nothing" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_run_dir_and_plot(tmp_path):
     run = tmp_path / "run"
     r = _cli("train", "configs/tiny-stage2.yaml", "train.steps=4", "train.log_every=2",

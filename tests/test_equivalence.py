@@ -47,7 +47,9 @@ CASES = [(s, 1, t) for s in (0, 1, 2) for t in (0, 100)] + [
 ]
 
 
-@pytest.mark.parametrize(("stage", "prefetch", "threshold"), CASES)
+# the fast loop (-m "not slow") keeps one case: stage 3, prefetch 1, every leaf sharded
+@pytest.mark.parametrize(("stage", "prefetch", "threshold"), [
+    pytest.param(*c, marks=() if c == (3, 1, 0) else pytest.mark.slow) for c in CASES])
 def test_gpt_matches_single_device(gpt_reference, stage, prefetch, threshold):
     batches, reference = gpt_reference
     zero = zjax.ZeroConfig(stage=stage, prefetch_layers=prefetch,
@@ -58,6 +60,7 @@ def test_gpt_matches_single_device(gpt_reference, stage, prefetch, threshold):
     assert_matches_reference(losses, state, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_grad_accumulation_matches(gpt_reference, stage):
     batches, (ref_params, _, ref_losses) = gpt_reference
@@ -67,6 +70,7 @@ def test_grad_accumulation_matches(gpt_reference, stage):
     assert_trees_close(state.params, ref_params, **FP32, what="params")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_bf16_gather_losses_within_one_percent(stage):
     batches = token_batches(20, seed=1)
@@ -86,6 +90,7 @@ def test_bf16_gather_losses_within_one_percent(stage):
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_linen_model_through_pytree_api(stage):
     trainable, init, loss = linen_trainable()

@@ -22,6 +22,8 @@ from zjax.config import load_config
 from zjax.export import export
 from zjax.models import GPT
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = ["model.n_layers=2", "data.seq_len=32", "train.steps=3", "train.log_every=3",
              "train.eval_every=0", "logging.tensorboard=false"]

@@ -20,6 +20,8 @@ from zjax.offload import OffloadConfig, OptimizerOffloadConfig, state_bytes
 from zjax.optim import clip_by_global_norm, make_optimizer
 from zjax.partition import ZeroConfig
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 TX = optax.chain(clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
 OPT = OptimizerOffloadConfig(device="host")
 OPT_ON_HOST = OptimizerOffloadConfig(device="host", update_on="host")

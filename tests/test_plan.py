@@ -14,6 +14,8 @@ import zjax
 from tests.models import gpt_trainable
 from zjax.partition.plan import bytes_per_device
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 S = jax.ShapeDtypeStruct
 
 

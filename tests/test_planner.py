@@ -21,6 +21,8 @@ from zjax.loop import resolve_loop
 from zjax.optim import make_optimizer
 from zjax.planner import compile_report
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=16",
          "zero.param_persistence_threshold=0"]

@@ -88,6 +88,7 @@ def test_unknown_targets_are_config_errors(bad, why):
         target(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", [GPU, TPU])
 def test_every_stage_compiles_and_plans_the_compiled_memory(name, setting):
@@ -111,6 +112,7 @@ def _sharded_params(zstep, *, layer: bool = False) -> int:
                for leaf in plan.leaves if leaf.dim is not None and (leaf.stacked or not layer))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduce_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("name", ["cpu", GPU, TPU])
@@ -129,6 +131,7 @@ def test_stage3_moves_two_gathers_and_one_reduce_scatter_per_parameter(name, pre
     assert coll.all_reduce < 0.01 * psi  # scalars (loss, count, grad norm) only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cpu", GPU, TPU])
 def test_stage2_reduce_scatters_grads_and_gathers_the_working_copy(name):
     zstep, compiled, _ = _compiled(name, "zero.stage=2")
@@ -138,6 +141,7 @@ def test_stage2_reduce_scatters_grads_and_gathers_the_working_copy(name):
     assert coll.all_gather == pytest.approx(psi * 2, rel=0.02)  # the bf16 working copy
 
 
+@pytest.mark.slow
 def test_accelerators_overlap_the_zero_collectives_with_compute_and_cpu_cannot():
     # layers big enough that XLA's latency-hiding scheduler finds the overlap worth it
     wide = ("zero.stage=3", "zero.prefetch_layers=1", "model.d_model=512", "model.d_ff=2048",
@@ -159,6 +163,7 @@ OFFLOAD = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(OFFLOAD))
 def test_offload_compiles_on_tpu_with_host_bytes_from_the_compiler(mode):
     _, compiled, r = _compiled(TPU, "zero.stage=3", *OFFLOAD[mode])
@@ -186,6 +191,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_plan_cli_with_a_target_and_a_bad_one():
     r = _cli("plan", "configs/tiny.yaml", "--target", GPU, "model.n_layers=2", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -198,6 +204,7 @@ def test_plan_cli_with_a_target_and_a_bad_one():
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_simulates_cpu_devices_with_the_compiler_plugins_installed():
     # a fresh shell: no XLA_FLAGS, no JAX_PLATFORMS; the CUDA plugin and libtpu are installed
     env = {k: v for k, v in os.environ.items()

@@ -35,6 +35,8 @@ from zjax.hlo import collective_bytes
 from zjax.models import GPTConfig
 from zjax.planner import compile_report
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 # 4 heads (model = 1, 2, 4 all divide them); d_ff 96 so that no TP slice of one weight has
 # the shape of another whole weight (the HLO test tells them apart by shape)
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, d_ff=96, max_seq_len=16)

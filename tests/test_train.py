@@ -14,6 +14,8 @@ import zjax
 from zjax.config import load_config
 from zjax.plot import plot_run
 
+pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
