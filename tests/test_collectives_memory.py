@@ -70,16 +70,16 @@ def test_no_collective_runs_beside_a_same_kind_one_in_a_loop(prefetch):
     assert unordered_collectives(compiled_step(8, prefetch)[1].as_text()) == []
 
 
-def test_prefetch_costs_a_bounded_number_of_layers():
-    """Each prefetched layer is one more gathered layer in the forward and in the backward loop,
-    and the backward runs k tail and k head layers unrolled. XLA:CPU gives those buffers
-    separate heap slots: depth 2 measures ~6.7 layers over depth 0 at L=8 (depth 1: ~1.3).
-    The bound is 2k + 3 layers; depth never changes the per-layer growth (test above)."""
+def test_prefetch_costs_its_layers_and_nothing_more():
+    """Each prefetched layer is one more gathered layer held by the loops, nothing else: both
+    passes are single loops (no layer runs unrolled beside them, which used to cost separate
+    heap slots: 6.7 layers over depth 0 at depth 2, L=8). Measured now: 1.0005 and 2.001
+    layers at depth 1 and 2; depth never changes the per-layer growth (test above)."""
     base = compiled_step(8, 0)[1].memory_analysis().temp_size_in_bytes
     zstep, c2 = compiled_step(8, 2)
     layer_bytes = sum(leaf.size // leaf.shape[0] for leaf in zstep.plan.leaves if leaf.stacked) * 2
     extra = c2.memory_analysis().temp_size_in_bytes - base
-    assert 0 < extra <= 7 * layer_bytes, (extra, layer_bytes)
+    assert 0 < extra <= 2.05 * layer_bytes, (extra, layer_bytes)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
