@@ -102,7 +102,7 @@ _TPU = Backend(
     platform="tpu",
     decomposes_collectives=True,
     # measured with benchmarks/zero_step.py --target v5p:2x2x2 (d_model 1024, 16 layers):
-    # ZeRO gather bytes overlapped with compute 0% -> 44-61% (stage 3, prefetch 0-2)
+    # ZeRO gather bytes overlapped with compute 0% -> 43-83% (stage 3, prefetch 0-2)
     **_options(**{flag: (True, Quirk(_MAXTEXT, "measured here: docs/architecture.md"))
                   for flag in ("xla_tpu_enable_async_collective_fusion",
                                "xla_tpu_enable_async_collective_fusion_fuse_all_gather",

@@ -226,13 +226,14 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
                 for c in instr.callees:
                     callers[c] = (comp, i)
     users_of = {comp: _users(instrs) for comp, instrs in module.comps.items()}
+    defs_of: dict[str, dict[str, Instr]] = {}
     sites = []
     for comp, w in weights.items():
-        for instr in module.comps[comp]:
+        for index, instr in enumerate(module.comps[comp]):
             kind, phase = _kind(instr.opcode)
             if kind is None or phase == "done":
                 continue
-            site_comp, site = comp, module.comps[comp].index(instr)
+            site_comp, site = comp, index
             if comp in callers:  # inside a fusion (TPU async collective): the fusion is the site
                 site_comp, site = callers[comp]
             instrs, users = module.comps[site_comp], users_of[site_comp]
@@ -258,7 +259,9 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
                                             False, instr.line))
                 continue
             # an all-reduce (a combined one: per tuple element) may be another collective
-            defs = {i.name: i for i in instrs}
+            if site_comp not in defs_of:
+                defs_of[site_comp] = {i.name: i for i in instrs}
+            defs = defs_of[site_comp]
             for k, (element, users_of_element) in enumerate(_elements(instr, instrs, users)):
                 el_kind, via = "all_reduce", False
                 if re.search(r"\[\d", element) and any(
