@@ -134,7 +134,7 @@ def test_yaml_and_gin_resolve_to_the_same_config():
 
 @pytest.mark.parametrize(("text", "needle"), [
     ("zro.stage = 2\n", "No configurable matching 'zro'. (did you mean 'zero'?)"),
-    ("zero.stgae = 2\n", "unknown key zero.stgae (did you mean 'stage'?)"),
+    ("zero.stgae = 2\n", "unknown key 'zero.stgae' (did you mean 'zero.stage'?)"),
     ("zero.stage = 7\n", "zero.stage: 7 is not allowed"),
 ])
 def test_gin_errors_name_the_binding(tmp_path, text, needle):

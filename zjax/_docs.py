@@ -54,6 +54,9 @@ def _rows(prefix: str, cls: type) -> list[str]:
         meaning = docs.get(f.name, "").replace("``", "`")
         if allowed:
             meaning = (meaning + f" One of {', '.join(map(str, allowed))}.").strip()
+        bounds = f.metadata.get("bounds")
+        if bounds is not None:
+            meaning = (meaning + f" Must be {bounds.describe()}.").strip()
         rows.append(f"| `{prefix}.{f.name}` | {_type_name(hints[f.name])} | `{default}` "
                     f"| {meaning} |")
     return rows

@@ -22,6 +22,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from zjax._schema import interval, positive, validate
 from zjax.errors import ConfigError
 
 __all__ = ["BYTE_VOCAB", "DataConfig", "Tokens", "load_tokens", "stdlib_files", "window_batches"]
@@ -41,18 +42,13 @@ class DataConfig:
       eval_fraction: the tail of the token stream held out for evaluation.
     """
 
-    batch_size: int = 16
-    seq_len: int = 128
+    batch_size: int = positive(16)
+    seq_len: int = positive(128)
     path: str | None = None
-    eval_fraction: float = 0.05
+    eval_fraction: float = interval(0, 1, default=0.05)
 
     def __post_init__(self):
-        if self.batch_size <= 0:
-            raise ConfigError(f"data.batch_size: must be > 0, got {self.batch_size}")
-        if self.seq_len <= 0:
-            raise ConfigError(f"data.seq_len: must be > 0, got {self.seq_len}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
+        validate(self, "data")
 
 
 def stdlib_files() -> list[Path]:
@@ -108,8 +104,14 @@ def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
             raise ConfigError(f"data.path: cannot read token array {path!r}: {e}") from None
         if not np.issubdtype(arr.dtype, np.integer):
             raise ConfigError(f"data.path: {path!r} holds {arr.dtype}, expected integer tokens")
+        if arr.ndim != 1:
+            what = ("a single number (a 0-d array)" if arr.ndim == 0
+                    else f"an array of shape {arr.shape}")
+            raise ConfigError(f"data.path: {path!r} holds {what}, expected a flat (1-d) array "
+                              "of token ids")
         if len(arr) == 0:
             raise ConfigError(f"data.path: {path!r} is empty")
+        _check_ids(arr, str(path))
         return Tokens(arr, eval_fraction=eval_fraction, source=str(path))
     files = stdlib_files() if path is None else _text_files(path)
     chunks, total = [], 0
@@ -129,12 +131,23 @@ def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
     return Tokens(tokens, eval_fraction=eval_fraction, source=source)
 
 
+def _check_ids(arr: np.ndarray, path: str) -> None:
+    """Token ids must be >= 0 and fit the int32 batches (or they would wrap silently)."""
+    limit = np.iinfo(np.int32).max
+    for bad, what in ((arr.min(), "negative"), (arr.max(), f"above {limit} (int32)")):
+        if bad < 0 or bad > limit:
+            where = int(np.argmin(arr) if bad < 0 else np.argmax(arr))
+            raise ConfigError(f"data.path: {path!r} holds the token id {int(bad)} (at index "
+                              f"{where}), which is {what}; token ids must be in "
+                              "[0, model.vocab_size)")
+
+
 class _Windows:
     """Non-overlapping ``seq_len + 1`` windows (inputs and shifted targets) of a stream."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
-        self.n = (len(tokens) - 1) // seq_len
+        self.n = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
         return self.n
@@ -158,6 +171,12 @@ def window_batches(tokens: np.ndarray, *, global_batch: int, seq_len: int, seed:
             f"data.batch_size: {global_batch} is not divisible by the {process_count} processes"
         )
     windows = _Windows(tokens, seq_len)
+    if len(windows) < global_batch and split == "eval":
+        raise ConfigError(
+            f"data.eval_fraction: the eval split ({len(tokens)} tokens) holds {len(windows)} "
+            f"windows of {seq_len + 1}, fewer than one batch of {global_batch}; raise "
+            "data.eval_fraction, or set train.eval_every=0"
+        )
     if len(windows) < global_batch:
         raise ConfigError(
             f"data.seq_len: the {split} split ({len(tokens)} tokens) holds {len(windows)} "

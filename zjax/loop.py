@@ -9,6 +9,7 @@ its loop: ``loop: lm`` for the built-in one, or ``package.module:Name`` for a us
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -16,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from zjax._schema import short
 from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
 from zjax.errors import ConfigError, did_you_mean
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
@@ -66,8 +68,8 @@ class LanguageModel:
         vocab = self.tokens(data).vocab_size or BYTE_VOCAB
         if model.vocab_size < vocab:
             raise ConfigError(
-                f"model.vocab_size: {model.vocab_size} is smaller than the data's {vocab} token "
-                f"ids ({self.tokens(data).source})"
+                f"model.vocab_size: {model.vocab_size}, but {self.tokens(data).source} holds "
+                f"token ids up to {vocab - 1}; set model.vocab_size to at least {vocab}"
             )
 
     def abstract_batch(self, data: DataConfig) -> jax.ShapeDtypeStruct:
@@ -84,20 +86,33 @@ class LanguageModel:
 BUILTIN_LOOPS = {"lm": LanguageModel}
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def resolve_loop(name: str) -> Loop:
-    """``lm`` or ``package.module:Name`` -> a Loop instance."""
+    """``lm`` or ``package.module:Name`` -> a Loop instance.
+
+    A ``package.module:Name`` imports that module (running its code) and instantiates
+    ``Name`` if it is a class; what it gives must have ``model_config`` (a dataclass),
+    ``trainable()`` and ``data()``.
+    """
+    if not isinstance(name, str):
+        raise ConfigError(f"loop: expected a name like 'lm' or 'pkg.mod:Name', got "
+                          f"{short(name)} ({type(name).__name__})")
     if name in BUILTIN_LOOPS:
         return BUILTIN_LOOPS[name]()
     if ":" not in name:
         raise ConfigError(
-            f"loop: {name!r} is not a built-in loop{did_you_mean(name, BUILTIN_LOOPS)}; use one "
-            f"of {', '.join(BUILTIN_LOOPS)} or 'package.module:ClassName'"
+            f"loop: {short(name)} is not a built-in loop{did_you_mean(name, BUILTIN_LOOPS)}; "
+            f"use one of {', '.join(BUILTIN_LOOPS)} or 'package.module:ClassName'"
         )
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"loop: cannot import module {module_name!r} ({e})") from None
+    except Exception as e:  # ImportError, or whatever the module raises on import: one line
+        raise ConfigError(f"loop: cannot import module {module_name!r} ({_first_line(e)})"
+                          ) from None
     try:
         cls = getattr(module, attr)
     except AttributeError:
@@ -105,9 +120,18 @@ def resolve_loop(name: str) -> Loop:
         raise ConfigError(
             f"loop: module {module_name!r} has no {attr!r}{did_you_mean(attr, names)}"
         ) from None
-    loop = cls() if isinstance(cls, type) else cls
-    if not isinstance(loop, Loop):
-        raise ConfigError(
-            f"loop: {name!r} is not a Loop (it needs model_config, trainable() and data())"
-        )
+    needs = "it needs model_config (a dataclass), trainable() and data()"
+    missing = [a for a in ("model_config", "trainable", "data") if not hasattr(cls, a)]
+    if missing:  # checked before instantiating: `loop=subprocess:Popen` must not run anything
+        raise ConfigError(f"loop: {short(name)} is not a Loop ({needs}; it has no "
+                          f"{', '.join(missing)})")
+    if isinstance(cls, type):
+        try:
+            loop = cls()
+        except Exception as e:  # a user's constructor: one line, naming the key
+            raise ConfigError(f"loop: {short(name)}() failed: {_first_line(e)}") from None
+    else:
+        loop = cls
+    if not isinstance(loop, Loop) or not dataclasses.is_dataclass(loop.model_config):
+        raise ConfigError(f"loop: {short(name)} is not a Loop ({needs})")
     return loop

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zjax._schema import choices
+from zjax._schema import choices, positive, validate
 from zjax.errors import ConfigError
 
 __all__ = ["DATA", "MODEL", "MeshConfig", "make_mesh", "process_batch_slice",
@@ -39,20 +39,15 @@ class MeshConfig:
       init_timeout_s: how long a process waits for the coordinator before a clear error.
     """
 
-    data: int = -1
-    model: int = 1
+    data: int = positive(-1, also=(-1,))
+    model: int = positive(1, also=(-1,))
     distributed: str = choices("auto", "on", "off", default="auto")
-    init_timeout_s: int = 300
+    init_timeout_s: int = positive(300)
 
     def __post_init__(self):
-        for key in ("data", "model"):
-            value = getattr(self, key)
-            if value == 0 or value < -1:
-                raise ConfigError(f"mesh.{key}: must be a positive size or -1, got {value}")
+        validate(self, "mesh")
         if self.data == -1 and self.model == -1:
             raise ConfigError("mesh.data and mesh.model are both -1; at most one may be -1")
-        if self.init_timeout_s <= 0:
-            raise ConfigError(f"mesh.init_timeout_s: must be > 0, got {self.init_timeout_s}")
 
 
 # Threads XLA:CPU gets per simulated device (PJRT_NPROC). Its thread pool defaults to

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zjax._schema import positive, validate
 from zjax.errors import ConfigError
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
@@ -40,21 +41,17 @@ class GPTConfig:
         (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
     """
 
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int | None = None  # default 4 * d_model
-    max_seq_len: int = 256
+    vocab_size: int = positive(256)
+    d_model: int = positive(128)
+    n_layers: int = positive(4)
+    n_heads: int = positive(4)
+    d_ff: int | None = positive(None, none_means="4 x d_model")
+    max_seq_len: int = positive(256)
     tie_embeddings: bool = True
     remat: bool = True
 
     def __post_init__(self):
-        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"model.{key}: must be > 0, got {getattr(self, key)}")
-        if self.d_ff is not None and self.d_ff <= 0:
-            raise ConfigError(f"model.d_ff: must be > 0, got {self.d_ff}")
+        validate(self, "model")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from zjax._schema import validate
 from zjax.errors import ConfigError, did_you_mean
 
 __all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig"]
@@ -40,6 +41,7 @@ class OffloadConfig:
     pin_memory: bool = True
 
     def __post_init__(self):
+        validate(self, self._key("")[:-1])
         object.__setattr__(self, "device", _check_device(self._key("device"), self.device))
 
     def _key(self, name: str) -> str:

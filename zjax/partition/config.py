@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from zjax._schema import choices
+from zjax._schema import choices, non_negative, positive, validate
 from zjax.errors import ConfigError, did_you_mean
 from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 
@@ -54,31 +54,20 @@ class ZeroConfig:
     """
 
     stage: int = choices(0, 1, 2, 3, default=3)
-    param_persistence_threshold: int = 4096
+    param_persistence_threshold: int = non_negative(4096)
     gather_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
-    prefetch_layers: int | None = None
-    prefetch_bucket_size: int | None = None
-    max_live_parameters: int | None = None
+    prefetch_layers: int | None = non_negative(None)
+    prefetch_bucket_size: int | None = non_negative(None)
+    max_live_parameters: int | None = positive(None)
     offload_optimizer: OptimizerOffloadConfig = dataclasses.field(
         default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
 
     def __post_init__(self):
-        if self.stage not in (0, 1, 2, 3):
-            raise ConfigError(
-                f"zero.stage: {self.stage!r} is not allowed; choose one of 0, 1, 2, 3"
-            )
+        validate(self, "zero")
         resolve_dtype(self.gather_dtype, key="zero.gather_dtype")
         resolve_dtype(self.reduce_dtype, key="zero.reduce_dtype")
-        for key in ("param_persistence_threshold", "prefetch_layers", "prefetch_bucket_size"):
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                raise ConfigError(f"zero.{key}: must be >= 0, got {value}")
-        if self.max_live_parameters is not None and self.max_live_parameters <= 0:
-            raise ConfigError(
-                f"zero.max_live_parameters: must be > 0, got {self.max_live_parameters}"
-            )
         for key in ("offload_optimizer", "offload_param"):
             if self.stage == 0 and getattr(self, key).enabled:
                 raise ConfigError(
