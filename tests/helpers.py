@@ -13,6 +13,8 @@ Tolerances (documented once, used everywhere):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +79,15 @@ def assert_matches_reference(losses, state, reference) -> None:
     # nu is ~g^2 (1e-8 and below): its absolute tolerance scales down with it
     assert_trees_close(nu, ref_nu, rtol=FP32["rtol"], atol=1e-9, what="nu")
 
+
+def children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (from /proc: no pgrep needed)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's id
+            out.append(int(stat.parent.name))
+    return out

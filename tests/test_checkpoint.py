@@ -4,6 +4,7 @@ damaged-checkpoint fallback."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,12 +83,14 @@ def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
     _wait_for_checkpoint(run, 10, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     if sig == signal.SIGTERM:
         assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-        assert "stopped by SIGTERM after step" in err and "resume" in err
+        # the stop saved the very step it stopped after, and says so
+        m = re.search(r"stopped by SIGTERM after step (\d+): checkpoint of step (\d+) saved", err)
+        assert m and int(m.group(1)) == int(m.group(2)) == steps[-1], (err[-2000:], steps)
     else:
         assert proc.returncode == -signal.SIGKILL
-    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] < 80
     rc, out, err = _cli("train.steps=80", "checkpoint.every=5", "--run-dir", str(run))
     assert rc == 0, err[-2000:]

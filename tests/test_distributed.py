@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FP32, assert_trees_close
+from helpers import FP32, assert_trees_close, children
 
 import zjax
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
@@ -119,36 +119,23 @@ def test_checkpoints_cross_process_counts(runs, tmp_path):
     assert np.isfinite(_restore(resumed, 6)["params"]["embed"]).all()
 
 
-def _children(pid: int) -> list[int]:
-    """Child process ids of ``pid`` (from /proc: no pgrep needed)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # the field after the state is the parent's id
-            out.append(int(stat.parent.name))
-    return out
-
-
 def test_launch_ends_the_job_when_a_child_dies():
     proc = subprocess.Popen(_launch(2, 4, *TRAIN, "train.steps=100000"), cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        children: list[int] = []
+        kids: list[int] = []
         deadline = time.monotonic() + 60
-        while len(children) < 2 and time.monotonic() < deadline:
-            children = _children(proc.pid)
+        while len(kids) < 2 and time.monotonic() < deadline:
+            kids = children(proc.pid)
             time.sleep(0.2)
-        assert len(children) == 2
+        assert len(kids) == 2
         time.sleep(3)  # mid-start: imports, distributed init or compile
-        os.kill(children[1], signal.SIGKILL)
+        os.kill(kids[1], signal.SIGKILL)
         rc = proc.wait(timeout=60)  # bounded: SIGTERM, then SIGKILL after the grace period
         assert rc == 128 + signal.SIGKILL
         assert "ending the other 1" in proc.stderr.read()
-        for pid in children:  # no process left behind
+        for pid in kids:  # no process left behind
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:

@@ -53,7 +53,7 @@ def test_run_directory_holds_config_metrics_tensorboard(tiny_run):
     assert row["tokens_per_s"] == pytest.approx(16 * 128 / row["step_time_s"], rel=1e-6)
     assert any((run_dir / "tensorboard").iterdir())
     # the run directory is never clobbered: another model is refused, a finished run says so
-    with pytest.raises(zjax.CheckpointError, match="written for another model"):
+    with pytest.raises(zjax.CheckpointError, match="holds the state of another model or optimizer"):
         zjax.train("lm", load_config(None, ["train.steps=100"]), run_dir=run_dir)
     with pytest.raises(zjax.ConfigError, match="already at step 60"):
         zjax.train("lm", load_config(ROOT / "configs/tiny.yaml", ["train.steps=60"]),

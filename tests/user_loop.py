@@ -40,6 +40,9 @@ class CountingLoop:
     model_config = MLPConfig
 
     def trainable(self, model: MLPConfig) -> zjax.Trainable:
+        return zjax.from_pytree(*self.init_and_loss(model))
+
+    def init_and_loss(self, model: MLPConfig):
         net = _LM(model.width)
 
         def loss(params, batch):
@@ -49,11 +52,31 @@ class CountingLoop:
             correct = jnp.sum(jnp.argmax(logits, -1) == batch[:, 1:])
             return jnp.sum(nll), jnp.asarray(nll.size), {"accuracy": correct}
 
-        return zjax.from_pytree(lambda rng: net.init(rng, jnp.zeros((1, 4), jnp.int32))["params"],
-                                loss)
+        return lambda rng: net.init(rng, jnp.zeros((1, 4), jnp.int32))["params"], loss
 
     def data(self, data, *, split, seed, process_index=0, process_count=1):
         tokens = (np.arange(100_000) % 64).astype(np.int32)
         return window_batches(tokens, global_batch=data.batch_size, seq_len=data.seq_len,
                               seed=seed + (split == "eval"), process_index=process_index,
                               process_count=process_count, split=split)
+
+
+class PoisonedLoop(CountingLoop):
+    """CountingLoop whose batches 3 and 4 (1-based) make the loss NaN (steps 3 and 4)."""
+
+    poisoned = (3, 4)
+
+    def init_and_loss(self, model: MLPConfig):
+        init, inner = super().init_and_loss(model)
+
+        def loss(params, batch):
+            total, count, extra = inner(params, jnp.abs(batch))
+            return jnp.where(jnp.any(batch < 0), jnp.nan, total), count, extra
+
+        return init, loss
+
+    def data(self, data, *, split, seed, process_index=0, process_count=1):
+        it = super().data(data, split=split, seed=seed, process_index=process_index,
+                          process_count=process_count)
+        for i, batch in enumerate(it, 1):
+            yield -batch - 1 if split == "train" and i in self.poisoned else batch

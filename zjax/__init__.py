@@ -1,17 +1,45 @@
-"""zjax: DeepSpeed ZeRO-3 semantics for JAX/Flax."""
+"""zjax: DeepSpeed ZeRO-3 semantics for JAX/Flax.
 
-from zjax._autotune import TuneResult
-from zjax._planning import PlanReport
-from zjax._preempt import Preempted
-from zjax.config import Config, load_config
-from zjax.errors import CheckpointError, ConfigError, NotGatheredError, ZjaxError
-from zjax.loop import LanguageModel, Loop
-from zjax.mesh import MeshConfig, make_mesh, simulate_cpu_devices
-from zjax.partition import ShardPlan, ZeroConfig, make_plan
-from zjax.planner import autotune, plan
-from zjax.step import TrainState, ZeroStep, make_step
-from zjax.trainable import Trainable, from_nnx, from_pytree
-from zjax.trainer import TrainResult, train
+The public names load on first use (PEP 562), so ``import zjax`` (and the ``zjax`` command
+line, which needs a Ctrl-C handler in place within milliseconds) does not start JAX, Flax and
+Orbax until something asks for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CheckpointError": "zjax.errors",
+    "Config": "zjax.config",
+    "ConfigError": "zjax.errors",
+    "LanguageModel": "zjax.loop",
+    "Loop": "zjax.loop",
+    "MeshConfig": "zjax.mesh",
+    "NonFiniteError": "zjax.errors",
+    "NotGatheredError": "zjax.errors",
+    "PlanReport": "zjax._planning",
+    "Preempted": "zjax._preempt",
+    "ShardPlan": "zjax.partition",
+    "TrainResult": "zjax.trainer",
+    "TrainState": "zjax.step",
+    "Trainable": "zjax.trainable",
+    "TuneResult": "zjax._autotune",
+    "ZeroConfig": "zjax.partition",
+    "ZeroStep": "zjax.step",
+    "ZjaxError": "zjax.errors",
+    "autotune": "zjax.planner",
+    "from_nnx": "zjax.trainable",
+    "from_pytree": "zjax.trainable",
+    "load_config": "zjax.config",
+    "make_mesh": "zjax.mesh",
+    "make_plan": "zjax.partition",
+    "make_step": "zjax.step",
+    "plan": "zjax.planner",
+    "simulate_cpu_devices": "zjax.mesh",
+    "train": "zjax.trainer",
+}
 
 __all__ = [
     "CheckpointError",
@@ -20,6 +48,7 @@ __all__ = [
     "LanguageModel",
     "Loop",
     "MeshConfig",
+    "NonFiniteError",
     "NotGatheredError",
     "PlanReport",
     "Preempted",
@@ -42,3 +71,37 @@ __all__ = [
     "simulate_cpu_devices",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zjax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from zjax._autotune import TuneResult
+    from zjax._planning import PlanReport
+    from zjax._preempt import Preempted
+    from zjax.config import Config, load_config
+    from zjax.errors import (
+        CheckpointError,
+        ConfigError,
+        NonFiniteError,
+        NotGatheredError,
+        ZjaxError,
+    )
+    from zjax.loop import LanguageModel, Loop
+    from zjax.mesh import MeshConfig, make_mesh, simulate_cpu_devices
+    from zjax.partition import ShardPlan, ZeroConfig, make_plan
+    from zjax.planner import autotune, plan
+    from zjax.step import TrainState, ZeroStep, make_step
+    from zjax.trainable import Trainable, from_nnx, from_pytree
+    from zjax.trainer import TrainResult, train

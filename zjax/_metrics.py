@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
+
+from zjax.errors import ConfigError
 
 __all__ = ["MetricsWriter", "read_metrics"]
 
@@ -42,7 +45,24 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The rows of ``run_dir/metrics.jsonl``."""
+    """The rows of ``run_dir/metrics.jsonl``.
+
+    A last line that is not valid JSON (the process was killed while writing it) is skipped
+    with a warning; an invalid line anywhere else means the file is damaged (ConfigError).
+    """
     path = Path(run_dir) / "metrics.jsonl"
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines) - 1:
+                logging.getLogger("zjax").warning(
+                    "%s: skipping the torn last line %d (a write was cut short)", path, i)
+                break
+            raise ConfigError(f"{path}: line {i} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: line {i} is not a JSON object")
+        rows.append(row)
+    return rows

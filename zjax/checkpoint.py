@@ -6,27 +6,39 @@ config. Restoring takes the *current* step's shardings, so a checkpoint written 
 stage 3 restores onto 4 devices, 1 device, or stage 1 (DeepSpeed needs a "universal checkpoint"
 conversion for that). Saves are atomic (Orbax writes to a temporary directory and renames it),
 asynchronous (training continues while the write completes), and old ones are removed only
-after a newer one is complete. A damaged latest checkpoint is moved aside, named in a warning,
-and the newest intact one is used instead.
+after a newer one is complete.
+
+Integrity: each checkpoint records a digest of every array (:mod:`zjax._digest`) and of the data
+iterator's state; a restore recomputes them. A checkpoint that cannot be read, or reads back
+other values than were written, is *damaged*: it is moved aside (never deleted), named in a
+warning with the step and the leaf, and the newest intact one is used instead. A checkpoint that
+is intact but was written for another model or optimizer is *not* damaged: restoring it raises
+a :class:`~zjax.errors.CheckpointError` that says what differs, and nothing is moved. Any other
+failure while restoring is a bug, and surfaces as itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from zjax._digest import tree_digests
 from zjax.errors import CheckpointError, ConfigError
 from zjax.offload import to_device
 from zjax.step import TrainState, ZeroStep
 
-__all__ = ["CheckpointConfig", "Checkpointer", "from_canonical", "to_canonical"]
+__all__ = ["CheckpointConfig", "Checkpointer", "DamagedCheckpoint", "from_canonical",
+           "to_canonical"]
 
 log = logging.getLogger("zjax")
 
@@ -46,6 +58,9 @@ class CheckpointConfig:
     asynchronous: bool = True
 
     def __post_init__(self):
+        from zjax._schema import validate
+
+        validate(self, "checkpoint")  # types, as for every section
         if self.every < 0:
             raise ConfigError(f"checkpoint.every: must be >= 0, got {self.every}")
         if self.keep < 1:
@@ -75,6 +90,54 @@ def from_canonical(tree: dict, zstep: ZeroStep) -> TrainState:
     return TrainState(tree["step"], params, tree["params"], tree["opt_state"])
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's files are missing, unreadable, or read back other values than written."""
+
+
+# Tensorstore / Orbax report unreadable data as these absl status codes inside their messages
+_READ_FAILURES = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION",
+                  "INVALID_ARGUMENT: Error", "Error reading", "Error opening", "Error decoding")
+
+
+def _is_damage(e: BaseException) -> bool:
+    """Whether an exception raised while reading a checkpoint means its files are damaged."""
+    if isinstance(e, DamagedCheckpoint | OSError | json.JSONDecodeError | UnicodeDecodeError):
+        return not isinstance(e, CheckpointError) or isinstance(e, DamagedCheckpoint)
+    if isinstance(e, ValueError | RuntimeError):
+        return any(code in str(e) for code in _READ_FAILURES)
+    return False
+
+
+def _json_digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flat_config(config: dict | None, sections=("loop", "model", "optimizer")) -> dict:
+    out: dict = {}
+    for name in sections:
+        value = (config or {}).get(name)
+        if isinstance(value, dict):
+            out.update({f"{name}.{k}": v for k, v in value.items()})
+        elif value is not None:
+            out[name] = value
+    return out
+
+
+def _path(path) -> str:
+    """A tree path as ``a/0/b``, whether a node is a dict, a tuple or a NamedTuple.
+
+    Orbax's metadata stores NamedTuples as dicts, so ``.mu`` and ``['mu']`` name the same array.
+    """
+    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "/".join(map(str, parts))
+
+
+def _layout(tree: Any) -> dict[str, tuple]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path(p): (tuple(m.shape), str(np.dtype(m.dtype)) if getattr(m, "dtype", None)
+                       is not None else None) for p, m in flat}
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints under ``directory``."""
 
@@ -99,6 +162,7 @@ class Checkpointer:
         )
 
     def steps(self) -> list[int]:
+        """The steps of the committed checkpoints, oldest first."""
         return sorted(self.manager.all_steps())
 
     def should_save(self, step: int, last: int) -> bool:
@@ -106,11 +170,18 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, zstep: ZeroStep, *, data_state: Any = None,
              meta: dict | None = None) -> None:
-        """Start saving ``state`` at ``step`` (returns before the write completes if async)."""
+        """Start saving ``state`` at ``step`` (returns before the write completes if async).
+
+        The digests of every array and of ``data_state`` go into the ``meta`` item.
+        """
+        canonical = to_canonical(state, zstep)
+        data_state = data_state if data_state is not None else {}
+        meta = {**(meta or {}), "digests": {"state": tree_digests(canonical),
+                                            "data": _json_digest(data_state)}}
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(to_canonical(state, zstep)),
-            data=ocp.args.JsonSave(data_state if data_state is not None else {}),
-            meta=ocp.args.JsonSave(meta or {}),
+            state=ocp.args.StandardSave(canonical),
+            data=ocp.args.JsonSave(data_state),
+            meta=ocp.args.JsonSave(meta),
         )
         self.manager.save(step, args=args, force=True)
 
@@ -122,50 +193,114 @@ class Checkpointer:
         self.manager.close()
 
     def restore(self, step: int, zstep: ZeroStep) -> tuple[TrainState, Any, dict]:
-        """Restore ``step`` onto ``zstep``'s mesh and stage: ``(state, data_state, meta)``."""
+        """Restore ``step`` onto ``zstep``'s mesh and stage: ``(state, data_state, meta)``.
+
+        Raises:
+          DamagedCheckpoint: a digest recorded at save time does not match what was read.
+        """
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract_canonical(zstep)),
             data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
         )
         out = self.manager.restore(step, args=args)
+        self._verify(step, out)
         return from_canonical(out["state"], zstep), out["data"], out["meta"]
 
-    def check_compatible(self, step: int, zstep: ZeroStep) -> None:
-        """Raise CheckpointError if the checkpoint's params do not fit the current model."""
+    def _verify(self, step: int, out: dict) -> None:
+        recorded = (out["meta"] or {}).get("digests")
+        if recorded is None:  # written before zjax recorded digests: nothing to compare
+            return
+        if _json_digest(out["data"]) != recorded.get("data"):
+            raise DamagedCheckpoint(f"step {step}: the data iterator's state reads back altered")
+        digests = tree_digests(out["state"])
+        for key, digest in digests.items():
+            if recorded["state"].get(key) != digest:
+                raise DamagedCheckpoint(f"step {step}: leaf {key} reads back other values than "
+                                        "were written (checksum mismatch)")
+
+    def check_compatible(self, step: int, zstep: ZeroStep, *, config: dict | None = None
+                         ) -> None:
+        """Raise CheckpointError if checkpoint ``step`` holds another model or optimizer's state.
+
+        Args:
+          step: the checkpoint.
+          zstep: the current step (its canonical state is what must match).
+          config: the current run's config as a dict, to name the settings that differ.
+
+        Raises:
+          DamagedCheckpoint: the checkpoint's metadata cannot be read.
+          CheckpointError: the arrays differ in names, shapes or dtypes.
+        """
         try:
             meta = self.manager.item_metadata(step)["state"]
-        except Exception:  # unreadable metadata: left to the damage check
-            return
+        except Exception as e:  # unreadable metadata is damage
+            raise DamagedCheckpoint(f"step {step}: its metadata cannot be read "
+                                    f"({type(e).__name__}: {str(e)[:200]})") from None
         if meta is None:
+            raise DamagedCheckpoint(f"step {step}: it has no state metadata")
+        got, want = _layout(meta), _layout(_abstract_canonical(zstep))
+        if got == want:
             return
-        expected = _abstract_canonical(zstep)["params"]
-        got = jax.tree_util.tree_flatten_with_path(meta["params"])[0]
-        want = jax.tree_util.tree_flatten_with_path(expected)[0]
-        got_shapes = {jax.tree_util.keystr(p): tuple(m.shape) for p, m in got}
-        want_shapes = {jax.tree_util.keystr(p): tuple(a.shape) for p, a in want}
-        if got_shapes != want_shapes:
-            diff = sorted(set(got_shapes.items()) ^ set(want_shapes.items()))[:4]
-            raise CheckpointError(
-                f"checkpoint at step {step} in {self.directory} was written for another model "
-                f"(params differ: {diff}); use the model config it was trained with or a new "
-                "--run-dir"
-            )
+        settings = self._config_diff(step, config)
+        only_ckpt = sorted(set(got) - set(want))
+        only_run = sorted(set(want) - set(got))
+        changed = sorted(k for k in set(got) & set(want) if got[k] != want[k])
+        parts = []
+        if only_ckpt:
+            parts.append(f"{len(only_ckpt)} arrays only in the checkpoint (e.g. {only_ckpt[0]})")
+        if only_run:
+            parts.append(f"{len(only_run)} only in this run (e.g. {only_run[0]})")
+        if changed:
+            k = changed[0]
+            parts.append(f"{len(changed)} of another shape or dtype (e.g. {k}: "
+                         f"{got[k]} -> {want[k]})")
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {self.directory} holds the state of another "
+            f"model or optimizer{': ' + settings if settings else ''} ({'; '.join(parts)}). "
+            "Nothing was changed: train with the config it was written with, or use a new "
+            "--run-dir"
+        )
 
-    def restore_latest(self, zstep: ZeroStep) -> tuple[int, TrainState, Any, dict] | None:
-        """The newest intact checkpoint, moving damaged newer ones aside with a warning."""
+    def _config_diff(self, step: int, config: dict | None) -> str:
+        if config is None:
+            return ""
+        try:
+            old = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"].get("config")
+        except Exception:  # only used to word the message
+            return ""
+        a, b = _flat_config(old), _flat_config(config)
+        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6])
+
+    def restore_latest(self, zstep: ZeroStep, *, config: dict | None = None
+                       ) -> tuple[int, TrainState, Any, dict] | None:
+        """The newest intact checkpoint, moving damaged newer ones aside with a warning.
+
+        Args:
+          zstep: the step to restore onto.
+          config: the current run's config as a dict (names the settings that differ when a
+            checkpoint holds another model's or optimizer's state).
+
+        Raises:
+          CheckpointError: an intact checkpoint was written for another model or optimizer.
+        """
         for step in reversed(self.steps()):
-            self.check_compatible(step, zstep)
             try:
+                self.check_compatible(step, zstep, config=config)
                 state, data_state, meta = self.restore(step, zstep)
                 jax.block_until_ready(state)
                 return step, state, data_state, meta
-            except Exception as e:  # any failure to read means damaged
+            except Exception as e:
+                if not _is_damage(e):
+                    raise
                 aside = self._move_aside(step)
+                why = str(e).splitlines()[0][:300] if str(e) else ""
                 log.warning(
                     "checkpoint at step %d in %s is damaged (%s: %s); moved it to %s and "
                     "falling back to the previous one", step, self.directory, type(e).__name__,
-                    str(e).splitlines()[0][:200] if str(e) else "", aside,
+                    why, aside,
                 )
         return None
 

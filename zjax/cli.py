@@ -9,22 +9,46 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 from zjax._preempt import Preempted
 from zjax.distributed import ENV
-from zjax.errors import ConfigError, ZjaxError
+from zjax.errors import ConfigError, NonFiniteError, ZjaxError
 
 __all__ = ["main"]
 
+# More simulated CPU devices than this cost minutes and gigabytes to start (each is a device
+# object with its own threads) and teach nothing a compile-only --target does not.
+MAX_SIMULATED_DEVICES = 4096
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``zjax: error: ...``, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"zjax: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1 (a number of devices or processes)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zjax", description="ZeRO-3 training for JAX/Flax.")
+    p = _Parser(prog="zjax", description="ZeRO-3 training for JAX/Flax.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the reference GPT from a YAML config")
     t.add_argument("config", nargs="?", help="YAML file (default: the built-in tiny GPT)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zero.stage=2")
-    t.add_argument("--devices", type=int, default=None,
+    t.add_argument("--devices", type=_count, default=None,
                    help="simulate N CPU devices (default 8 when only a CPU is present)")
     t.add_argument("--run-dir", default=None,
                    help="write config.yaml, metrics.jsonl and TensorBoard events here")
@@ -34,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int, default=None, help="multi-process: this one's id")
     la = sub.add_parser("launch", help="run a command as P local processes of one "
                         "jax.distributed job (testing multi-process on one machine)")
-    la.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
-    la.add_argument("--devices-per-process", type=int, default=None,
+    la.add_argument("-n", "--processes", type=_count, required=True,
+                    help="number of processes")
+    la.add_argument("--devices-per-process", type=_count, default=None,
                     help="simulated CPU devices in each process")
     la.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command",
@@ -44,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                         "step, compiled ahead of time (nothing allocated); --budget autotunes")
     pn.add_argument("config", nargs="?", help="YAML or gin file (default: the tiny GPT)")
     pn.add_argument("overrides", nargs="*", help="key=value overrides")
-    pn.add_argument("--devices", type=int, default=None,
+    pn.add_argument("--devices", type=_count, default=None,
                     help="devices on the data axis (simulated on the CPU if needed)")
     pn.add_argument("--target", default=None,
                     help="compile for an accelerator without one: h100:8, h200:8, h100:2x8 "
@@ -92,8 +117,8 @@ def _accelerators() -> list[str]:
     return [f for pattern in _ACCELERATOR_FILES for f in glob.glob(pattern)]
 
 
-def _setup_devices(n: int | None) -> None:
-    """Simulate CPU devices when asked, or by default (8) on a machine with no accelerator."""
+def _cpu_unless_accelerator() -> None:
+    """Run JAX on the CPU on a machine with no accelerator (whatever compiler plugins exist)."""
     import jax
 
     if not _accelerators():
@@ -103,6 +128,23 @@ def _setup_devices(n: int | None) -> None:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         if not os.environ.get("JAX_PLATFORMS"):
             jax.config.update("jax_platforms", "cpu")
+
+
+def _setup_devices(n: int | None) -> None:
+    """Simulate CPU devices when asked, or by default (8) on a machine with no accelerator.
+
+    Raises:
+      ConfigError: ``n`` is more than :data:`MAX_SIMULATED_DEVICES`.
+    """
+    import jax
+
+    if n is not None and n > MAX_SIMULATED_DEVICES:
+        raise ConfigError(
+            f"--devices: {n} is more CPU devices than zjax simulates (at most "
+            f"{MAX_SIMULATED_DEVICES}: each costs memory and threads, and starting "
+            f"{n} takes minutes); for a large accelerator count, plan against a compile-only "
+            "target instead, e.g. `zjax plan --target h100:64x8` or `--target v5p:8x8x8`")
+    _cpu_unless_accelerator()
     if n is None:
         if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
             return
@@ -170,7 +212,9 @@ def _plan(args) -> int:
         print(json.dumps(report.to_json()) if args.json else report.table())
         return 0
     result = autotune(config, budget=None if args.budget == "device" else args.budget,
-                      devices=args.devices, target=args.target)
+                      devices=args.devices, target=args.target,
+                      progress=lambda line: print(f"zjax plan: {line}", file=sys.stderr,
+                                                  flush=True))
     if args.json:
         print(json.dumps({"budget_bytes": result.budget_bytes, "best": result.report.to_json(),
                           "config": result.config.to_dict(),
@@ -198,6 +242,7 @@ def _launch(args) -> int:
 
 
 def _export(args) -> int:
+    _cpu_unless_accelerator()  # the export reads to host memory: no device needed
     from zjax.export import export
 
     print(export(args.run_dir, args.out, dtype=args.dtype, format=args.format))
@@ -226,8 +271,39 @@ def _setup_logging() -> None:
     logger.propagate = False
 
 
+def _interrupted(signum, frame) -> None:
+    print("zjax: interrupted", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)  # see main()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``zjax`` console script."""
+    """Entry point of the ``zjax`` console script.
+
+    Exit codes: 0 done, 1 training failed (a non-finite step), 2 bad input, 128 + N stopped by
+    signal N after saving a checkpoint, 130 interrupted before training began.
+    """
+    # until training starts (its loop stops at a step and saves it), Ctrl-C ends the process at
+    # once: there is nothing to save, and libraries being imported or compiling may swallow a
+    # KeyboardInterrupt
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _interrupted) if main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # a second Ctrl-C while a stop is saving
+        print("zjax: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # not sys.exit: XLA may still be compiling in its own threads, and tearing the
+        # interpreter down under them crashes (SIGSEGV). Nothing is left half-written: zjax
+        # writes files under a temporary name and renames them (checkpoints, config.yaml,
+        # exports), or appends whole lines (metrics.jsonl, whose torn last line is dropped).
+        os._exit(130)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # overrides after an option (`plan CONFIG --target T a.b=1`) are still overrides
@@ -252,12 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"zjax: {e}", file=sys.stderr)
         return 128 + e.signum
+    except NonFiniteError as e:
+        print(f"zjax: error: {e}", file=sys.stderr)
+        return 1
     except ZjaxError as e:
         print(f"zjax: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("zjax: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

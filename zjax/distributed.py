@@ -15,8 +15,6 @@ import os
 import socket
 import time
 
-import jax
-
 from zjax.errors import ConfigError
 
 __all__ = ["ENV", "ProcessSpec", "detect", "initialize"]
@@ -106,6 +104,8 @@ def initialize(mode: str, spec: ProcessSpec | None, *, timeout_s: int) -> bool:
     """
     if mode == "off":
         return False
+    import jax  # here, not at the top: the CLI reads ENV before jax may start
+
     if jax.distributed.is_initialized():
         return True
     if spec is None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["CheckpointError", "ConfigError", "NotGatheredError", "ZjaxError", "did_you_mean"]
+__all__ = ["CheckpointError", "ConfigError", "NonFiniteError", "NotGatheredError", "ZjaxError",
+           "did_you_mean"]
 
 
 class ZjaxError(Exception):
@@ -32,3 +33,7 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""``."""
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class NonFiniteError(ZjaxError, ArithmeticError):
+    """Training produced a non-finite loss, gradient or parameter (``train.on_nonfinite``)."""

@@ -10,6 +10,7 @@ outlives it. This module reads and extends the process environment for the child
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from zjax.distributed import ENV
+from zjax.errors import ConfigError
 from zjax.mesh import simulated_device_env
 
 __all__ = ["launch"]
@@ -50,11 +52,22 @@ def _end(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 def launch(command: Sequence[str], *, processes: int, devices_per_process: int | None = None,
            port: int | None = None, grace_s: float = GRACE_S) -> int:
-    """Run ``command`` as ``processes`` cooperating processes; return the job's exit code."""
+    """Run ``command`` as ``processes`` cooperating processes; return the job's exit code.
+
+    Raises:
+      ConfigError: a count below 1, no command, or a command that cannot be run (checked
+        before any process starts).
+    """
     if processes < 1:
-        raise ValueError(f"-n: must be >= 1, got {processes}")
+        raise ConfigError(f"-n: must be >= 1, got {processes}")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ConfigError(f"--devices-per-process: must be >= 1, got {devices_per_process}")
     if not command:
-        raise ValueError("zjax launch needs a command after --, e.g. -- zjax train CONFIG")
+        raise ConfigError("zjax launch needs a command after --, e.g. -- zjax train CONFIG")
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"command: {command[0]!r} is not an executable file"
+                          f"{'' if os.sep in command[0] else ' on PATH'}; expected a program, "
+                          "e.g. -- zjax train CONFIG")
     address = f"127.0.0.1:{port or _free_port()}"
     procs: list[subprocess.Popen] = []
     for i in range(processes):
@@ -64,7 +77,11 @@ def launch(command: Sequence[str], *, processes: int, devices_per_process: int |
         if devices_per_process:
             env.update(simulated_device_env(devices_per_process, env))
             env["JAX_PLATFORMS"] = "cpu"
-        procs.append(subprocess.Popen(list(command), env=env))
+        try:
+            procs.append(subprocess.Popen(list(command), env=env))
+        except OSError as e:  # vanished or unrunnable since the check: end the ones started
+            _end(procs, grace_s)
+            raise ConfigError(f"command: cannot run {command[0]!r}: {e.strerror or e}") from None
 
     received: list[int] = []
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -108,7 +109,8 @@ def run_cli_json(config: Config, args: list[str]) -> dict:
 
 
 def autotune(config: Config, *, budget: int | str | None = None, devices: int | None = None,
-             target: str | None = None, **space) -> TuneResult:
+             target: str | None = None, progress: Callable[[str], None] | None = None,
+             **space) -> TuneResult:
     """The fitting configuration with the fewest collective bytes, then the least offload.
 
     Args:
@@ -118,6 +120,8 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
       devices: devices in the mesh, at most this process's (the CLI ``zjax plan
         --budget B --devices N`` simulates more).
       target: search against an accelerator's compiler (see :func:`plan`).
+      progress: called with a line per candidate compiled (``zjax plan --budget`` prints
+        them to stderr); see :func:`zjax._autotune.autotune`.
       **space: narrows the search (``stages``, ``offloads``, ``prefetch``, ``grad_accum``,
         ``remat``; see :func:`zjax._autotune.autotune`).
     """
@@ -126,7 +130,8 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
         budget_bytes = t.capacity_bytes if budget is None else (
             budget if isinstance(budget, int) else parse_bytes(budget))
         return _autotune(config, budget_bytes=budget_bytes, n_devices=len(devs),
-                         compile_report=lambda c: compile_report(c, devs, target=t), **space)
+                         compile_report=lambda c: compile_report(c, devs, target=t),
+                         progress=progress, **space)
     if budget is None:
         raise ConfigError("--budget: needed unless --target gives the device memory")
     n = devices or jax.device_count()
@@ -136,4 +141,5 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
     budget_bytes = budget if isinstance(budget, int) else parse_bytes(budget)
     devs = jax.devices()[:n]
     return _autotune(config, budget_bytes=budget_bytes, n_devices=n,
-                     compile_report=lambda c: compile_report(c, devs), **space)
+                     compile_report=lambda c: compile_report(c, devs), progress=progress,
+                     **space)

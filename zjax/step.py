@@ -116,7 +116,9 @@ class ZeroStep:
       abstract_state: ``TrainState`` of ``ShapeDtypeStruct`` with those shardings.
       batch_sharding: how the global batch is laid out (split over ``data``).
       init: ``init(rng) -> TrainState``, created directly into its shards (``zero.Init``).
-      step: ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
+      step: ``step(state, batch) -> (state, metrics)``; ``state`` is donated. The metrics:
+        ``loss``, ``grad_norm``, ``param_norm`` (of the new float32 params), ``finite`` (the
+        update's loss, gradients and new params are all finite), ``count`` and the loss's own.
       evaluate: ``evaluate(params, batch) -> mean loss``, the same sharded forward, no update.
     """
 
@@ -197,6 +199,7 @@ def make_step(
     zero: ZeroConfig,
     mesh: Mesh,
     micro_batches: int = 1,
+    skip_nonfinite: bool = False,
 ) -> ZeroStep:
     """Build the sharded init and train step for ``trainable`` under ``zero`` on ``mesh``.
 
@@ -207,6 +210,9 @@ def make_step(
       mesh: a ``(data, model)`` mesh.
       micro_batches: gradient accumulation steps per optimizer step (the local batch is split
         into this many micro-batches).
+      skip_nonfinite: drop an update whose loss, gradients or new params are not finite (the
+        state stays as it was; the metric ``finite`` is False). Without it the update is
+        applied and ``finite`` reports it.
 
     Returns:
       A :class:`ZeroStep`.
@@ -304,24 +310,36 @@ def make_step(
     update_sharded = on_host(state_sharded, off_opt.memory_kind) if update_on_host \
         else state_sharded
 
-    def update(grads, count, opt_state, target):
-        """The optax update, on the device or (``update_on: host``) on the host."""
+    def update(grads, count, loss_sum, opt_state, target):
+        """The optax update, on the device or (``update_on: host``) on the host.
+
+        Returns the new params and optimizer state, the gradient and new-param norms, and
+        whether the update is finite (loss, gradients and new params). With
+        ``skip_nonfinite`` a non-finite update is dropped: the old state is returned.
+        """
         move = to_host if update_on_host else to_device
-        grads, count, opt_state, target = move((grads, count, opt_state, target))
+        grads, count, loss_sum, opt_state, target = move(
+            (grads, count, loss_sum, opt_state, target))
         with on_host_compute(update_on_host):
             grads = jax.tree.map(lambda g: g / count, grads)
             grads = jax.lax.with_sharding_constraint(grads, update_sharded)  # own shard
-            updates, opt_state = tx.update(grads, opt_state, target)
+            updates, new_opt = tx.update(grads, opt_state, target)
             new = optax.apply_updates(target, updates)
             norm = global_norm(grads)  # not optax's: it cannot run on the host
-        return new, opt_state, to_device(norm)
+            param_norm = global_norm(new)
+            finite = jnp.isfinite(loss_sum) & jnp.isfinite(norm) & jnp.isfinite(param_norm)
+            if skip_nonfinite:
+                keep = lambda n, o: jnp.where(finite, n, o)
+                new, new_opt = jax.tree.map(keep, (new, new_opt), (target, opt_state))
+        return new, new_opt, to_device((norm, param_norm, finite))
 
     def step_fn(state: TrainState, batch):
         _check_batch(batch.shape, plan.n_data)
         grads, (loss_sum, count, extra) = sharded_grads(state.params, batch)
         target = state.master if plan.has_master else state.params
         try:
-            new, opt_state, grad_norm = update(grads, count, state.opt_state, target)
+            new, opt_state, (grad_norm, param_norm, finite) = update(
+                grads, count, loss_sum, state.opt_state, target)
         except ValueError as e:
             if not (update_on_host and "memory_space" in str(e)):
                 raise
@@ -339,8 +357,9 @@ def make_step(
                                         param_sharded)
         else:
             master, params = None, _cast_tree(new, stored_dtypes)
-        metrics = {"loss": loss_sum / count, "grad_norm": grad_norm,
-                   "count": count, **{k: v / count for k, v in extra.items()}}
+        metrics = {"loss": loss_sum / count, "grad_norm": grad_norm, "param_norm": param_norm,
+                   "finite": finite, "count": count,
+                   **{k: v / count for k, v in extra.items()}}
         return TrainState(state.step + 1, params, master, opt_state), metrics
 
     def local_loss(params, batch):

@@ -8,24 +8,25 @@ directory. Only process 0 prints and writes; every process logs warnings and err
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import yaml
 
-from zjax._metrics import MetricsWriter, read_metrics
+from zjax._metrics import MetricsWriter
+from zjax._nonfinite import FiniteWatch
 from zjax._planning import report
 from zjax._preempt import Preempted, PreemptionGuard
+from zjax._rundir import RunDir
 from zjax.checkpoint import Checkpointer
-from zjax.config import Config, load_config
+from zjax.config import Config, as_config
 from zjax.distributed import detect, initialize
-from zjax.errors import ConfigError
+from zjax.errors import CheckpointError, ConfigError
 from zjax.loop import Loop, resolve_loop
 from zjax.mesh import make_mesh, process_batch_slice
 from zjax.optim import make_optimizer, make_schedule
@@ -50,26 +51,6 @@ class TrainResult:
     state: TrainState
     history: list[dict]
     step: ZeroStep
-
-
-def _prepare_run_dir(run_dir: str | os.PathLike | None, config: Config) -> Path | None:
-    if run_dir is None:
-        return None
-    run_dir = Path(run_dir)
-    has_checkpoints = (run_dir / "checkpoints").is_dir() and any(
-        p.name.isdigit() for p in (run_dir / "checkpoints").iterdir()
-    )
-    if (run_dir / "metrics.jsonl").exists() and not has_checkpoints:
-        raise ConfigError(
-            f"--run-dir: {str(run_dir)!r} already holds a run (metrics.jsonl) but no checkpoint "
-            "to resume from; zjax does not overwrite it. Choose a new directory."
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    except OSError as e:
-        raise ConfigError(f"--run-dir: cannot write to {str(run_dir)!r}: {e}") from None
-    return run_dir
 
 
 def _memory(compiled) -> dict[str, int]:
@@ -122,40 +103,39 @@ class _Progress:
             self.bar.stop()
 
 
-def _truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop rows logged after the checkpoint we resume from (they will be logged again)."""
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        rows = [r for r in read_metrics(run_dir) if r["step"] <= step]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
-
-
 def _iterator_state(it) -> Any:
     return it.get_state() if it is not None and hasattr(it, "get_state") else None
 
 
-def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
+def train(loop: Loop | str | None, config: Config | Mapping[str, Any] | str | os.PathLike, *,
           run_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train ``loop`` as ``config`` says; resume from ``run_dir``'s latest checkpoint.
 
-    With a ``run_dir``, checkpoints are written every ``checkpoint.every`` steps, at the last
-    step, and on SIGTERM / SIGINT (then :class:`~zjax._preempt.Preempted` is raised after the
-    checkpoint is complete). Starting again with the same ``run_dir`` resumes bit for bit.
+    With a ``run_dir`` (locked for the run: a second trainer on it is refused), checkpoints are
+    written every ``checkpoint.every`` steps, at the last step, and on SIGTERM / SIGINT: then
+    every process stops at the same step, saves it, and :class:`~zjax._preempt.Preempted` is
+    raised once the checkpoint is committed. A non-finite step is never saved
+    (``train.on_nonfinite``). Starting again with the same ``run_dir`` resumes bit for bit.
 
     Args:
       loop: a :class:`~zjax.loop.Loop`, a loop name (``"lm"``, ``"pkg.mod:Name"``), or None
         for the config's own ``loop``.
-      config: a :class:`~zjax.config.Config` or a path to a YAML / gin file.
-      run_dir: where the resolved config, ``metrics.jsonl`` and TensorBoard events go
-        (nothing is written when None).
+      config: a :class:`~zjax.config.Config`, a dict of sections, or a YAML / gin file.
+      run_dir: where the resolved config, ``metrics.jsonl``, TensorBoard events and
+        checkpoints go (nothing is written when None).
 
     Returns:
       A :class:`TrainResult` with the final state and the metric history.
+
+    Raises:
+      ConfigError: bad config or run directory (in use, or a run with nothing to resume).
+      CheckpointError: the run's checkpoint holds another model's or optimizer's state.
+      NonFiniteError: a step was not finite (``train.on_nonfinite``).
+      Preempted: stopped by a signal after saving a checkpoint.
     """
-    if not isinstance(config, Config):
-        config = load_config(config)
+    model_config = None if loop is None or isinstance(loop, str) else getattr(
+        loop, "model_config", None)
+    config = as_config(config, model_config=model_config)
     if loop is None or isinstance(loop, str):
         loop = resolve_loop(loop or config.loop)
     if hasattr(loop, "check"):
@@ -163,15 +143,38 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
     # before anything touches a device: join the multi-process job the environment describes
     initialize(config.mesh.distributed, detect(), timeout_s=config.mesh.init_timeout_s)
     lead = jax.process_index() == 0
-    info = log.info if lead else (lambda *args: None)  # warnings and errors: every process
-    run_path = _prepare_run_dir(run_dir, config) if lead else None
+    run = RunDir(run_dir) if run_dir is not None and lead else None
+    try:
+        return _train(loop, config, run_dir, run, lead)
+    finally:
+        if run is not None:
+            run.close()
 
+
+def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) -> TrainResult:
+    info = log.info if lead else (lambda *args: None)  # warnings and errors: every process
+    steps = config.train.steps
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", config.checkpoint) if run_dir else None
+    try:
+        if ckpt is not None and ckpt.steps() and ckpt.steps()[-1] >= steps:
+            raise ConfigError(  # said before compiling anything
+                f"train.steps: the run in {str(run_dir)!r} is already at step "
+                f"{ckpt.steps()[-1]}; set train.steps above it to train further")
+        return _train_steps(loop, config, ckpt, run, info)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+
+
+def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: RunDir | None,
+                 info) -> TrainResult:
     mesh = make_mesh(config.mesh)
     steps = config.train.steps
     tx = make_optimizer(config.optimizer, total_steps=steps)
     schedule = make_schedule(config.optimizer, total_steps=steps)
     zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
-                      micro_batches=config.train.grad_accum)
+                      micro_batches=config.train.grad_accum,
+                      skip_nonfinite=config.train.on_nonfinite == "skip")
 
     # processes that share data rows (a model axis across processes) load the same slice
     index, count = process_batch_slice(mesh)
@@ -187,8 +190,99 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
         zstep.check_batch(global_shape)
         return jax.make_array_from_process_local_data(zstep.batch_sharding, local, global_shape)
 
+    # before compiling: a checkpoint of another model or optimizer is an error at once
+    restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
+    start = 0
+    if restored is None:
+        state = zstep.init(jax.random.key(config.train.seed))
+    else:
+        start, state, data_state, _ = restored
+        info("resuming from the checkpoint at step %d", start)
+        if data_state.get("train") is not None:
+            _set_iterator(train_data, data_state["train"], start, ckpt, "train")
+        if eval_data is not None and data_state.get("eval") is not None:
+            _set_iterator(eval_data, data_state["eval"], start, ckpt, "eval")
     first = put(next(train_data))
     compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
+    memory = _memory_row(zstep, compiled, config, info)
+    if run is not None:  # every check has passed: only now is the run directory changed
+        run.write_config(config.to_dict())
+        if restored is not None:
+            run.truncate_metrics(start)
+
+    def save(step: int) -> None:
+        data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
+        ckpt.save(step, state, zstep, data_state=data_state,
+                  meta={"step": step, "config": config.to_dict()})
+
+    writer = MetricsWriter(run.path if run else None, tensorboard=config.logging.tensorboard)
+    progress = _Progress(steps, config.logging.progress and jax.process_index() == 0)
+    progress.update(start, None)
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    watch = FiniteWatch(config.train.on_nonfinite, max_skips=config.train.max_skips,
+                        wait_always=jax.process_count() > 1)
+    history: list[dict] = []
+    t0, done, saved = time.perf_counter(), 0, start if restored is not None else None
+    batch = first
+    with PreemptionGuard() as guard:
+        try:
+            for i in range(start, steps):
+                if i > start:
+                    batch = put(next(train_data))
+                state, metrics = compiled(state, batch)
+                done += 1
+                step = i + 1
+                watch.add(step, metrics)
+                watch.poll()
+                if ckpt is not None and ckpt.should_save(step, steps):
+                    watch.poll(wait=True)  # never save a non-finite state
+                    save(step)
+                    saved = step
+                if step % config.train.log_every == 0 or step == steps:
+                    row = {k: float(v) for k, v in metrics.items()
+                           if k not in ("count", "finite")}  # blocks
+                    watch.poll(wait=True)
+                    dt = time.perf_counter() - t0
+                    row = {"step": step, **row, "lr": float(schedule(step - 1)),
+                           "tokens_per_s": done * tokens_per_step / dt,
+                           "step_time_s": dt / done}
+                    if config.train.on_nonfinite == "skip":
+                        row["skipped_steps"] = watch.skipped
+                    evaluate = eval_data is not None and (
+                        step % config.train.eval_every == 0 or step == steps)
+                    if evaluate:
+                        losses = [zstep.evaluate(state.params, put(next(eval_data)))
+                                  for _ in range(config.train.eval_batches)]
+                        row["eval_loss"] = float(np.mean([float(x) for x in losses]))
+                    row.update(memory)
+                    history.append(row)
+                    writer.write(row)  # process 0 with a run directory; else a no-op
+                    evals = f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+                    info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
+                         row["loss"], evals, row["tokens_per_s"], row["step_time_s"])
+                    progress.update(step, row)
+                    t0, done = time.perf_counter(), 0
+                else:
+                    progress.update(step, None)
+                # every process asks at every step; the answer is the same everywhere
+                if guard.reached(step) and step < steps:
+                    if ckpt is not None and saved != step:
+                        watch.poll(wait=True)
+                        save(step)
+                    if ckpt is not None:
+                        ckpt.wait()
+                        committed = ckpt.steps()
+                        saved = committed[-1] if committed else None
+                    raise Preempted(step, guard.signum, str(ckpt.directory) if ckpt else None,
+                                    saved if ckpt is not None else None)
+            watch.poll(wait=True)
+        finally:
+            progress.close()
+            writer.close()
+    return TrainResult(state, history, zstep)
+
+
+def _memory_row(zstep: ZeroStep, compiled, config: Config, info) -> dict:
     memory = _memory(compiled)
     memory["state_bytes"] = bytes_per_device(zstep.abstract_state, zstep.state_shardings)
     planned = report(zstep, compiled, grad_accum=config.train.grad_accum,
@@ -204,83 +298,16 @@ def train(loop: Loop | str | None, config: Config | str | os.PathLike, *,
          "temp %.2f MiB, peak %.2f MiB", memory["state_device_bytes"] / 2**20,
          memory["state_host_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
          memory["memory_peak_bytes"] / 2**20)
+    return memory
 
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints", config.checkpoint) if run_dir else None
-    restored = ckpt.restore_latest(zstep) if ckpt is not None else None
-    start = 0
-    if restored is None:
-        state = zstep.init(jax.random.key(config.train.seed))
-    else:
-        start, state, data_state, _ = restored
-        info("resuming from the checkpoint at step %d", start)
-        if start >= steps:
-            ckpt.close()
-            raise ConfigError(
-                f"train.steps: the run in {str(run_dir)!r} is already at step {start}; set "
-                f"train.steps above {start} to train further"
-            )
-        if data_state.get("train") is not None:
-            train_data.set_state(data_state["train"])
-            first = put(next(train_data))
-        if eval_data is not None and data_state.get("eval") is not None:
-            eval_data.set_state(data_state["eval"])
-        if run_path is not None:
-            _truncate_metrics(run_path, start)
 
-    def save(step: int) -> None:
-        data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
-        ckpt.save(step, state, zstep, data_state=data_state,
-                  meta={"step": step, "config": config.to_dict()})
-
-    writer = MetricsWriter(run_path, tensorboard=config.logging.tensorboard)
-    progress = _Progress(steps, config.logging.progress and lead)
-    progress.update(start, None)
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    history: list[dict] = []
-    t0, done = time.perf_counter(), 0
-    batch = first
-    guard = PreemptionGuard()
+def _set_iterator(it, state: Any, step: int, ckpt: Checkpointer, split: str) -> None:
+    """Restore a data iterator; a state that does not fit the data config is refused."""
     try:
-        guard.__enter__()
-        for i in range(start, steps):
-            if i > start:
-                batch = put(next(train_data))
-            state, metrics = compiled(state, batch)
-            done += 1
-            step = i + 1
-            if ckpt is not None and (ckpt.should_save(step, steps) or guard.signum):
-                save(step)
-            if step % config.train.log_every == 0 or step == steps:
-                row = {k: float(v) for k, v in metrics.items() if k != "count"}  # blocks
-                dt = time.perf_counter() - t0
-                row = {"step": step, **row, "lr": float(schedule(step - 1)),
-                       "tokens_per_s": done * tokens_per_step / dt, "step_time_s": dt / done}
-                evaluate = step % config.train.eval_every == 0 or step == steps \
-                    if eval_data is not None else False
-                if evaluate:
-                    losses = [zstep.evaluate(state.params, put(next(eval_data)))
-                              for _ in range(config.train.eval_batches)]
-                    row["eval_loss"] = float(np.mean([float(x) for x in losses]))
-                row.update(memory)
-                history.append(row)
-                if lead:
-                    writer.write(row)
-                    evals = f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-                    info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
-                         row["loss"], evals, row["tokens_per_s"], row["step_time_s"])
-                progress.update(step, row)
-                t0, done = time.perf_counter(), 0
-            else:
-                progress.update(step, None)
-            # after the step's metrics row, so a stop on a logged step does not lose it
-            if guard.signum:
-                if ckpt is not None:
-                    ckpt.wait()
-                raise Preempted(step, guard.signum, str(ckpt.directory) if ckpt else None)
-    finally:
-        guard.__exit__()
-        progress.close()
-        writer.close()
-        if ckpt is not None:
-            ckpt.close()
-    return TrainResult(state, history, zstep)
+        it.set_state(state)
+    except Exception as e:  # the iterator's own error, worded for the user
+        raise CheckpointError(
+            f"the {split} data iterator's state in the checkpoint at step {step} in "
+            f"{ckpt.directory} does not fit this run's data (data.*): {type(e).__name__}: "
+            f"{str(e)[:200]}. Nothing was changed: use the data config the run was started "
+            "with, or a new --run-dir") from None

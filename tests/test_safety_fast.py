@@ -1,0 +1,156 @@
+"""Fast guards of the data-safety machinery: non-finite steps, leaf digests, the run directory
+lock, torn metrics lines, preemption messages."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import FP32, assert_trees_close, reference_run
+
+import zjax
+from zjax._digest import array_digest, tree_digests
+from zjax._metrics import read_metrics
+from zjax._nonfinite import FiniteWatch
+from zjax._preempt import Preempted
+from zjax._rundir import RunDir
+from zjax.errors import ConfigError, NonFiniteError
+from zjax.partition import ZeroConfig
+
+
+def _trainable():
+    def init(rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w": jax.random.normal(k1, (64, 16)) * 0.1, "b": jax.random.normal(k2, (16,))}
+
+    def loss(params, batch):
+        y = jnp.tanh(batch @ params["w"] + params["b"])
+        return jnp.sum(y ** 2), jnp.asarray(y.size, jnp.float32)
+
+    return init, loss
+
+
+def _batches(n):
+    rng = np.random.default_rng(0)
+    return [rng.normal(size=(16, 64)).astype(np.float32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_skip_drops_exactly_the_nonfinite_updates(stage):
+    """With on_nonfinite: skip a NaN batch leaves params and optimizer state untouched: the run
+    equals single-device optax over the finite batches only."""
+    init, loss = _trainable()
+    tx = optax.adam(1e-2, eps=1e-5)
+    batches = _batches(5)
+    poisoned = [*batches[:2], np.full_like(batches[0], np.nan), *batches[2:]]
+    zstep = zjax.make_step(zjax.from_pytree(init, loss), tx, mesh=zjax.make_mesh(),
+                           zero=ZeroConfig(stage=stage, param_persistence_threshold=0,
+                                           gather_dtype="float32"), skip_nonfinite=True)
+    state = zstep.init(jax.random.key(0))
+    flags = []
+    for b in poisoned:
+        state, metrics = zstep.step(state, zstep.put_batch(b))
+        flags.append(bool(metrics["finite"]))
+    assert flags == [True, True, False, True, True, True]
+    ref_params, ref_opt, _ = reference_run(init, loss, tx, batches)
+    params = state.master if state.master is not None else state.params
+    assert_trees_close(params, ref_params, **FP32, what="params")
+    assert_trees_close(state.opt_state, ref_opt, **FP32, what="opt_state")
+
+
+def test_without_skip_a_nonfinite_update_is_reported():
+    init, loss = _trainable()
+    zstep = zjax.make_step(zjax.from_pytree(init, loss), optax.adam(1e-2), mesh=zjax.make_mesh(),
+                           zero=ZeroConfig(stage=3, param_persistence_threshold=0))
+    state = zstep.init(jax.random.key(0))
+    state, m = zstep.step(state, zstep.put_batch(_batches(1)[0]))
+    assert bool(m["finite"]) and np.isfinite(float(m["param_norm"]))
+    state, m = zstep.step(state, zstep.put_batch(np.full((16, 64), np.inf, np.float32)))
+    assert not bool(m["finite"])
+
+
+def _metrics(finite: bool, loss=1.0):
+    return {"finite": jnp.asarray(finite), "loss": jnp.asarray(loss if finite else np.nan),
+            "grad_norm": jnp.asarray(1.0), "param_norm": jnp.asarray(2.0)}
+
+
+def test_watch_stop_names_the_first_nonfinite_step():
+    watch = FiniteWatch("stop", max_skips=3)
+    for step, ok in [(1, True), (2, True), (3, False), (4, False)]:
+        watch.add(step, _metrics(ok))
+    with pytest.raises(NonFiniteError, match=r"step 3 is not finite \(loss nan"):
+        watch.poll(wait=True)
+
+
+def test_watch_skip_counts_and_stops_after_max_skips_in_a_row():
+    watch = FiniteWatch("skip", max_skips=2)
+    for step, ok in enumerate([False, False, True, False, False], 1):
+        watch.add(step, _metrics(ok))
+    watch.poll(wait=True)
+    assert (watch.skipped, watch.in_a_row) == (4, 2)
+    watch.add(6, _metrics(False))
+    with pytest.raises(NonFiniteError, match=r"train.max_skips: 3 steps in a row up to step 6"):
+        watch.poll(wait=True)
+
+
+def test_digest_is_sharding_independent_and_sees_one_flipped_bit():
+    x = np.random.default_rng(0).normal(size=(32, 24)).astype(np.float32)
+    mesh = zjax.make_mesh()
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        "data")))
+    assert tree_digests({"x": sharded})["['x']"] == array_digest(x)
+    for word, bit in [(0, 0), (377, 31), (767, 13)]:
+        y = x.copy()
+        y.reshape(-1).view(np.uint32)[word] ^= np.uint32(1 << bit)
+        assert array_digest(y) != array_digest(x)
+    assert array_digest(x[::-1].copy()) != array_digest(x)  # positions count, not just values
+
+
+def test_torn_last_metrics_line_is_skipped_but_a_damaged_middle_is_refused(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + '{"step": 2, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+    with RunDir(tmp_path) as run:
+        run.truncate_metrics(1)
+    assert path.read_text() == json.dumps({"step": 1, "loss": 2.0}) + "\n"
+    path.write_text('{"step": 1, "lo\n' + json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    with pytest.raises(ConfigError, match="line 1 is not JSON"):
+        read_metrics(tmp_path)
+
+
+LOCK_HOLDER = textwrap.dedent("""
+    import sys, time
+    from zjax._rundir import RunDir
+    run = RunDir(sys.argv[1])
+    print("locked", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_run_directory_is_locked_while_a_trainer_holds_it(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"in use by another trainer \(pid {holder.pid}"):
+            RunDir(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunDir(tmp_path):  # the dead holder's lock went with it: no stale lock
+        pass
+
+
+def test_preempted_message_tells_what_was_saved():
+    assert "checkpoint of step 12 saved in /r/checkpoints" in str(
+        Preempted(12, signal.SIGTERM, "/r/checkpoints", 12))
+    assert "no checkpoint was saved" in str(Preempted(3, signal.SIGINT, "/r", None))

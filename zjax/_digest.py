@@ -1,0 +1,107 @@
+"""Checksums of checkpointed arrays that do not depend on how an array is sharded.
+
+Orbax's array files carry no checksum of their data: a flipped bit in a chunk reads back as a
+wrong value. So each checkpoint records, per leaf, a 64-bit digest of the whole (global) array,
+and a restore or an export recomputes it. The digest is two wrapping uint32 sums of the array's
+words, each word weighted by an odd multiplier derived from its global position:
+``sum(w[i] * m1(i))`` and ``sum(rotl(w[i], 13) * m2(i))`` mod 2**32. Sums commute, so the
+value is the same whether the array is computed on 8 shards, on 1 device, or in numpy, and a
+flip of any single bit changes both sums (an odd multiple of a power of two below 2**32 is never
+0 mod 2**32). Swapped or shifted words change the position weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["array_digest", "recorded_digests", "tree_digests"]
+
+_K1, _C1 = 0x9E3779B1, 0x7F4A7C15  # golden-ratio multiplier and an offset
+_K2, _C2 = 0xC2B2AE35, 0x27D4EB2F  # murmur3 / xxhash constants
+
+
+def _words_np(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    size = x.dtype.itemsize
+    if size == 8:
+        return x.view(np.uint32).reshape(*x.shape, 2)
+    unsigned = {4: np.uint32, 2: np.uint16, 1: np.uint8}[size]
+    return x.view(unsigned).astype(np.uint32)
+
+
+def _words_jnp(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 8:
+        return lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
+    unsigned = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[size]
+    return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _mix(words, index, xp) -> tuple:
+    m1 = (index * xp.uint32(_K1) + xp.uint32(_C1)) | xp.uint32(1)
+    m2 = ((index ^ xp.uint32(_C2)) * xp.uint32(_K2)) | xp.uint32(1)
+    rot = (words << xp.uint32(13)) | (words >> xp.uint32(19))
+    return xp.sum(words * m1, dtype=xp.uint32), xp.sum(rot * m2, dtype=xp.uint32)
+
+
+def _format(h1, h2) -> str:
+    return f"{int(h1):08x}{int(h2):08x}"
+
+
+def array_digest(x: np.ndarray) -> str:
+    """The digest of a host (numpy) array: 16 hex digits."""
+    words = _words_np(np.asarray(x))
+    index = (np.arange(words.size, dtype=np.uint64) & 0xFFFFFFFF).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        return _format(*_mix(words, index.reshape(words.shape), np))
+
+
+@jax.jit
+def _device_digest(x: jax.Array) -> jax.Array:
+    from zjax.offload import to_device  # a leaf offloaded to host memory is read on the device
+
+    words = _words_jnp(to_device(x))
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(words.ndim)):  # the flat row-major position, wrapping like numpy
+        index = index + lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(
+            stride & 0xFFFFFFFF)
+        stride *= words.shape[d]
+    return jnp.stack(_mix(words, index, jnp))
+
+
+def tree_digests(tree: Any) -> dict[str, str]:
+    """``{keystr(path): digest}`` of every array leaf of ``tree`` (sharded or not).
+
+    Leaves are digested one at a time (an offloaded leaf visits the device one at a time), and
+    the small results are fetched together.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    pending = [(jax.tree_util.keystr(p), _device_digest(x)) for p, x in flat]
+    values = jax.device_get([v for _, v in pending])
+    return {k: _format(*v) for (k, _), v in zip(pending, values, strict=True)}
+
+
+def recorded_digests(step_dir: Path) -> dict[str, str] | None:
+    """The array digests a zjax checkpoint recorded (its ``meta`` item), or None if it has none.
+
+    Keys are ``keystr`` paths of the canonical tree (``['params']['blocks']['w']``).
+
+    Raises:
+      OSError, ValueError: the ``meta`` item exists but cannot be read as JSON.
+    """
+    path = Path(step_dir) / "meta" / "metadata"
+    if not path.exists():
+        return None
+    return (json.loads(path.read_text()).get("digests") or {}).get("state")
