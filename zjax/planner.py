@@ -52,7 +52,8 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
     mesh = make_mesh(config.mesh, devices=devices)
     tx = make_optimizer(config.optimizer, total_steps=config.train.steps)
     zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
-                      micro_batches=config.train.grad_accum)
+                      micro_batches=config.train.grad_accum,
+                      skip_nonfinite=config.train.on_nonfinite == "skip")
     batch = _abstract_batch(loop, config)
     zstep.check_batch(batch.shape)
     compiled = zstep.lower(batch).compile()
