@@ -159,18 +159,30 @@ def test_export_falls_back_past_a_damaged_checkpoint_and_moves_nothing(run, tmp_
     assert not (tmp_path / "y").exists() and not list(tmp_path.glob(".y*"))
 
 
-def test_export_verification_hook_failure_falls_back(run, tmp_path, monkeypatch, warnings_):
-    # where the per-leaf checksum check goes: what it raises is damage, like a read error
-    def verify(state_dir, keys, leaf):
-        if state_dir.parent.name == "2":
-            raise ValueError(f"checksum mismatch in {'/'.join(keys)}")
-
-    monkeypatch.setattr(export_mod, "_verify_leaf", verify)
-    out = export(run, tmp_path / "v.safetensors", dtype="float32", format="safetensors")
-    assert any("step 2" in w and "checksum mismatch" in w for w in warnings_), warnings_
+def test_export_checks_checksums_and_surfaces_what_is_not_damage(run, tmp_path, monkeypatch,
+                                                                 warnings_):
+    flipped = tmp_path / "run"
+    shutil.copytree(run, flipped)
+    for data in (flipped / "checkpoints" / "2" / "state").rglob("ocdbt.process_*/d/*"):
+        if data.stat().st_size > 4096:  # array data, not the small b-tree nodes
+            raw = bytearray(data.read_bytes())
+            for i in range(1, 8):
+                raw[len(raw) * i // 8] ^= 0x08
+            data.write_bytes(bytes(raw))
+    out = export(flipped, tmp_path / "v.safetensors", dtype="float32", format="safetensors")
+    assert any("step 2" in w and "checksum mismatch" in w and "falling back to step 1" in w
+               for w in warnings_), warnings_
     got, want = _safetensors(out), _stored_params(run, 1)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
+
+    # an error that is not about the checkpoint's data is a bug: it surfaces, no fallback
+    def broken(state_dir, keys, leaf):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(export_mod, "_verify_leaf", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        export(run, tmp_path / "w.safetensors", dtype="float32", format="safetensors")
 
 
 def test_export_output_parent_missing_or_unwritable(tmp_path):

@@ -69,7 +69,7 @@ def _error(fn, *args, **kwargs) -> str:
     ("model.d_ff=-4", "model.d_ff: must be > 0 (or null for 4 x d_model), got -4"),
     ("model.n_layers=0", "model.n_layers: must be > 0, got 0"),
     ("checkpoint.every=-1", "checkpoint.every: must be >= 0, got -1"),
-    ("checkpoint.keep=0", "checkpoint.keep: must be >= 1, got 0"),
+    ("checkpoint.keep=0", "checkpoint.keep: must be > 0, got 0"),
 ])
 def test_numeric_settings_are_range_checked(override, needle):
     assert needle in _error(load_config, None, [override])

@@ -120,7 +120,7 @@ def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
     _wait_for(log, r"step +3 \|", proc)
     kids = children(proc.pid)
     assert len(kids) == 2
-    os.kill(kids[1], signal.SIGTERM)  # process 1 only: process 0 learns it from JAX
+    os.kill(kids[1], signal.SIGTERM)  # one process only: the other learns it from JAX
     proc.wait(timeout=300)
     text = log.read_text()
     assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
@@ -159,12 +159,16 @@ def test_another_optimizer_or_model_is_an_error_and_nothing_moves(base, tmp_path
 
 
 def _flip_data_bytes(step_dir: Path) -> None:
-    files = sorted((step_dir / "state").rglob("ocdbt.process_0/d/*"),
-                   key=lambda p: p.stat().st_size)
-    data = bytearray(files[-1].read_bytes())
-    for offset in range(len(data) // 3, len(data), len(data) // 7):
-        data[offset] ^= 0x10
-    files[-1].write_bytes(bytes(data))
+    """Flip bits inside the array data of every OCDBT data file (the b-tree nodes are the small
+    files; which data file holds which arrays varies from run to run)."""
+    files = [p for p in (step_dir / "state").rglob("ocdbt.process_*/d/*")
+             if p.stat().st_size > 4096]
+    assert files
+    for f in files:
+        data = bytearray(f.read_bytes())
+        for i in range(1, 8):
+            data[len(data) * i // 8] ^= 0x10
+        f.write_bytes(bytes(data))
 
 
 def test_flipped_bytes_and_an_altered_iterator_state_are_damage(base, tmp_path):
@@ -194,8 +198,8 @@ def _poisoned(policy: str, **extra) -> zjax.Config:
 
 def test_python_api_stops_on_a_nan_loss_and_skips_when_asked(tmp_path):
     with pytest.raises(NonFiniteError, match="step 3 is not finite"):
-        zjax.train(None, _poisoned("stop"), run_dir=tmp_path / "stop")
-    assert not (tmp_path / "stop" / "checkpoints").exists() or not _steps(tmp_path / "stop")
+        zjax.train(None, _poisoned("stop", **{"checkpoint.every": 2}), run_dir=tmp_path / "stop")
+    assert _steps(tmp_path / "stop") == [2]  # the finite checkpoint stays; nothing of step 3+
     result = zjax.train(None, _poisoned("skip").to_dict())  # a dict is a config too
     assert [r["skipped_steps"] for r in result.history] == [0, 0, 1, 2, 2, 2, 2, 2]
     assert np.isfinite(result.history[-1]["loss"])
@@ -204,11 +208,10 @@ def test_python_api_stops_on_a_nan_loss_and_skips_when_asked(tmp_path):
         zjax.train(None, _poisoned("skip", **{"train.max_skips": 1}))
 
 
-@pytest.mark.parametrize("delay", [1.0, 4.0])  # while importing; while compiling
-def test_ctrl_c_before_training_exits_130_cleanly(tmp_path, delay):
+def test_ctrl_c_before_training_exits_130_cleanly(tmp_path):
     run, log = tmp_path / "run", tmp_path / "log"
     proc = _start(_train_cmd(run, "train.steps=200"), log)
-    time.sleep(delay)
+    time.sleep(1.0)  # importing (compiling starts seconds later on any machine)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     text = log.read_text()

@@ -23,6 +23,7 @@ from zjax._nonfinite import FiniteWatch
 from zjax._preempt import Preempted
 from zjax._rundir import RunDir
 from zjax.errors import ConfigError, NonFiniteError
+from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 from zjax.partition import ZeroConfig
 
 
@@ -43,17 +44,25 @@ def _batches(n):
     return [rng.normal(size=(16, 64)).astype(np.float32) for _ in range(n)]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_skip_drops_exactly_the_nonfinite_updates(stage):
+_BOTH_ON_HOST = dict(offload_optimizer=OptimizerOffloadConfig(device="host", update_on="host"),
+                    offload_param=OffloadConfig(device="host"))
+
+
+@pytest.mark.parametrize(("stage", "micro_batches", "offload"), [
+    (1, 1, {}), (3, 1, {}), (3, 2, {}), (3, 1, _BOTH_ON_HOST),
+])
+def test_skip_drops_exactly_the_nonfinite_updates(stage, micro_batches, offload):
     """With on_nonfinite: skip a NaN batch leaves params and optimizer state untouched: the run
-    equals single-device optax over the finite batches only."""
+    equals single-device optax over the finite batches only (also accumulating micro-batches,
+    and with params and optimizer state in host memory, updated on the host)."""
     init, loss = _trainable()
     tx = optax.adam(1e-2, eps=1e-5)
     batches = _batches(5)
     poisoned = [*batches[:2], np.full_like(batches[0], np.nan), *batches[2:]]
     zstep = zjax.make_step(zjax.from_pytree(init, loss), tx, mesh=zjax.make_mesh(),
                            zero=ZeroConfig(stage=stage, param_persistence_threshold=0,
-                                           gather_dtype="float32"), skip_nonfinite=True)
+                                           gather_dtype="float32", **offload),
+                           skip_nonfinite=True, micro_batches=micro_batches)
     state = zstep.init(jax.random.key(0))
     flags = []
     for b in poisoned:
@@ -106,7 +115,7 @@ def test_digest_is_sharding_independent_and_sees_one_flipped_bit():
     mesh = zjax.make_mesh()
     sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         "data")))
-    assert tree_digests({"x": sharded})["['x']"] == array_digest(x)
+    assert tree_digests({"x": sharded})["x"] == array_digest(x)
     for word, bit in [(0, 0), (377, 31), (767, 13)]:
         y = x.copy()
         y.reshape(-1).view(np.uint32)[word] ^= np.uint32(1 << bit)
@@ -154,3 +163,70 @@ def test_preempted_message_tells_what_was_saved():
     assert "checkpoint of step 12 saved in /r/checkpoints" in str(
         Preempted(12, signal.SIGTERM, "/r/checkpoints", 12))
     assert "no checkpoint was saved" in str(Preempted(3, signal.SIGINT, "/r", None))
+
+
+def test_digest_sees_two_bit_flips_at_power_of_two_strides():
+    x = np.random.default_rng(1).normal(size=(1 << 21,)).astype(np.float32)
+    base = array_digest(x)
+    for stride in (1, 1 << 14, 1 << 20):
+        for bit in (0, 18, 31):
+            y = x.copy()
+            words = y.view(np.uint32)
+            words[7] ^= np.uint32(1 << bit)
+            words[7 + stride] ^= np.uint32(1 << bit)
+            assert array_digest(y) != base, (stride, bit)
+    y = x.copy()
+    y[7], y[7 ^ (1 << 20)] = -y[7], -y[7 ^ (1 << 20)]  # two sign flips
+    assert array_digest(y) != base
+
+
+def test_lockstep_watch_reads_each_flag_one_step_late():
+    watch = FiniteWatch("stop", max_skips=0, lockstep=True)
+    watch.add(1, _metrics(True))
+    watch.poll()
+    assert len(watch.pending) == 1  # the newest stays in flight
+    watch.add(2, _metrics(False))
+    watch.poll()  # reads step 1 only
+    watch.add(3, _metrics(True))
+    with pytest.raises(NonFiniteError, match="step 2 is not finite"):
+        watch.poll()
+
+
+@pytest.mark.parametrize(("error", "damage"), [
+    (FileNotFoundError("gone"), True),
+    (ValueError('OUT_OF_RANGE: Error reading "x" in OCDBT database'), True),
+    (json.JSONDecodeError("bad", "{", 0), True),
+    (PermissionError(13, "Permission denied"), False),  # the filesystem's, not the data's
+    (OSError(5, "Input/output error"), False),
+    (TypeError("a bug"), False),
+    (ValueError("shapes do not match"), False),
+])
+def test_only_unreadable_data_counts_as_damage(error, damage):
+    from zjax.errors import is_damage
+
+    wrapped = Exception("Encountered error while reading array index")
+    wrapped.__cause__ = error  # as Orbax wraps Tensorstore's error
+    assert is_damage(error) is damage and is_damage(wrapped) is damage
+
+
+def test_an_error_that_is_not_damage_surfaces_and_nothing_moves(tmp_path, monkeypatch):
+    from zjax.checkpoint import CheckpointConfig, Checkpointer
+
+    init, loss = _trainable()
+    zstep = zjax.make_step(zjax.from_pytree(init, loss), optax.adam(1e-2), mesh=zjax.make_mesh(),
+                           zero=ZeroConfig(stage=3, param_persistence_threshold=0))
+    ckpt = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(asynchronous=False))
+    ckpt.save(1, zstep.init(jax.random.key(0)), zstep)
+    ckpt.wait()
+    restored = ckpt.restore_latest(zstep)
+    assert restored is not None and restored[0] == 1  # intact: its checksums match
+
+    def broken(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ckpt.manager, "restore", broken)
+    with pytest.raises(PermissionError):
+        ckpt.restore_latest(zstep)
+    ckpt.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # nothing moved
+    assert (tmp_path / "checkpoints" / "1").is_dir()

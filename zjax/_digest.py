@@ -2,12 +2,13 @@
 
 Orbax's array files carry no checksum of their data: a flipped bit in a chunk reads back as a
 wrong value. So each checkpoint records, per leaf, a 64-bit digest of the whole (global) array,
-and a restore or an export recomputes it. The digest is two wrapping uint32 sums of the array's
-words, each word weighted by an odd multiplier derived from its global position:
-``sum(w[i] * m1(i))`` and ``sum(rotl(w[i], 13) * m2(i))`` mod 2**32. Sums commute, so the
-value is the same whether the array is computed on 8 shards, on 1 device, or in numpy, and a
-flip of any single bit changes both sums (an odd multiple of a power of two below 2**32 is never
-0 mod 2**32). Swapped or shifted words change the position weights.
+and a restore or an export recomputes it. The digest is two wrapping uint32 sums over the
+array's 32-bit words ``w[i]``: ``sum(fmix(w[i] ^ p1(i)))`` and ``sum(fmix(w[i] + p2(i)))``
+mod 2**32, where ``fmix`` is murmur3's 32-bit finaliser (a bijection that spreads every input
+bit over the output) and ``p1``, ``p2`` hash the global position. Sums commute, so the value is
+the same whether the array is computed on 8 shards, on 1 device, or in numpy; because each term
+is a pseudo-random function of (value, position), changed words cancel out only by chance
+(about 2**-64 for both sums), whatever the pattern of the change.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["array_digest", "recorded_digests", "tree_digests"]
+__all__ = ["array_digest", "leaf_name", "recorded_digests", "tree_digests"]
 
-_K1, _C1 = 0x9E3779B1, 0x7F4A7C15  # golden-ratio multiplier and an offset
-_K2, _C2 = 0xC2B2AE35, 0x27D4EB2F  # murmur3 / xxhash constants
+_SEED1, _SEED2 = 0x9E3779B1, 0x7F4A7C15  # golden ratio, and another odd constant
 
 
 def _words_np(x: np.ndarray) -> np.ndarray:
@@ -48,11 +48,20 @@ def _words_jnp(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
+def _fmix(h, xp):
+    """murmur3's finaliser: every input bit affects every output bit."""
+    h = h ^ (h >> xp.uint32(16))
+    h = h * xp.uint32(0x85EBCA6B)
+    h = h ^ (h >> xp.uint32(13))
+    h = h * xp.uint32(0xC2B2AE35)
+    return h ^ (h >> xp.uint32(16))
+
+
 def _mix(words, index, xp) -> tuple:
-    m1 = (index * xp.uint32(_K1) + xp.uint32(_C1)) | xp.uint32(1)
-    m2 = ((index ^ xp.uint32(_C2)) * xp.uint32(_K2)) | xp.uint32(1)
-    rot = (words << xp.uint32(13)) | (words >> xp.uint32(19))
-    return xp.sum(words * m1, dtype=xp.uint32), xp.sum(rot * m2, dtype=xp.uint32)
+    p1 = _fmix(index ^ xp.uint32(_SEED1), xp)
+    p2 = _fmix(index + xp.uint32(_SEED2), xp)
+    return (xp.sum(_fmix(words ^ p1, xp), dtype=xp.uint32),
+            xp.sum(_fmix(words + p2, xp), dtype=xp.uint32))
 
 
 def _format(h1, h2) -> str:
@@ -81,14 +90,21 @@ def _device_digest(x: jax.Array) -> jax.Array:
     return jnp.stack(_mix(words, index, jnp))
 
 
+def leaf_name(path) -> str:
+    """A tree path as ``a/0/b`` whatever its nodes are (dicts, tuples, NamedTuples): the one
+    naming of checkpointed arrays (Orbax's metadata stores NamedTuples as dicts)."""
+    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "/".join(map(str, parts))
+
+
 def tree_digests(tree: Any) -> dict[str, str]:
-    """``{keystr(path): digest}`` of every array leaf of ``tree`` (sharded or not).
+    """``{leaf_name(path): digest}`` of every array leaf of ``tree`` (sharded or not).
 
     Leaves are digested one at a time (an offloaded leaf visits the device one at a time), and
     the small results are fetched together.
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    pending = [(jax.tree_util.keystr(p), _device_digest(x)) for p, x in flat]
+    pending = [(leaf_name(p), _device_digest(x)) for p, x in flat]
     values = jax.device_get([v for _, v in pending])
     return {k: _format(*v) for (k, _), v in zip(pending, values, strict=True)}
 
@@ -96,7 +112,7 @@ def tree_digests(tree: Any) -> dict[str, str]:
 def recorded_digests(step_dir: Path) -> dict[str, str] | None:
     """The array digests a zjax checkpoint recorded (its ``meta`` item), or None if it has none.
 
-    Keys are ``keystr`` paths of the canonical tree (``['params']['blocks']['w']``).
+    Keys are :func:`leaf_name` paths of the canonical tree (``params/blocks/w``).
 
     Raises:
       OSError, ValueError: the ``meta`` item exists but cannot be read as JSON.

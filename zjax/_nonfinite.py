@@ -31,12 +31,13 @@ class FiniteWatch:
     Args:
       policy: ``stop`` or ``skip``.
       max_skips: with ``skip``, the most non-finite steps in a row before the run stops.
-      wait_always: read every flag as soon as it is added (several processes must all raise at
-        the same step, so they cannot depend on when a flag happens to be ready).
+      lockstep: read each flag one step late, waiting for it (several processes must all raise
+        at the same step, so what they read cannot depend on when a flag happens to be ready;
+        one step stays in flight).
     """
 
-    def __init__(self, policy: str, *, max_skips: int, wait_always: bool = False):
-        self.policy, self.max_skips, self.wait_always = policy, max_skips, wait_always
+    def __init__(self, policy: str, *, max_skips: int, lockstep: bool = False):
+        self.policy, self.max_skips, self.lockstep = policy, max_skips, lockstep
         self.pending: list[tuple[int, dict]] = []
         self.skipped = 0  # in total
         self.in_a_row = 0
@@ -53,10 +54,11 @@ class FiniteWatch:
           NonFiniteError: with ``stop``, a step was not finite; with ``skip``, more than
             ``max_skips`` steps in a row were not.
         """
-        wait = wait or self.wait_always
         while self.pending:
             step, m = self.pending[0]
-            if not wait and not m["finite"].is_ready():
+            if self.lockstep and not wait and len(self.pending) == 1:
+                return  # the newest step: read at the next one
+            if not self.lockstep and not wait and not m["finite"].is_ready():
                 return
             self.pending.pop(0)
             if bool(m["finite"]):

@@ -3,7 +3,8 @@
 A run directory holds ``config.yaml``, ``metrics.jsonl``, TensorBoard events and
 ``checkpoints/``. :class:`RunDir` takes an exclusive lock on it for the whole run (``flock`` on
 ``.lock``: the kernel releases it when the process ends in any way, so a dead trainer never
-leaves a stale lock), refuses a directory that holds metrics but nothing to resume from, and
+leaves a stale lock; across hosts it needs a filesystem whose locks span them, as NFSv4 and
+Lustre with flock do), refuses a directory that holds metrics but nothing to resume from, and
 writes ``config.yaml`` only when asked, after the resume checks have passed.
 """
 
@@ -49,7 +50,13 @@ class RunDir:
             raise ConfigError(f"--run-dir: cannot write to {str(self.path)!r}: {e}") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):  # ENOLCK, EOPNOTSUPP: no locks there
+                self._lock.close()
+                raise ConfigError(
+                    f"--run-dir: {str(self.path)!r} cannot be locked ({e.strerror or e}): this "
+                    "filesystem offers no file locks (NFS mounted with nolock, some Lustre "
+                    "setups); use a directory on one that does") from None
             self._lock.seek(0)
             holder = self._lock.read().strip() or "another process"
             self._lock.close()
@@ -77,7 +84,12 @@ class RunDir:
             raise ConfigError(f"--run-dir: cannot write to {str(self.path)!r}: {e}") from None
 
     def truncate_metrics(self, step: int) -> None:
-        """Drop rows logged after ``step`` (a resume logs them again) and any torn last line."""
+        """Drop rows logged after ``step`` (a resume logs them again; 0: all) and any torn
+        last line.
+
+        Raises:
+          ConfigError: ``metrics.jsonl`` is damaged before its last line.
+        """
         if (self.path / "metrics.jsonl").exists():
             rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
             _atomic_write(self.path / "metrics.jsonl",

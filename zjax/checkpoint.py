@@ -32,13 +32,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from zjax._digest import tree_digests
-from zjax.errors import CheckpointError, ConfigError
+from zjax._digest import leaf_name, tree_digests
+from zjax._schema import non_negative, positive, validate
+from zjax.errors import CheckpointError, DamagedCheckpoint, is_damage
 from zjax.offload import to_device
 from zjax.step import TrainState, ZeroStep
 
-__all__ = ["CheckpointConfig", "Checkpointer", "DamagedCheckpoint", "from_canonical",
-           "to_canonical"]
+__all__ = ["CheckpointConfig", "Checkpointer", "from_canonical", "to_canonical"]
 
 log = logging.getLogger("zjax")
 
@@ -53,18 +53,12 @@ class CheckpointConfig:
       asynchronous: write in the background while training continues.
     """
 
-    every: int = 100
-    keep: int = 3
+    every: int = non_negative(100)
+    keep: int = positive(3)
     asynchronous: bool = True
 
     def __post_init__(self):
-        from zjax._schema import validate
-
-        validate(self, "checkpoint")  # types, as for every section
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.every: must be >= 0, got {self.every}")
-        if self.keep < 1:
-            raise ConfigError(f"checkpoint.keep: must be >= 1, got {self.keep}")
+        validate(self, "checkpoint")
 
 
 def to_canonical(state: TrainState, zstep: ZeroStep) -> dict:
@@ -90,24 +84,6 @@ def from_canonical(tree: dict, zstep: ZeroStep) -> TrainState:
     return TrainState(tree["step"], params, tree["params"], tree["opt_state"])
 
 
-class DamagedCheckpoint(CheckpointError):
-    """A checkpoint's files are missing, unreadable, or read back other values than written."""
-
-
-# Tensorstore / Orbax report unreadable data as these absl status codes inside their messages
-_READ_FAILURES = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION",
-                  "INVALID_ARGUMENT: Error", "Error reading", "Error opening", "Error decoding")
-
-
-def _is_damage(e: BaseException) -> bool:
-    """Whether an exception raised while reading a checkpoint means its files are damaged."""
-    if isinstance(e, DamagedCheckpoint | OSError | json.JSONDecodeError | UnicodeDecodeError):
-        return not isinstance(e, CheckpointError) or isinstance(e, DamagedCheckpoint)
-    if isinstance(e, ValueError | RuntimeError):
-        return any(code in str(e) for code in _READ_FAILURES)
-    return False
-
-
 def _json_digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -123,18 +99,20 @@ def _flat_config(config: dict | None, sections=("loop", "model", "optimizer")) -
     return out
 
 
-def _path(path) -> str:
-    """A tree path as ``a/0/b``, whether a node is a dict, a tuple or a NamedTuple.
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else ""
 
-    Orbax's metadata stores NamedTuples as dicts, so ``.mu`` and ``['mu']`` name the same array.
-    """
-    parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-    return "/".join(map(str, parts))
+
+def _any_process(flag: bool) -> bool:
+    """``flag`` on any process of the job (the same answer everywhere)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def _layout(tree: Any) -> dict[str, tuple]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_path(p): (tuple(m.shape), str(np.dtype(m.dtype)) if getattr(m, "dtype", None)
+    return {leaf_name(p): (tuple(m.shape), str(np.dtype(m.dtype)) if getattr(m, "dtype", None)
                        is not None else None) for p, m in flat}
 
 
@@ -196,26 +174,42 @@ class Checkpointer:
         """Restore ``step`` onto ``zstep``'s mesh and stage: ``(state, data_state, meta)``.
 
         Raises:
-          DamagedCheckpoint: a digest recorded at save time does not match what was read.
+          DamagedCheckpoint: its files cannot be read, or read back other values than the
+            digests recorded at save time.
         """
+        out = self._read(step, zstep)
+        self._verify(step, out)
+        return from_canonical(out["state"], zstep), out["data"], out["meta"]
+
+    def _read(self, step: int, zstep: ZeroStep) -> dict:
+        """The checkpoint's items as stored; DamagedCheckpoint if its files cannot be read."""
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract_canonical(zstep)),
             data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
         )
-        out = self.manager.restore(step, args=args)
-        self._verify(step, out)
-        return from_canonical(out["state"], zstep), out["data"], out["meta"]
+        try:
+            return self.manager.restore(step, args=args)
+        except Exception as e:
+            if not is_damage(e):
+                raise
+            raise DamagedCheckpoint(f"step {step}: it cannot be read ({type(e).__name__}: "
+                                    f"{_first_line(e)})") from e
 
     def _verify(self, step: int, out: dict) -> None:
+        """Compare what was read with the digests recorded at save time (collective)."""
         recorded = (out["meta"] or {}).get("digests")
         if recorded is None:  # written before zjax recorded digests: nothing to compare
             return
         if _json_digest(out["data"]) != recorded.get("data"):
             raise DamagedCheckpoint(f"step {step}: the data iterator's state reads back altered")
         digests = tree_digests(out["state"])
+        unknown = sorted(set(digests) - set(recorded.get("state") or {}))
+        if unknown:  # named another way when it was saved: it cannot be checked, not damage
+            log.warning("checkpoint at step %d: no recorded checksum for %d arrays (e.g. %s); "
+                        "they are not verified", step, len(unknown), unknown[0])
         for key, digest in digests.items():
-            if recorded["state"].get(key) != digest:
+            if key not in unknown and recorded["state"][key] != digest:
                 raise DamagedCheckpoint(f"step {step}: leaf {key} reads back other values than "
                                         "were written (checksum mismatch)")
 
@@ -278,6 +272,10 @@ class Checkpointer:
                        ) -> tuple[int, TrainState, Any, dict] | None:
         """The newest intact checkpoint, moving damaged newer ones aside with a warning.
 
+        With several processes, each reads its own shards: they agree that a checkpoint is
+        damaged (any process failing to read it) before the collective checksum, so all move
+        on to the same older one.
+
         Args:
           zstep: the step to restore onto.
           config: the current run's config as a dict (names the settings that differ when a
@@ -287,22 +285,31 @@ class Checkpointer:
           CheckpointError: an intact checkpoint was written for another model or optimizer.
         """
         for step in reversed(self.steps()):
+            damage, out = None, None
             try:
                 self.check_compatible(step, zstep, config=config)
-                state, data_state, meta = self.restore(step, zstep)
-                jax.block_until_ready(state)
-                return step, state, data_state, meta
-            except Exception as e:
-                if not _is_damage(e):
-                    raise
-                aside = self._move_aside(step)
-                why = str(e).splitlines()[0][:300] if str(e) else ""
-                log.warning(
-                    "checkpoint at step %d in %s is damaged (%s: %s); moved it to %s and "
-                    "falling back to the previous one", step, self.directory, type(e).__name__,
-                    why, aside,
-                )
+                out = self._read(step, zstep)
+            except DamagedCheckpoint as e:
+                damage = e
+            if _any_process(damage is not None):
+                self._set_aside(step, damage or "another process could not read it")
+                continue
+            try:
+                self._verify(step, out)  # the same answer on every process
+            except DamagedCheckpoint as e:
+                self._set_aside(step, e)
+                continue
+            state = from_canonical(out["state"], zstep)
+            jax.block_until_ready(state)
+            return step, state, out["data"], out["meta"]
         return None
+
+    def _set_aside(self, step: int, why: Exception | str) -> None:
+        aside = self._move_aside(step)
+        log.warning("checkpoint at step %d in %s is damaged (%s); moved it to %s and falling "
+                    "back to the previous one", step, self.directory,
+                    f"{type(why).__name__}: {_first_line(why)}" if isinstance(why, Exception)
+                    else why, aside)
 
     def _move_aside(self, step: int) -> Path:
         src = self.directory / str(step)

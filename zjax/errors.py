@@ -7,10 +7,11 @@ the offending key (or leaf, or file), the value given and what was expected.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable
 
-__all__ = ["CheckpointError", "ConfigError", "NonFiniteError", "NotGatheredError", "ZjaxError",
-           "did_you_mean"]
+__all__ = ["CheckpointError", "ConfigError", "DamagedCheckpoint", "NonFiniteError",
+           "NotGatheredError", "ZjaxError", "did_you_mean", "is_damage"]
 
 
 class ZjaxError(Exception):
@@ -37,3 +38,32 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 
 class NonFiniteError(ZjaxError, ArithmeticError):
     """Training produced a non-finite loss, gradient or parameter (``train.on_nonfinite``)."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's files are missing, unreadable, or read back other values than written."""
+
+
+# Tensorstore reports unreadable array data with these absl status codes (Orbax wraps its
+# error in a bare Exception: "Encountered error while reading array index ...")
+_READ_FAILURES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "INVALID_ARGUMENT: Error reading",
+                  "INVALID_ARGUMENT: Error decoding", "FAILED_PRECONDITION: Error reading")
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether ``e``, raised while *reading* a checkpoint, means its files are damaged.
+
+    Damage: a file missing or cut short, data or metadata that does not decode, a checksum
+    mismatch. Not damage: anything else, e.g. an I/O error of the filesystem (EIO, EACCES,
+    ESTALE: retrying may work, and the checkpoint may be intact) or a bug; those surface.
+    """
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DamagedCheckpoint | json.JSONDecodeError | UnicodeDecodeError
+                      | FileNotFoundError):
+            return True
+        if isinstance(e, ValueError | RuntimeError) and str(e).startswith(_READ_FAILURES):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

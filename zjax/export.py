@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import v1 as ocp_v1
 
 from zjax._digest import array_digest, recorded_digests
-from zjax.errors import CheckpointError, ConfigError, did_you_mean
+from zjax.errors import CheckpointError, ConfigError, DamagedCheckpoint, did_you_mean, is_damage
 from zjax.partition.config import resolve_dtype
 
 __all__ = ["FORMATS", "export"]
@@ -40,10 +40,6 @@ log = logging.getLogger("zjax")
 FORMATS = ("orbax", "safetensors")
 _CHUNK_BYTES = 16 << 20  # per stored chunk of an exported leaf
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-class _Damaged(Exception):
-    """A checkpoint (or one of its leaves) cannot be read: the export falls back."""
 
 
 def _state_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -83,10 +79,13 @@ def _param_leaves(state_dir: Path) -> list[tuple[tuple[str, ...], tuple[int, ...
     try:
         meta = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata
         params = meta["params"] if meta is not None else None
-    except Exception as e:  # unreadable metadata: a damaged checkpoint
-        raise _Damaged(f"metadata unreadable: {type(e).__name__}: {_first_line(e)}") from None
+    except Exception as e:
+        if not is_damage(e):
+            raise
+        raise DamagedCheckpoint(
+            f"metadata unreadable: {type(e).__name__}: {_first_line(e)}") from None
     if params is None:
-        raise _Damaged("its metadata lists no params")
+        raise DamagedCheckpoint("its metadata lists no params")
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     return [(tuple(str(k.key) for k in path), tuple(m.shape)) for path, m in flat]
 
@@ -101,9 +100,9 @@ def _verify_leaf(state_dir: Path, keys: tuple[str, ...], leaf: np.ndarray) -> No
     recorded = _recorded(state_dir)
     if recorded is None:
         return
-    key = "".join(f"[{k!r}]" for k in ("params", *keys))
-    if recorded.get(key) != array_digest(leaf):
-        raise ValueError("reads back other values than were written (checksum mismatch)")
+    key = "/".join(("params", *keys))  # zjax._digest.leaf_name of the canonical tree
+    if key in recorded and recorded[key] != array_digest(leaf):
+        raise DamagedCheckpoint("reads back other values than were written (checksum mismatch)")
 
 
 @functools.lru_cache(maxsize=8)
@@ -112,7 +111,11 @@ def _recorded(state_dir: Path) -> dict[str, str] | None:
 
 
 def _read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype) -> np.ndarray:
-    """The leaf ``keys`` of ``state_dir``'s params cast to ``dtype``; ``_Damaged`` if unreadable."""
+    """The leaf ``keys`` of ``state_dir``'s params cast to ``dtype``.
+
+    Raises:
+      DamagedCheckpoint: it cannot be read, or reads back other values than were saved.
+    """
     item: dict = {}
     args: dict = {}
     node_i, node_a = item, args
@@ -129,10 +132,12 @@ def _read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype) -
         for key in keys:
             out = out[key]
         if tuple(out.shape) != tuple(shape):
-            raise ValueError(f"read as {out.shape}, its metadata says {shape}")
+            raise DamagedCheckpoint(f"read as {out.shape}, its metadata says {shape}")
         _verify_leaf(state_dir, keys, out)
-    except Exception as e:  # whatever Orbax/Tensorstore raise on bad data: damage
-        raise _Damaged(f"leaf {name}: {type(e).__name__}: {_first_line(e)}") from None
+    except Exception as e:  # what Orbax/Tensorstore raise on bad data is damage; else a bug
+        if not is_damage(e):
+            raise
+        raise DamagedCheckpoint(f"leaf {name}: {type(e).__name__}: {_first_line(e)}") from None
     return out.astype(dtype, copy=False)
 
 
@@ -176,10 +181,12 @@ def export(run_dir: str | Path, out: str | Path, *, dtype: str = "bfloat16",
             write = _write_safetensors if format == "safetensors" else _write_orbax
             try:
                 write(out, state_dir, leaves, target)
+            except DamagedCheckpoint:  # the input side (an OSError too): fall back
+                raise
             except OSError as e:  # the output side: a full disk, a vanished directory
                 raise CheckpointError(f"export: cannot write {str(out)!r}: {e}") from None
             return out
-        except _Damaged as e:
+        except DamagedCheckpoint as e:
             damaged.append(f"step {step}: {e}")
             older = (f"falling back to step {candidates[i + 1][0]}" if i + 1 < len(candidates)
                      else "no older checkpoint")

@@ -83,6 +83,13 @@ def _loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
     return f32(out[0]), f32(out[1]), {k: f32(v) for k, v in extra.items()}
 
 
+def _all_finite(tree) -> jax.Array:
+    """Whether every float of ``tree`` is finite (no norm: squares overflow before values do)."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.logical_and.reduce(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
 def _cast_tree(tree, dtypes):
     return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
 
@@ -118,7 +125,8 @@ class ZeroStep:
       init: ``init(rng) -> TrainState``, created directly into its shards (``zero.Init``).
       step: ``step(state, batch) -> (state, metrics)``; ``state`` is donated. The metrics:
         ``loss``, ``grad_norm``, ``param_norm`` (of the new float32 params), ``finite`` (the
-        update's loss, gradients and new params are all finite), ``count`` and the loss's own.
+        update's loss, gradients, new params and optimizer state are all finite), ``count``
+        and the loss's own.
       evaluate: ``evaluate(params, batch) -> mean loss``, the same sharded forward, no update.
     """
 
@@ -314,7 +322,7 @@ def make_step(
         """The optax update, on the device or (``update_on: host``) on the host.
 
         Returns the new params and optimizer state, the gradient and new-param norms, and
-        whether the update is finite (loss, gradients and new params). With
+        whether the update is finite (loss, gradients, new params and optimizer state). With
         ``skip_nonfinite`` a non-finite update is dropped: the old state is returned.
         """
         move = to_host if update_on_host else to_device
@@ -327,7 +335,7 @@ def make_step(
             new = optax.apply_updates(target, updates)
             norm = global_norm(grads)  # not optax's: it cannot run on the host
             param_norm = global_norm(new)
-            finite = jnp.isfinite(loss_sum) & jnp.isfinite(norm) & jnp.isfinite(param_norm)
+            finite = jnp.isfinite(loss_sum) & jnp.isfinite(norm) & _all_finite((new, new_opt))
             if skip_nonfinite:
                 keep = lambda n, o: jnp.where(finite, n, o)
                 new, new_opt = jax.tree.map(keep, (new, new_opt), (target, opt_state))

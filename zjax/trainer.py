@@ -143,12 +143,32 @@ def train(loop: Loop | str | None, config: Config | Mapping[str, Any] | str | os
     # before anything touches a device: join the multi-process job the environment describes
     initialize(config.mesh.distributed, detect(), timeout_s=config.mesh.init_timeout_s)
     lead = jax.process_index() == 0
-    run = RunDir(run_dir) if run_dir is not None and lead else None
+    run = _lock_run_dir(run_dir, lead)
     try:
         return _train(loop, config, run_dir, run, lead)
     finally:
         if run is not None:
             run.close()
+
+
+def _lock_run_dir(run_dir, lead: bool) -> RunDir | None:
+    """Process 0 locks the run directory; with several processes all learn whether it could."""
+    run, error = None, None
+    if run_dir is not None and lead:
+        try:
+            run = RunDir(run_dir)
+        except ConfigError as e:
+            error = e
+    if run_dir is not None and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+        if not ok and error is None:
+            raise ConfigError(f"--run-dir: process 0 could not take {str(run_dir)!r} (its "
+                              "error says why)")
+    if error is not None:
+        raise error
+    return run
 
 
 def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) -> TrainResult:
@@ -160,13 +180,13 @@ def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) 
             raise ConfigError(  # said before compiling anything
                 f"train.steps: the run in {str(run_dir)!r} is already at step "
                 f"{ckpt.steps()[-1]}; set train.steps above it to train further")
-        return _train_steps(loop, config, ckpt, run, info)
+        return _tralocksteps(loop, config, ckpt, run, info)
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: RunDir | None,
+def _tralocksteps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: RunDir | None,
                  info) -> TrainResult:
     mesh = make_mesh(config.mesh)
     steps = config.train.steps
@@ -206,9 +226,8 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
     compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
     memory = _memory_row(zstep, compiled, config, info)
     if run is not None:  # every check has passed: only now is the run directory changed
+        run.truncate_metrics(start)  # rows after the resumed step (all, starting afresh)
         run.write_config(config.to_dict())
-        if restored is not None:
-            run.truncate_metrics(start)
 
     def save(step: int) -> None:
         data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
@@ -220,7 +239,7 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
     progress.update(start, None)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     watch = FiniteWatch(config.train.on_nonfinite, max_skips=config.train.max_skips,
-                        wait_always=jax.process_count() > 1)
+                        lockstep=jax.process_count() > 1)
     history: list[dict] = []
     t0, done, saved = time.perf_counter(), 0, start if restored is not None else None
     batch = first
@@ -276,6 +295,8 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
                     raise Preempted(step, guard.signum, str(ckpt.directory) if ckpt else None,
                                     saved if ckpt is not None else None)
             watch.poll(wait=True)
+            if ckpt is not None:  # under the guard: a signal now cannot cut the last commit
+                ckpt.wait()
         finally:
             progress.close()
             writer.close()
@@ -309,5 +330,5 @@ def _set_iterator(it, state: Any, step: int, ckpt: Checkpointer, split: str) -> 
         raise CheckpointError(
             f"the {split} data iterator's state in the checkpoint at step {step} in "
             f"{ckpt.directory} does not fit this run's data (data.*): {type(e).__name__}: "
-            f"{str(e)[:200]}. Nothing was changed: use the data config the run was started "
-            "with, or a new --run-dir") from None
+            f"{str(e)[:200]}. That checkpoint was left as it is: use the data config the run "
+            "was started with, or a new --run-dir") from None
