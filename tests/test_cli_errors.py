@@ -226,6 +226,12 @@ def test_launch_nonexistent_command():
                     "'zjax-no-such-command'", "not an executable")
 
 
+def test_launch_bounds_the_process_count(capsys, cli_logging):
+    assert cli.main(["launch", "-n", "100000", "--", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zjax: error: -n: 100000 processes"), err
+
+
 def test_plan_devices_beyond_simulation_limit():
     start = time.monotonic()
     _one_error_line(_zjax("plan", "--devices", "100000"), "--devices: 100000", "4096",

@@ -206,6 +206,12 @@ def test_python_api_stops_on_a_nan_loss_and_skips_when_asked(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.params))
     with pytest.raises(NonFiniteError, match=r"train\.max_skips: 2 steps in a row up to step 4"):
         zjax.train(None, _poisoned("skip", **{"train.max_skips": 1}))
+    # the skip counts are saved with the checkpoint: a resumed run goes on counting (its own
+    # batches 3 and 4, steps 7 and 8, are poisoned again)
+    run = tmp_path / "skip"
+    zjax.train(None, _poisoned("skip", **{"train.steps": 4, "checkpoint.every": 4}), run_dir=run)
+    resumed = zjax.train(None, _poisoned("skip"), run_dir=run)
+    assert [r["skipped_steps"] for r in resumed.history] == [2, 2, 3, 4]
 
 
 def test_ctrl_c_before_training_exits_130_cleanly(tmp_path):

@@ -9,7 +9,8 @@ state is never saved, and the step that went wrong is named exactly.
 - ``stop``: the first non-finite step ends the run with :class:`~zjax.errors.NonFiniteError`;
   checkpoints already written (all finite) are kept.
 - ``skip``: the step compiled with ``skip_nonfinite`` dropped that update (the state is the one
-  before it); the watch counts such steps and stops after ``max_skips`` in a row.
+  before it); the watch counts such steps and stops after ``max_skips`` in a row. The counts
+  are saved with each checkpoint, so a resumed run goes on counting.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from zjax.mesh import simulated_device_env
 __all__ = ["launch"]
 
 GRACE_S = 10.0
+MAX_PROCESSES = 64  # local processes: a test of multi-process code, not a cluster
 
 
 def _free_port() -> int:
@@ -60,6 +61,12 @@ def launch(command: Sequence[str], *, processes: int, devices_per_process: int |
     """
     if processes < 1:
         raise ConfigError(f"-n: must be >= 1, got {processes}")
+    if processes > MAX_PROCESSES:
+        raise ConfigError(
+            f"-n: {processes} processes on one machine is more than zjax launch starts (at "
+            f"most {MAX_PROCESSES}: each one loads JAX, hundreds of MB); launch runs a "
+            "multi-process job on one machine for testing, a real one runs under its "
+            "cluster's launcher (SLURM, Open MPI, or one zjax train per host)")
     if devices_per_process is not None and devices_per_process < 1:
         raise ConfigError(f"--devices-per-process: must be >= 1, got {devices_per_process}")
     if not command:

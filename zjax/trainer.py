@@ -216,7 +216,7 @@ def _tralocksteps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Ru
     if restored is None:
         state = zstep.init(jax.random.key(config.train.seed))
     else:
-        start, state, data_state, _ = restored
+        start, state, data_state, meta = restored
         info("resuming from the checkpoint at step %d", start)
         if data_state.get("train") is not None:
             _set_iterator(train_data, data_state["train"], start, ckpt, "train")
@@ -232,7 +232,8 @@ def _tralocksteps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Ru
     def save(step: int) -> None:
         data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
         ckpt.save(step, state, zstep, data_state=data_state,
-                  meta={"step": step, "config": config.to_dict()})
+                  meta={"step": step, "config": config.to_dict(),
+                        "skipped": {"total": watch.skipped, "in_a_row": watch.in_a_row}})
 
     writer = MetricsWriter(run.path if run else None, tensorboard=config.logging.tensorboard)
     progress = _Progress(steps, config.logging.progress and jax.process_index() == 0)
@@ -240,6 +241,9 @@ def _tralocksteps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Ru
     tokens_per_step = config.data.batch_size * config.data.seq_len
     watch = FiniteWatch(config.train.on_nonfinite, max_skips=config.train.max_skips,
                         lockstep=jax.process_count() > 1)
+    if restored is not None:  # the skip counts go on where the checkpoint left them
+        skipped = (meta or {}).get("skipped") or {}
+        watch.skipped, watch.in_a_row = skipped.get("total", 0), skipped.get("in_a_row", 0)
     history: list[dict] = []
     t0, done, saved = time.perf_counter(), 0, start if restored is not None else None
     batch = first
