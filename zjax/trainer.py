@@ -180,13 +180,13 @@ def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) 
             raise ConfigError(  # said before compiling anything
                 f"train.steps: the run in {str(run_dir)!r} is already at step "
                 f"{ckpt.steps()[-1]}; set train.steps above it to train further")
-        return _tralocksteps(loop, config, ckpt, run, info)
+        return _train_steps(loop, config, ckpt, run, info)
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def _tralocksteps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: RunDir | None,
+def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: RunDir | None,
                  info) -> TrainResult:
     mesh = make_mesh(config.mesh)
     steps = config.train.steps
