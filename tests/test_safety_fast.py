@@ -230,3 +230,15 @@ def test_an_error_that_is_not_damage_surfaces_and_nothing_moves(tmp_path, monkey
     ckpt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # nothing moved
     assert (tmp_path / "checkpoints" / "1").is_dir()
+
+
+def test_a_duplicated_ctrl_c_is_one_stop_a_later_one_stops_at_once():
+    from zjax._preempt import REPEAT_S, PreemptionGuard
+
+    guard = PreemptionGuard()
+    guard._handle(signal.SIGINT, None)
+    guard._handle(signal.SIGINT, None)  # the same Ctrl-C, forwarded again by zjax launch
+    assert guard.signum == signal.SIGINT
+    guard._first -= REPEAT_S + 1
+    with pytest.raises(KeyboardInterrupt):
+        guard._handle(signal.SIGINT, None)

@@ -14,9 +14,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from types import FrameType
 
 __all__ = ["Preempted", "PreemptionGuard"]
+
+REPEAT_S = 2.0  # a second SIGINT sooner than this after the first is a duplicate
 
 
 class Preempted(Exception):  # a control-flow signal, not an error
@@ -62,14 +65,21 @@ class PreemptionGuard:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._first = 0.0
         self._previous: dict[int, object] = {}
         self._manager = None
         self._fallback = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.signum = signum
+            # a second Ctrl-C stops at once; one a moment after the first is the same Ctrl-C
+            # arriving twice (the terminal signals the whole process group, and `zjax launch`
+            # forwards it to its children again)
+            if now - self._first < REPEAT_S:
+                return
+            raise KeyboardInterrupt
+        self.signum, self._first = signum, now
         if self._manager is not None and signum == signal.SIGINT:
             os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier tells the other processes
 
