@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 
 from zjax._digest import leaf_name, tree_digests
 from zjax._schema import non_negative, positive, validate
-from zjax.errors import CheckpointError, DamagedCheckpoint, is_damage
+from zjax.errors import CheckpointError, DamagedCheckpoint, first_line, is_damage
 from zjax.offload import to_device
 from zjax.step import TrainState, ZeroStep
 
@@ -97,10 +97,6 @@ def _flat_config(config: dict | None, sections=("loop", "model", "optimizer")) -
         elif value is not None:
             out[name] = value
     return out
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0][:300] if str(e) else ""
 
 
 def _any_process(flag: bool) -> bool:
@@ -194,7 +190,7 @@ class Checkpointer:
             if not is_damage(e):
                 raise
             raise DamagedCheckpoint(f"step {step}: it cannot be read ({type(e).__name__}: "
-                                    f"{_first_line(e)})") from e
+                                    f"{first_line(e)})") from e
 
     def _verify(self, step: int, out: dict) -> None:
         """Compare what was read with the digests recorded at save time (collective)."""
@@ -308,7 +304,7 @@ class Checkpointer:
         aside = self._move_aside(step)
         log.warning("checkpoint at step %d in %s is damaged (%s); moved it to %s and falling "
                     "back to the previous one", step, self.directory,
-                    f"{type(why).__name__}: {_first_line(why)}" if isinstance(why, Exception)
+                    f"{type(why).__name__}: {first_line(why)}" if isinstance(why, Exception)
                     else why, aside)
 
     def _move_aside(self, step: int) -> Path:

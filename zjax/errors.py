@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 
 __all__ = ["CheckpointError", "ConfigError", "DamagedCheckpoint", "NonFiniteError",
-           "NotGatheredError", "ZjaxError", "did_you_mean", "is_damage"]
+           "NotGatheredError", "ZjaxError", "did_you_mean", "first_line", "is_damage"]
 
 
 class ZjaxError(Exception):
@@ -28,6 +28,11 @@ class CheckpointError(ZjaxError, OSError):
 
 class NotGatheredError(ZjaxError, ValueError):
     """A model used a sharded parameter without gathering it first."""
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of ``e``'s message, at most ``limit`` characters ("" if it has none)."""
+    return str(e).splitlines()[0][:limit] if str(e).strip() else ""
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:

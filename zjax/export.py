@@ -31,7 +31,14 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import v1 as ocp_v1
 
 from zjax._digest import array_digest, recorded_digests
-from zjax.errors import CheckpointError, ConfigError, DamagedCheckpoint, did_you_mean, is_damage
+from zjax.errors import (
+    CheckpointError,
+    ConfigError,
+    DamagedCheckpoint,
+    did_you_mean,
+    first_line,
+    is_damage,
+)
 from zjax.partition.config import resolve_dtype
 
 __all__ = ["FORMATS", "export"]
@@ -83,15 +90,11 @@ def _param_leaves(state_dir: Path) -> list[tuple[tuple[str, ...], tuple[int, ...
         if not is_damage(e):
             raise
         raise DamagedCheckpoint(
-            f"metadata unreadable: {type(e).__name__}: {_first_line(e)}") from None
+            f"metadata unreadable: {type(e).__name__}: {first_line(e)}") from None
     if params is None:
         raise DamagedCheckpoint("its metadata lists no params")
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     return [(tuple(str(k.key) for k in path), tuple(m.shape)) for path, m in flat]
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else ""
 
 
 def _verify_leaf(state_dir: Path, keys: tuple[str, ...], leaf: np.ndarray) -> None:
@@ -137,7 +140,7 @@ def _read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype) -
     except Exception as e:  # what Orbax/Tensorstore raise on bad data is damage; else a bug
         if not is_damage(e):
             raise
-        raise DamagedCheckpoint(f"leaf {name}: {type(e).__name__}: {_first_line(e)}") from None
+        raise DamagedCheckpoint(f"leaf {name}: {type(e).__name__}: {first_line(e)}") from None
     return out.astype(dtype, copy=False)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from zjax._schema import short
 from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
-from zjax.errors import ConfigError, did_you_mean
+from zjax.errors import ConfigError, did_you_mean, first_line
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.trainable import Trainable, from_nnx
 
@@ -86,10 +86,6 @@ class LanguageModel:
 BUILTIN_LOOPS = {"lm": LanguageModel}
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0]
-
-
 def resolve_loop(name: str) -> Loop:
     """``lm`` or ``package.module:Name`` -> a Loop instance.
 
@@ -111,8 +107,8 @@ def resolve_loop(name: str) -> Loop:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises on import: one line
-        raise ConfigError(f"loop: cannot import module {module_name!r} ({_first_line(e)})"
-                          ) from None
+        why = first_line(e) or type(e).__name__
+        raise ConfigError(f"loop: cannot import module {module_name!r} ({why})") from None
     try:
         cls = getattr(module, attr)
     except AttributeError:
@@ -129,7 +125,8 @@ def resolve_loop(name: str) -> Loop:
         try:
             loop = cls()
         except Exception as e:  # a user's constructor: one line, naming the key
-            raise ConfigError(f"loop: {short(name)}() failed: {_first_line(e)}") from None
+            why = first_line(e) or type(e).__name__
+            raise ConfigError(f"loop: {short(name)}() failed: {why}") from None
     else:
         loop = cls
     if not isinstance(loop, Loop) or not dataclasses.is_dataclass(loop.model_config):
