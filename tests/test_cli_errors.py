@@ -163,12 +163,10 @@ def test_export_checks_checksums_and_surfaces_what_is_not_damage(run, tmp_path, 
                                                                  warnings_):
     flipped = tmp_path / "run"
     shutil.copytree(run, flipped)
-    for data in (flipped / "checkpoints" / "2" / "state").rglob("ocdbt.process_*/d/*"):
-        if data.stat().st_size > 4096:  # array data, not the small b-tree nodes
-            raw = bytearray(data.read_bytes())
-            for i in range(1, 8):
-                raw[len(raw) * i // 8] ^= 0x08
-            data.write_bytes(bytes(raw))
+    # step 2's arrays replaced by step 1's: readable, but not the values step 2 recorded (bit
+    # flips in the zstd-compressed chunks may instead fail to decompress, depending on the layout)
+    shutil.rmtree(flipped / "checkpoints" / "2" / "state")
+    shutil.copytree(run / "checkpoints" / "1" / "state", flipped / "checkpoints" / "2" / "state")
     out = export(flipped, tmp_path / "v.safetensors", dtype="float32", format="safetensors")
     assert any("step 2" in w and "checksum mismatch" in w and "falling back to step 1" in w
                for w in warnings_), warnings_

@@ -232,6 +232,30 @@ def test_an_error_that_is_not_damage_surfaces_and_nothing_moves(tmp_path, monkey
     assert (tmp_path / "checkpoints" / "1").is_dir()
 
 
+def test_values_other_than_recorded_are_damage_and_the_previous_step_restores(tmp_path, caplog):
+    import shutil
+
+    from zjax.checkpoint import CheckpointConfig, Checkpointer
+
+    init, loss = _trainable()
+    zstep = zjax.make_step(zjax.from_pytree(init, loss), optax.adam(1e-2), mesh=zjax.make_mesh(),
+                           zero=ZeroConfig(stage=3, param_persistence_threshold=0))
+    ckpt = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(asynchronous=False))
+    ckpt.save(1, zstep.init(jax.random.key(0)), zstep)
+    ckpt.save(2, zstep.init(jax.random.key(1)), zstep)
+    ckpt.wait()
+    # step 2's files replaced by step 1's: all readable, none of them the values step 2 wrote
+    ckpts = tmp_path / "checkpoints"
+    shutil.rmtree(ckpts / "2" / "state")
+    shutil.copytree(ckpts / "1" / "state", ckpts / "2" / "state")
+    with caplog.at_level("WARNING"):
+        restored = ckpt.restore_latest(zstep)
+    ckpt.close()
+    assert restored is not None and restored[0] == 1
+    assert "step 2: leaf " in caplog.text and "(checksum mismatch)" in caplog.text, caplog.text
+    assert (tmp_path / "damaged-checkpoint-2").is_dir()
+
+
 def test_a_duplicated_ctrl_c_is_one_stop_a_later_one_stops_at_once():
     from zjax._preempt import REPEAT_S, PreemptionGuard
 
