@@ -10,8 +10,9 @@ import difflib
 import json
 from collections.abc import Iterable
 
-__all__ = ["CheckpointError", "ConfigError", "DamagedCheckpoint", "NonFiniteError",
-           "NotGatheredError", "ZjaxError", "did_you_mean", "first_line", "is_damage"]
+__all__ = ["CheckpointError", "ConfigError", "DamagedCheckpoint", "GatherFallbackWarning",
+           "NonFiniteError", "NotGatheredError", "ZjaxError", "did_you_mean", "first_line",
+           "is_damage"]
 
 
 class ZjaxError(Exception):
@@ -28,6 +29,11 @@ class CheckpointError(ZjaxError, OSError):
 
 class NotGatheredError(ZjaxError, ValueError):
     """A model used a sharded parameter without gathering it first."""
+
+
+class GatherFallbackWarning(UserWarning):
+    """ZeRO-3 could not schedule a model's gathers layer by layer: it gathers them all at once
+    (correct, but the whole model is materialised on every device)."""
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:

@@ -4,8 +4,10 @@ Two ways in:
 
 - :func:`from_nnx`: an NNX model (its ``Stack`` layers run through the scheduled layer scan at
   stage 3; every other sharded leaf is gathered on access where the model is merged).
-- :func:`from_pytree`: any params pytree plus a pure loss (a Flax Linen module, a third-party
-  Flax model): every sharded leaf is gathered on access, no change to the model's code.
+- :func:`from_pytree`: any params pytree plus a pure loss (plain JAX, Flax Linen, Equinox, a
+  third-party Flax model), no change to the model's code: at stage 3 the gather-on-use
+  transform (:mod:`zjax.partition.transform`) gathers each layer where it is used, its scans
+  over stacked layers run as scheduled loops.
 
 A loss returns ``(sum of per-example losses, count)``; zjax divides by the global count so the
 sharded run equals the single-device one.
@@ -24,9 +26,10 @@ from flax import nnx
 
 from zjax.errors import NotGatheredError
 from zjax.nn import Stack, bind_runners, iter_stacks
-from zjax.partition.gather import REMAT_POLICY, gather_on_access, gather_tree, join_gathers
+from zjax.partition.gather import REMAT_POLICY, gather_tree, join_gathers
 from zjax.partition.plan import ShardPlan, path_str
 from zjax.partition.schedule import ScheduleSpec, scheduled_scan
+from zjax.partition.transform import LeafSpec, gather_on_use
 
 __all__ = ["Trainable", "from_nnx", "from_pytree"]
 
@@ -103,18 +106,27 @@ def from_pytree(
 ) -> Trainable:
     """Train any params pytree with a pure ``loss_fn(params, batch) -> (sum, count)``.
 
-    At stage 3 every sharded leaf is gathered once on access (re-gathered in backward) and its
-    gradient reduce-scattered; a leaf used several times has its gradients summed first.
-    ``logical_axes`` names a leaf's dimensions by path for tensor parallelism (the loss then
-    computes on local slices, see :mod:`zjax.nn.tensor_parallel`).
+    At stage 3 the loss runs through :func:`zjax.partition.transform.gather_on_use`: a scan
+    over stacked params gathers each iteration's layer inside the loop (prefetching
+    ``zero.prefetch_layers`` ahead), unrolled layers (named by the first numbered component of
+    their paths, ``h/3/...``) are gathered per segment and gathered again in the backward, a
+    leaf used in several layers (tied embeddings) is gathered once and its gradients summed
+    before one reduce-scatter. A loss with no layer structure trains whole, with a
+    :class:`~zjax.errors.GatherFallbackWarning`. ``logical_axes`` names a leaf's dimensions by
+    path for tensor parallelism (the loss then computes on local slices, see
+    :mod:`zjax.nn.tensor_parallel`).
     """
 
     def loss(params, batch, plan: ShardPlan):
         if plan.zero.stage < 3:
             return loss_fn(params, batch)
 
-        run = gather_on_access(loss_fn, plan.dims, join=plan.join_gathers, **_zero_args(plan))
-        return _shape_guard(run, plan)(params, batch)
+        def prefetch(layer_elements: int, n_layers: int) -> int:
+            return plan.zero.prefetch_depth(layer_elements=layer_elements, n_layers=n_layers)
+
+        run = gather_on_use(loss_fn, [LeafSpec(leaf.path, leaf.dim) for leaf in plan.leaves],
+                            prefetch=prefetch, join=plan.join_gathers, **_zero_args(plan))
+        return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     return Trainable(init=init, loss=loss, logical_axes=logical_axes)
 

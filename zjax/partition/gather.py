@@ -211,9 +211,12 @@ def gather_tree(
                       scatter_via_all_reduce=scatter_via_all_reduce)
 
     leaves, treedef = jax.tree.flatten(shards)
-    dim_leaves = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
-    if len(dim_leaves) != len(leaves):
-        raise ValueError(f"dims has {len(dim_leaves)} leaves, params have {len(leaves)}")
+    # up to the params' structure: a None *entry* of the params (Equinox's filtered models) is
+    # an empty subtree there and a None in ``dims``, where None also marks a replicated leaf
+    try:
+        dim_leaves = treedef.flatten_up_to(dims)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"dims do not have the structure of the params: {e}") from None
     out = [one(x, d) for x, d in zip(leaves, dim_leaves, strict=True)]
     if join:
         out = join_gathers(out, [d is not None for d in dim_leaves])

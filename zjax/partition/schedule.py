@@ -41,7 +41,7 @@ from zjax.partition.gather import all_gather, reduce_scatter
 
 LAYER_INPUTS = "zjax_layer_inputs"
 
-__all__ = ["ScheduleSpec", "scheduled_scan"]
+__all__ = ["ScheduleSpec", "scheduled_loop", "scheduled_scan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,29 @@ def _slice(leaf, i):
     return lax.dynamic_index_in_dim(leaf, i, 0, keepdims=False)
 
 
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _cotangent(x, ct):
+    """``ct`` as ``jax.vjp`` wants it for primal ``x``: float0 zeros for integer values."""
+    if not _is_float(x):
+        return np.zeros(np.shape(x), jax.dtypes.float0)
+    return jnp.zeros_like(x) if ct is None or getattr(ct, "dtype", None) == jax.dtypes.float0 \
+        else ct
+
+
+def _float_or_none(ct, x):
+    return ct if _is_float(x) else None
+
+
+def _refill(like: Any, float_cts: list) -> Any:
+    """Cotangents shaped like ``like``: ``float_cts`` in order for its float leaves, None for
+    the others (a custom_vjp's zero cotangent)."""
+    it = iter(float_cts)
+    return jax.tree.map(lambda x: next(it) if _is_float(x) else None, like)
+
+
 def scheduled_scan(
     layer_fn: Callable[[Any, jax.Array], jax.Array],
     stacked_params: Any,
@@ -93,12 +116,43 @@ def scheduled_scan(
       The output of layer L-1. Differentiable: cotangents of sharded leaves come back
       reduce-scattered over ``spec.axis_name`` in each leaf's own dtype.
     """
-    leaves, treedef = jax.tree.flatten(stacked_params)
-    if len(leaves) != len(spec.dims):
-        raise ValueError(f"spec has {len(spec.dims)} dims for {len(leaves)} stacked leaves")
-    if not leaves:
+    def body(params, consts, h, xs):
+        return layer_fn(params, h), None
+
+    return scheduled_loop(body, stacked_params, (), x, None, spec=spec)[0]
+
+
+def scheduled_loop(
+    body: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
+    stacked_params: Any,
+    consts: Any,
+    carry: Any,
+    xs: Any,
+    *,
+    spec: ScheduleSpec,
+) -> tuple[Any, Any]:
+    """A ``lax.scan`` over L layers whose params are stacked shards (inside ``shard_map``).
+
+    The general form of :func:`scheduled_scan`, for any scan body (the gather-on-use transform
+    rewrites a model's own layer scans into it).
+
+    Args:
+      body: ``body(params_i, consts, carry, xs_i) -> (carry, ys_i)``; pure.
+      stacked_params: pytree of local shards with leading layer dimension L.
+      consts: values every iteration reads (gradients are summed over the iterations).
+      carry: the initial carry.
+      xs: per-iteration inputs with leading dimension L (or None).
+      spec: leaf layout, dtypes and prefetch depth.
+
+    Returns:
+      ``(carry, ys)`` as ``lax.scan`` returns them.
+    """
+    leaves_in, treedef = jax.tree.flatten(stacked_params)
+    if len(leaves_in) != len(spec.dims):
+        raise ValueError(f"spec has {len(spec.dims)} dims for {len(leaves_in)} stacked leaves")
+    if not leaves_in:
         raise ValueError("scheduled_scan needs at least one stacked leaf")
-    n_layers = leaves[0].shape[0]
+    n_layers = leaves_in[0].shape[0]
     k = min(spec.prefetch, n_layers)
     gather_dtype = np.dtype(spec.gather_dtype)
     reduce_dtype = np.dtype(spec.reduce_dtype)
@@ -119,8 +173,8 @@ def scheduled_scan(
             out.append(w)
         return tuple(out)
 
-    def apply(ws, h):
-        return layer_fn(jax.tree.unflatten(treedef, list(ws)), h)
+    def apply(ws, consts, h, x_i):
+        return body(jax.tree.unflatten(treedef, list(ws)), consts, h, x_i)
 
     def prefetch_index(j):
         """The layer the forward gathers for position ``j``: past the end, the layers the
@@ -128,67 +182,101 @@ def scheduled_scan(
         backward's first weights."""
         return jnp.where(j < n_layers, j, 2 * n_layers - 1 - j)
 
-    def forward(leaves, x, *, save: bool):
+    def forward(leaves, consts, carry, xs, *, save: bool):
         buf = tuple(gather_layer(leaves, j) for j in range(k))
 
-        def body(carry, i):
-            h, buf = carry
+        def step(c, inp):
+            h, buf = c
+            i, x_i = inp
             if k:
                 ws, buf = buf[0], (*buf[1:], gather_layer(leaves, prefetch_index(i + k)))
             else:
                 ws = gather_layer(leaves, i)
-            return (apply(ws, h), buf), h if save else None
+            h_next, y = apply(ws, consts, h, x_i)
+            return (h_next, buf), (y, h if save else None)
 
         # the layer inputs leave the loop as its stacked outputs: a buffer threaded through the
         # carry instead is stacked once per iteration when an outer jax.checkpoint
         # partial-evaluates this loop (memory quadratic in L)
-        (h, buf), xs = lax.scan(body, (x, buf), jnp.arange(n_layers))
-        return h, (xs, buf)
+        (h, buf), (ys, hs) = lax.scan(step, (carry, buf), (jnp.arange(n_layers), xs))
+        return (h, ys), (hs, buf)
+
+    # static avals: the backward needs dtypes and shapes, not the values (saving the initial
+    # carry would keep one more activation alive)
+    carry_avals = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)), carry)
 
     @jax.custom_vjp
-    def run(leaves, x):
-        return forward(leaves, x, save=False)[0]
+    def run(leaves, consts, carry, xs):
+        return forward(leaves, consts, carry, xs, save=False)[0]
 
-    def run_fwd(leaves, x):
-        y, saved = forward(leaves, x, save=True)
+    def run_fwd(leaves, consts, carry, xs):
+        out, saved = forward(leaves, consts, carry, xs, save=True)
         # named, so an enclosing jax.checkpoint keeps them rather than recomputing the loop
         saved = jax.tree.map(lambda v: checkpoint_name(v, LAYER_INPUTS), saved)
-        return y, (leaves, saved)
+        return out, (leaves, consts, xs, saved)
 
-    def run_bwd(res, dy):
-        leaves, (xs, buf) = res
+    def run_bwd(res, cts):
+        leaves, consts, xs, (hs, buf) = res
+        dy, dys = cts
+        dy = jax.tree.map(_cotangent, carry_avals, dy)
+        # integer outputs' cotangents (float0) as float placeholders that slice like the rest
+        dys = jax.tree.map(lambda d: jnp.zeros(d.shape, jnp.float32)
+                           if d.dtype == jax.dtypes.float0 else d, dys)
         # tie the backward gathers to the cotangent: XLA can neither hoist them into the
         # forward pass nor merge them (CSE) with the forward's gathers of the same layers
         leaves, dy = lax.optimization_barrier((leaves, dy))
+        float_consts = [_is_float(c) for c in jax.tree.leaves(consts)]
 
-        def layer_vjp(ws, i, x_i, dy, grads):
-            _, vjp = jax.vjp(apply, ws, x_i)
-            dws, dx = vjp(dy)
-            new = []
-            for g, dw, dim, leaf in zip(grads, dws, spec.dims, leaves, strict=True):
+        def layer_vjp(ws, h_i, dy, x_i, dy_i, dconsts):
+            """The layer's carry cotangent, its weights' gradient shards, its xs cotangent."""
+            out, vjp = jax.vjp(apply, ws, consts, h_i, x_i)
+            dy_i = jax.tree.map(_cotangent, out[1], dy_i)
+            dws, dc, dh, dx_i = vjp((jax.tree.map(_cotangent, out[0], dy), dy_i))
+            dc = [d for d, f in zip(jax.tree.leaves(dc), float_consts, strict=True) if f]
+            dconsts = [acc + d for acc, d in zip(dconsts, dc, strict=True)]
+            shards = []
+            for dw, dim, leaf in zip(dws, spec.dims, leaves, strict=True):
                 if dim is not None:
                     dw = reduce_scatter(dw.astype(reduce_dtype), spec.axis_name, dim=dim - 1,
                                         via_all_reduce=spec.scatter_via_all_reduce)
-                new.append(lax.dynamic_update_index_in_dim(g, to_home(dw.astype(leaf.dtype)), i, 0))
-            return dx, tuple(new)
+                shards.append(dw.astype(leaf.dtype))
+            return dh, tuple(shards), dx_i, dconsts
 
         grads = tuple(to_home(jnp.zeros(leaf.shape, leaf.dtype)) for leaf in leaves)
+        dconsts = [jnp.zeros_like(c) for c in jax.tree.leaves(consts) if _is_float(c)]
+        xs_leaves = jax.tree.leaves(xs)
+        dxs = [jnp.zeros_like(x) for x in xs_leaves if _is_float(x)]
 
-        def body(carry, t):
-            dy, buf, grads = carry
+        def step(c, t):
+            dy, buf, grads, dconsts, dxs = c
             i = n_layers - 1 - t
             if k:  # the buffer starts with the forward's last prefetches: layers L-1 .. L-k
                 # past layer 0 (the last k iterations) the prefetch re-gathers layer 0, unused
                 ws, buf = buf[0], (*buf[1:], gather_layer(leaves, jnp.maximum(i - k, 0)))
             else:
                 ws = gather_layer(leaves, i)
-            dy, grads = layer_vjp(ws, i, _slice(xs, i), dy, grads)
-            return (dy, buf, grads), None
 
-        (dy, buf, grads), _ = lax.scan(body, (dy, buf, grads), jnp.arange(n_layers))
-        return grads, dy
+            def at_i(tree):
+                return jax.tree.map(lambda v: _slice(v, i), tree)
+
+            dy, shards, dx_i, dconsts = layer_vjp(ws, at_i(hs), dy, at_i(xs), at_i(dys),
+                                                  dconsts)
+            grads = tuple(lax.dynamic_update_index_in_dim(g, to_home(s), i, 0)
+                          for g, s in zip(grads, shards, strict=True))
+            float_dx = [d for d, x in zip(jax.tree.leaves(dx_i), xs_leaves, strict=True)
+                        if _is_float(x)]
+            dxs = [lax.dynamic_update_index_in_dim(acc, d, i, 0)
+                   for acc, d in zip(dxs, float_dx, strict=True)]
+            return (dy, buf, grads, dconsts, dxs), None
+
+        (dy, buf, grads, dconsts, dxs), _ = lax.scan(
+            step, (dy, buf, grads, dconsts, dxs), jnp.arange(n_layers))
+        return (grads, _refill(consts, dconsts), jax.tree.map(_float_or_none, dy, carry_avals),
+                _refill(xs, dxs))
 
     run.defvjp(run_fwd, run_bwd)
     # named: an enclosing jax.checkpoint (the loss's, which re-gathers the non-Stack leaves)
     # saves the stack's output instead of running the forward loop again to rebuild it
-    return checkpoint_name(run(tuple(leaves), x), LAYER_INPUTS)
+    out = run(tuple(leaves_in), consts, carry, xs)
+    return jax.tree.map(lambda v: checkpoint_name(v, LAYER_INPUTS), out)

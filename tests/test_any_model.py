@@ -1,0 +1,153 @@
+"""ZeRO-3 for models zjax does not own: the gather-on-use transform (zjax.partition.transform).
+
+Each model of ``any_models`` (plain JAX, Flax Linen, Equinox; unrolled loops and scans over
+stacked layers) trains at stage 3 exactly as single-device optax does, gathers every weight
+exactly twice per step, and holds a bounded number of gathered layers whatever its depth.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from any_models import MODELS, jax_flat
+from helpers import FP32, assert_trees_close, reference_run
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import token_batches
+
+import zjax
+from zjax.errors import GatherFallbackWarning
+from zjax.hlo import collective_bytes, unordered_collectives
+from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+from zjax.partition import ZeroConfig
+from zjax.partition.gather import gather_tree
+from zjax.partition.transform import layer_of
+
+TX = optax.adam(3e-3, eps=1e-5)
+SCANNED = {"jax_scan", "linen_scan", "eqx_scan"}
+
+
+def _step(name, *, n_layers=3, d=32, f=128, gather_dtype="float32", micro_batches=1, **zero):
+    init, loss = MODELS[name](n_layers=n_layers, d=d, f=f)
+    zero = ZeroConfig(stage=3, param_persistence_threshold=0, gather_dtype=gather_dtype,
+                      **zero)
+    zstep = zjax.make_step(zjax.from_pytree(init, loss), TX, mesh=zjax.make_mesh(), zero=zero,
+                           micro_batches=micro_batches)
+    return zstep, init, loss
+
+
+def _compiled(zstep, batch=16, seq=8):
+    spec = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32,
+                                sharding=NamedSharding(zjax.make_mesh(), P("data")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GatherFallbackWarning)  # every model here is layered
+        return zstep.lower(spec).compile()
+
+
+def _psi_bytes(init, itemsize: int) -> int:
+    return sum(int(np.prod(x.shape)) for x in
+               jax.tree.leaves(jax.eval_shape(init, jax.random.key(0)))) * itemsize
+
+
+def _train_and_compare(zstep, init, loss, n=5):
+    batches = token_batches(n, batch=16, seq=8)
+    state = zstep.init(jax.random.key(0))
+    for b in batches:
+        state, _ = zstep.step(state, zstep.put_batch(b))
+    ref_params, ref_opt, _ = reference_run(init, loss, TX, batches)
+    params = state.master if state.master is not None else state.params
+    assert_trees_close(params, ref_params, **FP32, what="params")
+    assert_trees_close(state.opt_state, ref_opt, **FP32, what="opt_state")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_stage3_equals_single_device_optax(name):
+    _train_and_compare(*_step(name, prefetch_layers=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "prefetch"), [
+    ("jax_loop", 2), ("linen_loop", 0), ("jax_scan", 0), ("linen_scan", 2), ("eqx_scan", 0),
+    ("eqx_scan", 2)])
+def test_stage3_equals_optax_at_other_prefetch_depths(name, prefetch):
+    _train_and_compare(*_step(name, n_layers=4, prefetch_layers=prefetch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["jax_loop", "eqx_scan"])
+def test_with_gradient_accumulation_and_offload(name):
+    _train_and_compare(*_step(name, micro_batches=2))
+    _train_and_compare(*_step(name, offload_optimizer=OptimizerOffloadConfig(device="host"),
+                              offload_param=OffloadConfig(device="host")))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_weight_is_gathered_twice_and_reduced_once(name):
+    """bf16 gathers, fp32 reduce; a scan at prefetch k gathers k layers more (the drain)."""
+    n_layers, k = 4, 1
+    zstep, init, _ = _step(name, n_layers=n_layers, gather_dtype="bfloat16", prefetch_layers=k)
+    text = _compiled(zstep).as_text()
+    coll = collective_bytes(text)
+    psi = _psi_bytes(init, 1)
+    stacked = sum(int(np.prod(x.shape)) for path, x in jax.tree_util.tree_flatten_with_path(
+        jax.eval_shape(init, jax.random.key(0)))[0] if _is_stacked(name, path))
+    drain = k * stacked // n_layers if name in SCANNED else 0
+    assert coll.all_gather == pytest.approx((2 * psi + drain) * 2, rel=0.02)
+    assert coll.reduce_scatter == pytest.approx(psi * 4, rel=0.02)
+    assert not unordered_collectives(text)  # XLA:CPU: no two collectives can collide
+
+
+def _is_stacked(name, path) -> bool:
+    keys = jax.tree_util.keystr(path, simple=True, separator="/")
+    return name in SCANNED and ("stack" in keys or "blocks" in keys)
+
+
+def test_a_model_without_layers_trains_whole_with_a_warning():
+    init, loss = jax_flat()
+    zstep = zjax.make_step(zjax.from_pytree(init, loss), TX, mesh=zjax.make_mesh(),
+                           zero=ZeroConfig(stage=3, param_persistence_threshold=0,
+                                           gather_dtype="float32"))
+    with pytest.warns(GatherFallbackWarning, match="no layer structure"):
+        _train_and_compare(zstep, init, loss, n=3)
+
+
+def test_a_program_the_transform_cannot_rewrite_falls_back_with_the_cause(monkeypatch):
+    from zjax.partition import transform
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("a primitive it does not know")
+
+    monkeypatch.setattr(transform, "_execute", broken)
+    zstep, init, loss = _step("jax_loop")
+    with pytest.warns(GatherFallbackWarning, match="NotImplementedError: a primitive it does"):
+        _train_and_compare(zstep, init, loss, n=2)
+
+
+def test_gather_tree_with_none_entries():
+    """Equinox's filtered params have None entries; dims mark them None too."""
+    params = {"w": jnp.ones((8, 4)), "act": None, "b": jnp.ones((4,))}
+    dims = {"w": 0, "act": None, "b": None}
+
+    def local(shards):
+        return gather_tree(shards, dims, axis_name="data")
+
+    mesh = zjax.make_mesh()
+    out = jax.shard_map(local, mesh=mesh, in_specs=({"w": P("data"), "act": None, "b": P()},),
+                        out_specs={"w": P(), "act": None, "b": P()}, check_vma=False)(params)
+    assert out["act"] is None and out["w"].shape == (8, 4)
+
+
+@pytest.mark.parametrize(("path", "layer"), [
+    ("transformer/h/3/attn/c_attn/kernel", "transformer/h/3"),
+    ("layers_12/Dense_0/kernel", "12"),
+    ("ln0/scale", "0"), ("up0/kernel", "0"),
+    ("blocks/Dense_0/kernel", "blocks/0"),
+    ("embed/embedding", "embed/embedding"),
+])
+def test_layers_are_named_by_the_first_numbered_path_component(path, layer):
+    assert layer_of(path) == layer

@@ -1,0 +1,532 @@
+"""Gather on use: ZeRO-3 for any JAX loss, scheduled layer by layer.
+
+:func:`gather_on_use` traces ``loss(params, *args)`` with the params at their gathered shapes
+(``jax.make_jaxpr``), inlines the calls that only group code (``jit``, ``closed_call``,
+``checkpoint``) and rewrites the program so that no device holds more than a few layers of
+gathered weights:
+
+- **Layer scans.** A ``scan`` whose per-iteration inputs (``xs``) include stacked parameter
+  leaves (``lax.scan``, Flax ``nn.scan``, an Equinox filtered scan) runs as
+  :func:`~zjax.partition.schedule.scheduled_loop`: each iteration's slice gathered inside the
+  loop with the stack's prefetch depth, re-gathered in the backward, its gradient
+  reduce-scattered at once.
+- **Unrolled layers.** The rest of the program is cut into segments at the first use of each
+  layer's parameters; the layer is the leaf path up to its first numbered component
+  (``h/3/attn/c_attn/kernel`` -> ``h/3``, ``layers_3/Dense_0/kernel`` -> ``layers_3``). Each
+  segment gathers the leaves only it uses and runs under ``jax.checkpoint`` with nothing saved
+  but its inputs, so the backward re-gathers one segment at a time.
+- **Shared leaves.** A leaf used in several segments (tied embeddings) is gathered once for
+  the whole loss, so its gradients are summed before one reduce-scatter.
+- **Views.** Casts, reshapes and transposes of a leaf (``jax.tree.map(lambda p:
+  p.astype(bf16), params)`` at the top of a model) are deferred to where their result is used,
+  so they do not make every leaf's first use the program's first line.
+
+A slice of a stacked leaf taken outside a scan (a Python loop indexing ``stacked[i]``) is a
+use of the whole leaf in every segment that takes one: it is gathered whole, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zjax.errors import GatherFallbackWarning, first_line
+from zjax.partition.gather import gather, join_gathers
+from zjax.partition.schedule import ScheduleSpec, scheduled_loop
+
+__all__ = ["LeafSpec", "gather_on_use", "layer_of"]
+
+# call primitives whose body is inlined: they group code and change nothing else (a user's
+# checkpoint is subsumed by the per-segment one)
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"})
+# one-input ops on a parameter whose result is still "the parameter" for scheduling
+_VIEWS = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims",
+                    "broadcast_in_dim", "copy", "copy_p", "reduce_precision",
+                    "bitcast_convert_type"})
+_NUMBER = re.compile(r"(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """One flattened parameter leaf as the transform sees it.
+
+    Attributes:
+      path: its pytree path (``a/0/b``): names the layer it belongs to.
+      dim: its sharded dimension, or None (replicated: only cast).
+    """
+
+    path: str
+    dim: int | None
+
+
+def layer_of(path: str) -> str:
+    """The layer a leaf belongs to: its path up to the first component that ends in a number,
+    that number standing for the component (``h/3/mlp/w`` -> ``h/3``; ``ln0/scale`` and
+    ``up0/kernel`` -> ``0``: siblings named by layer number are one layer)."""
+    parts = path.split("/")
+    for n, part in enumerate(parts):
+        m = _NUMBER.search(part)
+        if m:
+            return "/".join([*parts[:n], m.group(1)])
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lit:
+    """A literal or constant operand."""
+
+    val: Any
+
+
+@dataclasses.dataclass
+class _Op:
+    eqn: Any  # jax JaxprEqn: its primitive and params
+    ins: list  # keys (hashable) or _Lit
+    outs: list  # keys, None for a dropped output
+
+
+def _flatten(jaxpr, consts, ins, ops: list, ids) -> list:
+    """Append ``jaxpr``'s equations to ``ops`` with inlined calls; return its output atoms.
+
+    Every value gets a key of its own, ``next(ids)`` (an inlined body called twice defines
+    its variables twice)."""
+    env: dict = {}
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = _Lit(c)
+    for v, a in zip(jaxpr.invars, ins, strict=True):
+        env[v] = a
+
+    def atom(x):
+        return _Lit(x.val) if isinstance(x, jcore.Literal) else env[x]
+
+    for eqn in jaxpr.eqns:
+        args = [atom(x) for x in eqn.invars]
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if eqn.primitive.name in _INLINE and inner is not None:
+            if isinstance(inner, jcore.ClosedJaxpr):
+                outs = _flatten(inner.jaxpr, inner.consts, args, ops, ids)
+            else:
+                outs = _flatten(inner, [], args, ops, ids)
+            for v, a in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = a
+            continue
+        keys = [None if isinstance(v, jcore.DropVar) else next(ids) for v in eqn.outvars]
+        for v, k in zip(eqn.outvars, keys, strict=True):
+            if k is not None:
+                env[v] = k
+        ops.append(_Op(eqn, args, keys))
+    return [atom(x) for x in jaxpr.outvars]
+
+
+def _bind(eqn, invals: list) -> list:
+    """Run one equation on ``invals`` (as ``jax.core.eval_jaxpr`` does)."""
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@dataclasses.dataclass
+class _Segment:
+    kind: str  # "plain" or "scan"
+    ops: list = dataclasses.field(default_factory=list)
+    layers: set = dataclasses.field(default_factory=set)
+    leaves: set = dataclasses.field(default_factory=set)  # sharded leaves it uses
+    stacked: tuple = ()  # scan: (xs position, leaf) of the leaves the schedule slices
+
+
+@dataclasses.dataclass
+class _Program:
+    ops: list
+    outs: list
+    param_keys: list
+    arg_keys: list
+    views: dict  # key -> the op that makes it
+    root: dict  # key -> leaf index (the leaf itself or a view of it)
+    segments: list
+    shared: list  # sharded leaves gathered once for the whole loss
+
+
+def _scan_split(op: _Op) -> tuple[int, int]:
+    return op.eqn.params["num_consts"], op.eqn.params["num_carry"]
+
+
+def _analyse(closed, leaves: Sequence[LeafSpec]) -> _Program:
+    ops: list = []
+    n = len(leaves)
+    top = closed.jaxpr
+    ids = itertools.count()
+    in_keys = [next(ids) for _ in top.invars]
+    outs = _flatten(top, closed.consts, in_keys, ops, ids)
+    root = {in_keys[i]: i for i in range(n)}
+    views: dict = {}
+    for op in ops:  # a view of one leaf is that leaf, for scheduling
+        keys = [a for a in op.ins if not isinstance(a, _Lit)]
+        if (op.eqn.primitive.name in _VIEWS and len(keys) == 1 and keys[0] in root
+                and len(op.outs) == 1 and op.outs[0] is not None):
+            root[op.outs[0]] = root[keys[0]]
+            views[op.outs[0]] = op
+    units = [op for op in ops if not (op.outs and op.outs[0] in views)]
+
+    def used(op: _Op) -> set:
+        return {root[a] for a in op.ins if not isinstance(a, _Lit) and a in root}
+
+    uses: dict = {}
+    for op in units:
+        for leaf in used(op):
+            uses[leaf] = uses.get(leaf, 0) + 1
+
+    def scheduled(op: _Op) -> tuple:
+        """(xs position, leaf) pairs a scan can slice per iteration; () if it cannot."""
+        if op.eqn.primitive.name != "scan" or op.eqn.params["reverse"]:
+            return ()
+        start = sum(_scan_split(op))
+        out = []
+        for pos, a in enumerate(op.ins[start:]):
+            leaf = root.get(a) if not isinstance(a, _Lit) else None
+            if leaf is None or leaves[leaf].dim is None:
+                continue
+            chain_ok = a == in_keys[leaf] or _casts_only(a, views, in_keys[leaf])
+            dup = sum(1 for b in op.ins if not isinstance(b, _Lit) and root.get(b) == leaf)
+            if leaves[leaf].dim == 0 or not chain_ok or uses[leaf] > 1 or dup > 1:
+                return ()  # gathered whole: the leaf is not only this loop's per-layer slices
+            out.append((pos, leaf))
+        return tuple(out)
+
+    segments: list[_Segment] = []
+    seen: set = set()
+    current: _Segment | None = None
+    for op in units:
+        stacked = scheduled(op)
+        if stacked:
+            sliced = {leaf for _, leaf in stacked}
+            seg = _Segment("scan", [op], leaves={x for x in used(op) - sliced
+                                                 if leaves[x].dim is not None},
+                           stacked=stacked)
+            segments.append(seg)
+            current = None
+            continue
+        sharded = {x for x in used(op) if leaves[x].dim is not None}
+        new = {layer_of(leaves[x].path) for x in sharded} - seen
+        if current is None or (new and current.layers):
+            current = _Segment("plain")
+            segments.append(current)
+        seen |= new
+        current.layers |= new
+        current.leaves |= sharded
+        current.ops.append(op)
+    count: dict = {}
+    for seg in segments:
+        for leaf in seg.leaves:
+            count[leaf] = count.get(leaf, 0) + 1
+    shared = sorted(leaf for leaf, c in count.items() if c > 1)
+    for seg in segments:
+        seg.leaves -= set(shared)
+    return _Program(ops, outs, in_keys[:n], in_keys[n:], views, root, segments, shared)
+
+
+def _casts_only(key, views: dict, leaf_key) -> bool:
+    while key in views:
+        op = views[key]
+        if op.eqn.primitive.name != "convert_element_type":
+            return False
+        (key,) = [a for a in op.ins if not isinstance(a, _Lit)]
+    return key == leaf_key
+
+
+class _Env:
+    """Values of a program's keys, with views materialised where they are read."""
+
+    def __init__(self, prog: _Program, values: dict, leaf_values: dict):
+        self.prog, self.values, self.leaf_values = prog, dict(values), leaf_values
+
+    def read(self, a):
+        if isinstance(a, _Lit):
+            return a.val
+        if a in self.values:
+            return self.values[a]
+        if a in self.prog.views:
+            op = self.prog.views[a]
+            self.values[a] = _bind(op.eqn, [self.read(x) for x in op.ins])[0]
+            return self.values[a]
+        return self.leaf_values[self.prog.root[a]]  # a leaf (KeyError: not available here)
+
+    def run(self, op: _Op) -> None:
+        for k, v in zip(op.outs, _bind(op.eqn, [self.read(a) for a in op.ins]), strict=True):
+            if k is not None:
+                self.values[k] = v
+
+
+def _needs(op: _Op, prog: _Program) -> set:
+    """Keys ``op`` reads that are neither literals nor leaves or their views."""
+    return {a for a in op.ins if not isinstance(a, _Lit) and a not in prog.root}
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _tie(shards: list, values: list) -> list:
+    """``shards`` through one barrier with the float ``values``: their gathers cannot start
+    before those values exist."""
+    floats = [v for v in values if _is_float(v)]
+    if not shards or not floats:
+        return shards
+    return list(lax.optimization_barrier((list(shards), floats))[0])
+
+
+def gather_on_use(
+    fn: Callable[..., Any],
+    leaves: Sequence[LeafSpec],
+    *,
+    prefetch: Callable[[int, int], int],
+    axis_name: str = "data",
+    gather_dtype=None,
+    reduce_dtype=None,
+    from_host: bool = False,
+    scatter_via_all_reduce: bool = False,
+    join: bool = False,
+) -> Callable[..., Any]:
+    """Wrap ``fn(params, *args)`` to run on shards, each leaf gathered where it is used.
+
+    Args:
+      fn: the loss, written for whole params; pure.
+      leaves: per flattened leaf of ``params`` (``jax.tree.leaves`` order): path and dim.
+      prefetch: ``prefetch(layer_elements, n_layers)``: a layer scan's prefetch depth.
+      axis_name: the mesh axis the shards are spread over.
+      gather_dtype: dtype floating leaves are gathered and computed in.
+      reduce_dtype: dtype gradients are reduce-scattered in.
+      from_host: the shards live in host memory (``zero.offload_param``).
+      scatter_via_all_reduce: reduce-scatter as all-reduce + slice.
+      join: order every segment's gathers after its inputs (XLA:CPU's collectives).
+
+    Returns:
+      ``wrapped(shards, *args)`` (call it inside ``shard_map``; wrap it in
+      ``jax.checkpoint(policy=REMAT_POLICY)`` so the shared leaves are re-gathered for the
+      backward rather than kept).
+    """
+    gather_args = dict(axis_name=axis_name, gather_dtype=gather_dtype,
+                       reduce_dtype=reduce_dtype, from_host=from_host,
+                       scatter_via_all_reduce=scatter_via_all_reduce)
+
+    def gather_leaf(x, leaf: int):
+        return gather(x, dim=leaves[leaf].dim, **gather_args)
+
+    def wrapped(shards, *args):
+        flat, treedef = jax.tree.flatten(shards)
+        if len(flat) != len(leaves):
+            raise ValueError(f"{len(leaves)} leaf specs for {len(flat)} parameter leaves")
+        size = lax.axis_size(axis_name)
+        full = [_gathered_aval(x, spec.dim, size, gather_dtype)
+                for x, spec in zip(flat, leaves, strict=True)]
+        abstract_args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a),
+                                                                    jnp.result_type(a)), args)
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
+            jax.tree.unflatten(treedef, full), *abstract_args)
+        try:
+            prog = _analyse(closed, leaves)
+            _warn_if_flat(prog, leaves)
+            outs = _execute(prog, flat, jax.tree.leaves(args), leaves, gather_leaf, prefetch,
+                            gather_args, join)
+        except Exception as e:  # a program this transform cannot rewrite: correct, unscheduled
+            warnings.warn(GatherFallbackWarning(
+                f"zjax could not schedule the model's gathers ({type(e).__name__}: "
+                f"{first_line(e)}); every parameter is gathered at the start of the loss "
+                "instead"), stacklevel=2)
+            full_params = [gather_leaf(x, i) for i, x in enumerate(flat)]
+            if join:
+                full_params = join_gathers(full_params, [s.dim is not None for s in leaves])
+            return fn(jax.tree.unflatten(treedef, full_params), *args)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return wrapped
+
+
+def _gathered_aval(x, dim: int | None, size: int, gather_dtype) -> jax.ShapeDtypeStruct:
+    shape = list(jnp.shape(x))
+    if dim is not None:
+        shape[dim] *= size
+    dtype = jnp.result_type(x)
+    if gather_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        dtype = np.dtype(gather_dtype)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _warn_if_flat(prog: _Program, leaves: Sequence[LeafSpec]) -> None:
+    """Warn when the loss shows no layers: its memory is then not bounded by a layer."""
+    sharded = [s for s in leaves if s.dim is not None]
+    if len(sharded) < 2 or any(seg.kind == "scan" for seg in prog.segments):
+        return
+    holding = sum(1 for seg in prog.segments if seg.leaves)
+    if holding <= 1:
+        why = f"its {len(sharded)} sharded parameters are all first used in one place"
+    elif all(layer_of(s.path) == s.path for s in sharded):
+        why = (f"no scan runs over stacked parameters and no parameter path names a numbered "
+               f"layer (e.g. {sharded[0].path!r}); its parameters are gathered in "
+               f"{holding} groups, by first use")
+    else:
+        return
+    warnings.warn(GatherFallbackWarning(
+        f"zjax found no layer structure in the loss: {why}. Memory is not bounded by one "
+        "layer's weights"), stacklevel=3)
+
+
+def _execute(prog: _Program, shards: list, args: list, leaves, gather_leaf, prefetch,
+             gather_args: dict, join: bool) -> list:
+    values = dict(zip(prog.arg_keys, args, strict=True))
+    top: dict = {}  # persistent leaves (cast) and shared ones (gathered once)
+    for i, spec in enumerate(leaves):
+        if spec.dim is None:
+            top[i] = gather_leaf(shards[i], i)
+    up_front = list(prog.shared)
+    if join and any(seg.kind == "scan" for seg in prog.segments):
+        # XLA:CPU runs a loop's collectives unordered against those outside it: a segment's
+        # gathers (or its gradients' reduce-scatters) could meet the loop's. As for a Stack
+        # (zjax.trainable.from_nnx), every leaf outside the loops is then gathered up front,
+        # all joined: their cotangents are released together, after the loops' backward.
+        for seg in prog.segments:
+            if seg.kind == "plain":
+                up_front += sorted(seg.leaves)
+                seg.leaves = set()
+    shared = [gather_leaf(shards[i], i) for i in up_front]
+    if join:
+        shared = join_gathers(shared)
+    top.update(zip(up_front, shared, strict=True))
+    # keys each segment must hand on: read later, or returned
+    later: list[set] = [set() for _ in prog.segments]
+    wanted = {a for a in prog.outs if not isinstance(a, _Lit)}
+    for s in range(len(prog.segments) - 1, -1, -1):
+        later[s] = set(wanted)
+        for op in prog.segments[s].ops:
+            wanted |= _needs(op, prog)
+    # a segment's gathers may start once the inputs of the segment ``depth`` before it are
+    # ready (the prefetch window); XLA:CPU needs them after the segment's own inputs
+    plain = [s for s, seg in enumerate(prog.segments) if seg.kind == "plain" and seg.leaves]
+    largest = max((sum(int(np.prod(shards[i].shape)) for i in prog.segments[s].leaves)
+                   for s in plain), default=0)
+    depth = 0 if join or not plain else prefetch(largest * lax.axis_size(
+        gather_args["axis_name"]), len(plain))
+    tie_at: dict = {}
+    for n, s in enumerate(plain):
+        tie_at.setdefault(plain[max(0, n - depth)], []).append(s)
+    tied: dict = {}
+    env = _Env(prog, values, top)
+    for s, seg in enumerate(prog.segments):
+        defined = {k for op in seg.ops for k in op.outs if k is not None}
+        inputs = sorted({k for op in seg.ops for k in _needs(op, prog)} - defined)
+        exports = sorted(defined & later[s])
+        in_vals = [env.read(k) for k in inputs]
+        for t in tie_at.get(s, []):
+            tied[t] = _tie([shards[i] for i in sorted(prog.segments[t].leaves)], in_vals)
+        private = sorted(seg.leaves)
+        if seg.kind == "scan":
+            outs = _run_scan(prog, seg, dict(zip(inputs, in_vals, strict=True)), top,
+                             {i: shards[i] for i in private},
+                             {i: shards[i] for _, i in seg.stacked}, gather_leaf, leaves,
+                             prefetch, gather_args)
+            env.values.update((k, outs[k]) for k in exports)
+            continue
+        used = sorted({prog.root[a] for op in seg.ops for a in op.ins
+                       if not isinstance(a, _Lit) and a in prog.root} & set(top))
+        run = functools.partial(_run_plain, prog, seg, inputs, exports, private, used,
+                                gather_leaf)
+        outs = _remat(run, tied.get(s, [shards[i] for i in private]),
+                      [top[i] for i in used], in_vals)
+        env.values.update(zip(exports, outs, strict=True))
+    return [env.read(a) for a in prog.outs]
+
+
+def _remat(f, shards: list, leaf_vals: list, in_vals: list) -> list:
+    """``f(shards, leaf_vals, in_vals)``, recomputed (its shards gathered again) for the
+    backward once the cotangents of its outputs are ready; only its inputs are saved.
+
+    ``jax.checkpoint`` would save the same, but its recomputation depends only on the saved
+    inputs, so XLA may hoist every segment's re-gather to the start of the backward (XLA:CPU
+    does: temp then grows by a gathered layer per layer). Tying the re-gather to the
+    cotangents keeps one segment's weights alive at a time, as the scheduled scan does."""
+
+    @jax.custom_vjp
+    def call(shards, leaf_vals, in_vals):
+        return f(shards, leaf_vals, in_vals)
+
+    def fwd(shards, leaf_vals, in_vals):
+        return f(shards, leaf_vals, in_vals), (shards, leaf_vals, in_vals)
+
+    def bwd(res, cts):
+        shards, leaf_vals, in_vals = res
+        floats = [i for i, c in enumerate(cts) if c.dtype != jax.dtypes.float0]
+        # the inputs pass the barrier too: the recomputation must not be merged (CSE) with
+        # the forward, which would keep the forward's intermediates alive instead
+        shards, leaf_vals, in_vals, tied = lax.optimization_barrier(
+            (shards, leaf_vals, in_vals, [cts[i] for i in floats]))
+        cts = list(cts)
+        for i, c in zip(floats, tied, strict=True):
+            cts[i] = c
+        _, vjp = jax.vjp(f, shards, leaf_vals, in_vals)
+        return jax.tree.map(lambda g: None if g.dtype == jax.dtypes.float0 else g, vjp(cts))
+
+    call.defvjp(fwd, bwd)
+    return call(shards, leaf_vals, in_vals)
+
+
+def _run_plain(prog, seg, inputs, exports, private, used, gather_leaf, shards, leaf_vals,
+               in_vals):
+    leaf_values = dict(zip(used, leaf_vals, strict=True))
+    leaf_values.update({i: gather_leaf(x, i) for i, x in zip(private, shards, strict=True)})
+    env = _Env(prog, dict(zip(inputs, in_vals, strict=True)), leaf_values)
+    for op in seg.ops:
+        env.run(op)
+    return [env.values[k] for k in exports]
+
+
+def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gather_leaf,
+              leaves, prefetch, gather_args) -> dict:
+    (op,) = seg.ops
+    leaf_values = dict(top)
+    leaf_values.update({i: gather_leaf(x, i) for i, x in private_shards.items()})
+    env = _Env(prog, inputs, leaf_values)
+    n_consts, n_carry = _scan_split(op)
+    start = n_consts + n_carry
+    sliced = dict(seg.stacked)  # xs position -> leaf
+    vals = [None if pos - start in sliced else env.read(a)
+            for pos, a in enumerate(op.ins)]
+    consts, carry = vals[:n_consts], vals[n_consts:start]
+    xs = [v for pos, v in enumerate(vals[start:]) if pos not in sliced]
+    order = sorted(sliced)  # xs positions of the sliced leaves
+    want = [op.eqn.invars[start + pos].aval.dtype for pos in order]
+    body_jaxpr = op.eqn.params["jaxpr"]
+    n_layers = op.eqn.params["length"]
+    layer_elements = sum(int(np.prod(op.eqn.invars[start + pos].aval.shape[1:]))
+                         for pos in order)
+
+    def body(params_i, consts_, carry_, xs_i):
+        it = iter(xs_i)
+        ps = dict(zip(order, params_i, strict=True))
+        xs_full = [ps[pos].astype(want[order.index(pos)]) if pos in ps else next(it)
+                   for pos in range(len(op.ins) - start)]
+        out = jcore.jaxpr_as_fun(body_jaxpr)(*consts_, *carry_, *xs_full)
+        return list(out[:n_carry]), list(out[n_carry:])
+
+    spec = ScheduleSpec(
+        dims=tuple(leaves[sliced[pos]].dim for pos in order),
+        prefetch=prefetch(layer_elements, n_layers),
+        axis_name=gather_args["axis_name"],
+        gather_dtype=gather_args["gather_dtype"] or want[0],
+        reduce_dtype=gather_args["reduce_dtype"] or want[0],
+        from_host=gather_args["from_host"],
+        scatter_via_all_reduce=gather_args["scatter_via_all_reduce"],
+    )
+    carry_out, ys = scheduled_loop(body, [stacked_shards[sliced[pos]] for pos in order],
+                                   consts, carry, xs, spec=spec)
+    return {k: v for k, v in zip(op.outs, [*carry_out, *ys], strict=True) if k is not None}
