@@ -71,19 +71,19 @@ def test_stage3_equals_single_device_optax(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "prefetch"), [
-    ("jax_loop", 2), ("linen_loop", 0), ("jax_scan", 0), ("linen_scan", 2), ("eqx_scan", 0),
-    ("eqx_scan", 2)])
+@pytest.mark.parametrize(("name", "prefetch"), [("jax_loop", 0), ("linen_scan", 2),
+                                              ("eqx_scan", 0)])
 def test_stage3_equals_optax_at_other_prefetch_depths(name, prefetch):
     _train_and_compare(*_step(name, n_layers=4, prefetch_layers=prefetch))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["jax_loop", "eqx_scan"])
-def test_with_gradient_accumulation_and_offload(name):
-    _train_and_compare(*_step(name, micro_batches=2))
-    _train_and_compare(*_step(name, offload_optimizer=OptimizerOffloadConfig(device="host"),
-                              offload_param=OffloadConfig(device="host")))
+def test_with_gradient_accumulation_and_offload():
+    """Micro-batches around unrolled segments; params and Adam state in host memory around a
+    scheduled loop."""
+    _train_and_compare(*_step("jax_loop", micro_batches=2))
+    _train_and_compare(*_step("eqx_scan", offload_optimizer=OptimizerOffloadConfig(
+        device="host"), offload_param=OffloadConfig(device="host")))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
