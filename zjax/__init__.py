@@ -14,6 +14,7 @@ _EXPORTS = {
     "CheckpointError": "zjax.errors",
     "Config": "zjax.config",
     "ConfigError": "zjax.errors",
+    "GatherFallbackWarning": "zjax.errors",
     "LanguageModel": "zjax.loop",
     "Loop": "zjax.loop",
     "MeshConfig": "zjax.mesh",
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "Config",
     "ConfigError",
+    "GatherFallbackWarning",
     "LanguageModel",
     "Loop",
     "MeshConfig",
@@ -94,6 +96,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.errors import (
         CheckpointError,
         ConfigError,
+        GatherFallbackWarning,
         NonFiniteError,
         NotGatheredError,
         ZjaxError,
