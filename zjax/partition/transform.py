@@ -27,10 +27,7 @@ use of the whole leaf in every segment that takes one: it is gathered whole, onc
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,236 +39,20 @@ import numpy as np
 from jax import lax
 
 from zjax.errors import GatherFallbackWarning, first_line
+from zjax.partition._program import (
+    Env,
+    LeafSpec,
+    Lit,
+    Program,
+    analyse,
+    layer_of,
+    needs,
+    scan_split,
+)
 from zjax.partition.gather import gather, join_gathers
 from zjax.partition.schedule import ScheduleSpec, scheduled_loop
 
 __all__ = ["LeafSpec", "gather_on_use", "layer_of"]
-
-# call primitives whose body is inlined: they group code and change nothing else (a user's
-# checkpoint is subsumed by the per-segment one)
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"})
-# one-input ops on a parameter whose result is still "the parameter" for scheduling
-_VIEWS = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims",
-                    "broadcast_in_dim", "copy", "copy_p", "reduce_precision",
-                    "bitcast_convert_type"})
-_NUMBER = re.compile(r"(\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """One flattened parameter leaf as the transform sees it.
-
-    Attributes:
-      path: its pytree path (``a/0/b``): names the layer it belongs to.
-      dim: its sharded dimension, or None (replicated: only cast).
-    """
-
-    path: str
-    dim: int | None
-
-
-def layer_of(path: str) -> str:
-    """The layer a leaf belongs to: its path up to the first component that ends in a number,
-    that number standing for the component (``h/3/mlp/w`` -> ``h/3``; ``ln0/scale`` and
-    ``up0/kernel`` -> ``0``: siblings named by layer number are one layer)."""
-    parts = path.split("/")
-    for n, part in enumerate(parts):
-        m = _NUMBER.search(part)
-        if m:
-            return "/".join([*parts[:n], m.group(1)])
-    return path
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lit:
-    """A literal or constant operand."""
-
-    val: Any
-
-
-@dataclasses.dataclass
-class _Op:
-    eqn: Any  # jax JaxprEqn: its primitive and params
-    ins: list  # keys (hashable) or _Lit
-    outs: list  # keys, None for a dropped output
-
-
-def _flatten(jaxpr, consts, ins, ops: list, ids) -> list:
-    """Append ``jaxpr``'s equations to ``ops`` with inlined calls; return its output atoms.
-
-    Every value gets a key of its own, ``next(ids)`` (an inlined body called twice defines
-    its variables twice)."""
-    env: dict = {}
-    for v, c in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = _Lit(c)
-    for v, a in zip(jaxpr.invars, ins, strict=True):
-        env[v] = a
-
-    def atom(x):
-        return _Lit(x.val) if isinstance(x, jcore.Literal) else env[x]
-
-    for eqn in jaxpr.eqns:
-        args = [atom(x) for x in eqn.invars]
-        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        if eqn.primitive.name in _INLINE and inner is not None:
-            if isinstance(inner, jcore.ClosedJaxpr):
-                outs = _flatten(inner.jaxpr, inner.consts, args, ops, ids)
-            else:
-                outs = _flatten(inner, [], args, ops, ids)
-            for v, a in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = a
-            continue
-        keys = [None if isinstance(v, jcore.DropVar) else next(ids) for v in eqn.outvars]
-        for v, k in zip(eqn.outvars, keys, strict=True):
-            if k is not None:
-                env[v] = k
-        ops.append(_Op(eqn, args, keys))
-    return [atom(x) for x in jaxpr.outvars]
-
-
-def _bind(eqn, invals: list) -> list:
-    """Run one equation on ``invals`` (as ``jax.core.eval_jaxpr`` does)."""
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-@dataclasses.dataclass
-class _Segment:
-    kind: str  # "plain" or "scan"
-    ops: list = dataclasses.field(default_factory=list)
-    layers: set = dataclasses.field(default_factory=set)
-    leaves: set = dataclasses.field(default_factory=set)  # sharded leaves it uses
-    stacked: tuple = ()  # scan: (xs position, leaf) of the leaves the schedule slices
-
-
-@dataclasses.dataclass
-class _Program:
-    ops: list
-    outs: list
-    param_keys: list
-    arg_keys: list
-    views: dict  # key -> the op that makes it
-    root: dict  # key -> leaf index (the leaf itself or a view of it)
-    segments: list
-    shared: list  # sharded leaves gathered once for the whole loss
-
-
-def _scan_split(op: _Op) -> tuple[int, int]:
-    return op.eqn.params["num_consts"], op.eqn.params["num_carry"]
-
-
-def _analyse(closed, leaves: Sequence[LeafSpec]) -> _Program:
-    ops: list = []
-    n = len(leaves)
-    top = closed.jaxpr
-    ids = itertools.count()
-    in_keys = [next(ids) for _ in top.invars]
-    outs = _flatten(top, closed.consts, in_keys, ops, ids)
-    root = {in_keys[i]: i for i in range(n)}
-    views: dict = {}
-    for op in ops:  # a view of one leaf is that leaf, for scheduling
-        keys = [a for a in op.ins if not isinstance(a, _Lit)]
-        if (op.eqn.primitive.name in _VIEWS and len(keys) == 1 and keys[0] in root
-                and len(op.outs) == 1 and op.outs[0] is not None):
-            root[op.outs[0]] = root[keys[0]]
-            views[op.outs[0]] = op
-    units = [op for op in ops if not (op.outs and op.outs[0] in views)]
-
-    def used(op: _Op) -> set:
-        return {root[a] for a in op.ins if not isinstance(a, _Lit) and a in root}
-
-    uses: dict = {}
-    for op in units:
-        for leaf in used(op):
-            uses[leaf] = uses.get(leaf, 0) + 1
-
-    def scheduled(op: _Op) -> tuple:
-        """(xs position, leaf) pairs a scan can slice per iteration; () if it cannot."""
-        if op.eqn.primitive.name != "scan" or op.eqn.params["reverse"]:
-            return ()
-        start = sum(_scan_split(op))
-        out = []
-        for pos, a in enumerate(op.ins[start:]):
-            leaf = root.get(a) if not isinstance(a, _Lit) else None
-            if leaf is None or leaves[leaf].dim is None:
-                continue
-            chain_ok = a == in_keys[leaf] or _casts_only(a, views, in_keys[leaf])
-            dup = sum(1 for b in op.ins if not isinstance(b, _Lit) and root.get(b) == leaf)
-            if leaves[leaf].dim == 0 or not chain_ok or uses[leaf] > 1 or dup > 1:
-                return ()  # gathered whole: the leaf is not only this loop's per-layer slices
-            out.append((pos, leaf))
-        return tuple(out)
-
-    segments: list[_Segment] = []
-    seen: set = set()
-    current: _Segment | None = None
-    for op in units:
-        stacked = scheduled(op)
-        if stacked:
-            sliced = {leaf for _, leaf in stacked}
-            seg = _Segment("scan", [op], leaves={x for x in used(op) - sliced
-                                                 if leaves[x].dim is not None},
-                           stacked=stacked)
-            segments.append(seg)
-            current = None
-            continue
-        sharded = {x for x in used(op) if leaves[x].dim is not None}
-        new = {layer_of(leaves[x].path) for x in sharded} - seen
-        if current is None or (new and current.layers):
-            current = _Segment("plain")
-            segments.append(current)
-        seen |= new
-        current.layers |= new
-        current.leaves |= sharded
-        current.ops.append(op)
-    count: dict = {}
-    for seg in segments:
-        for leaf in seg.leaves:
-            count[leaf] = count.get(leaf, 0) + 1
-    shared = sorted(leaf for leaf, c in count.items() if c > 1)
-    for seg in segments:
-        seg.leaves -= set(shared)
-    return _Program(ops, outs, in_keys[:n], in_keys[n:], views, root, segments, shared)
-
-
-def _casts_only(key, views: dict, leaf_key) -> bool:
-    while key in views:
-        op = views[key]
-        if op.eqn.primitive.name != "convert_element_type":
-            return False
-        (key,) = [a for a in op.ins if not isinstance(a, _Lit)]
-    return key == leaf_key
-
-
-class _Env:
-    """Values of a program's keys, with views materialised where they are read."""
-
-    def __init__(self, prog: _Program, values: dict, leaf_values: dict):
-        self.prog, self.values, self.leaf_values = prog, dict(values), leaf_values
-
-    def read(self, a):
-        if isinstance(a, _Lit):
-            return a.val
-        if a in self.values:
-            return self.values[a]
-        if a in self.prog.views:
-            op = self.prog.views[a]
-            self.values[a] = _bind(op.eqn, [self.read(x) for x in op.ins])[0]
-            return self.values[a]
-        return self.leaf_values[self.prog.root[a]]  # a leaf (KeyError: not available here)
-
-    def run(self, op: _Op) -> None:
-        for k, v in zip(op.outs, _bind(op.eqn, [self.read(a) for a in op.ins]), strict=True):
-            if k is not None:
-                self.values[k] = v
-
-
-def _needs(op: _Op, prog: _Program) -> set:
-    """Keys ``op`` reads that are neither literals nor leaves or their views."""
-    return {a for a in op.ins if not isinstance(a, _Lit) and a not in prog.root}
-
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
@@ -335,7 +116,7 @@ def gather_on_use(
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
             jax.tree.unflatten(treedef, full), *abstract_args)
         try:
-            prog = _analyse(closed, leaves)
+            prog = analyse(closed, leaves)
             _warn_if_flat(prog, leaves)
             outs = _execute(prog, flat, jax.tree.leaves(args), leaves, gather_leaf, prefetch,
                             gather_args, join)
@@ -363,7 +144,7 @@ def _gathered_aval(x, dim: int | None, size: int, gather_dtype) -> jax.ShapeDtyp
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _warn_if_flat(prog: _Program, leaves: Sequence[LeafSpec]) -> None:
+def _warn_if_flat(prog: Program, leaves: Sequence[LeafSpec]) -> None:
     """Warn when the loss shows no layers: its memory is then not bounded by a layer."""
     sharded = [s for s in leaves if s.dim is not None]
     if len(sharded) < 2 or any(seg.kind == "scan" for seg in prog.segments):
@@ -382,7 +163,7 @@ def _warn_if_flat(prog: _Program, leaves: Sequence[LeafSpec]) -> None:
         "layer's weights"), stacklevel=3)
 
 
-def _execute(prog: _Program, shards: list, args: list, leaves, gather_leaf, prefetch,
+def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefetch,
              gather_args: dict, join: bool) -> list:
     values = dict(zip(prog.arg_keys, args, strict=True))
     top: dict = {}  # persistent leaves (cast) and shared ones (gathered once)
@@ -405,11 +186,11 @@ def _execute(prog: _Program, shards: list, args: list, leaves, gather_leaf, pref
     top.update(zip(up_front, shared, strict=True))
     # keys each segment must hand on: read later, or returned
     later: list[set] = [set() for _ in prog.segments]
-    wanted = {a for a in prog.outs if not isinstance(a, _Lit)}
+    wanted = {a for a in prog.outs if not isinstance(a, Lit)}
     for s in range(len(prog.segments) - 1, -1, -1):
         later[s] = set(wanted)
         for op in prog.segments[s].ops:
-            wanted |= _needs(op, prog)
+            wanted |= needs(op, prog)
     # a segment's gathers may start once the inputs of the segment ``depth`` before it are
     # ready (the prefetch window); XLA:CPU needs them after the segment's own inputs
     plain = [s for s, seg in enumerate(prog.segments) if seg.kind == "plain" and seg.leaves]
@@ -421,10 +202,10 @@ def _execute(prog: _Program, shards: list, args: list, leaves, gather_leaf, pref
     for n, s in enumerate(plain):
         tie_at.setdefault(plain[max(0, n - depth)], []).append(s)
     tied: dict = {}
-    env = _Env(prog, values, top)
+    env = Env(prog, values, top)
     for s, seg in enumerate(prog.segments):
         defined = {k for op in seg.ops for k in op.outs if k is not None}
-        inputs = sorted({k for op in seg.ops for k in _needs(op, prog)} - defined)
+        inputs = sorted({k for op in seg.ops for k in needs(op, prog)} - defined)
         exports = sorted(defined & later[s])
         in_vals = [env.read(k) for k in inputs]
         for t in tie_at.get(s, []):
@@ -438,7 +219,7 @@ def _execute(prog: _Program, shards: list, args: list, leaves, gather_leaf, pref
             env.values.update((k, outs[k]) for k in exports)
             continue
         used = sorted({prog.root[a] for op in seg.ops for a in op.ins
-                       if not isinstance(a, _Lit) and a in prog.root} & set(top))
+                       if not isinstance(a, Lit) and a in prog.root} & set(top))
         run = functools.partial(_run_plain, prog, seg, inputs, exports, private, used,
                                 gather_leaf)
         outs = _remat(run, tied.get(s, [shards[i] for i in private]),
@@ -484,7 +265,7 @@ def _run_plain(prog, seg, inputs, exports, private, used, gather_leaf, shards, l
                in_vals):
     leaf_values = dict(zip(used, leaf_vals, strict=True))
     leaf_values.update({i: gather_leaf(x, i) for i, x in zip(private, shards, strict=True)})
-    env = _Env(prog, dict(zip(inputs, in_vals, strict=True)), leaf_values)
+    env = Env(prog, dict(zip(inputs, in_vals, strict=True)), leaf_values)
     for op in seg.ops:
         env.run(op)
     return [env.values[k] for k in exports]
@@ -495,8 +276,8 @@ def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gath
     (op,) = seg.ops
     leaf_values = dict(top)
     leaf_values.update({i: gather_leaf(x, i) for i, x in private_shards.items()})
-    env = _Env(prog, inputs, leaf_values)
-    n_consts, n_carry = _scan_split(op)
+    env = Env(prog, inputs, leaf_values)
+    n_consts, n_carry = scan_split(op)
     start = n_consts + n_carry
     sliced = dict(seg.stacked)  # xs position -> leaf
     vals = [None if pos - start in sliced else env.read(a)

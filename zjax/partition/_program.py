@@ -1,0 +1,245 @@
+"""The traced loss as the gather-on-use transform sees it (:mod:`zjax.partition.transform`).
+
+:func:`analyse` flattens a loss's jaxpr (inlining ``jit``, ``closed_call``, ``checkpoint``),
+finds the views of each parameter leaf, the scans that can slice stacked leaves per iteration,
+and cuts the rest into segments at the first use of each layer; :class:`Env` evaluates a
+program's equations with views materialised where they are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend.core as jcore
+
+__all__ = ["Env", "LeafSpec", "Lit", "Op", "Program", "Segment", "analyse", "bind", "layer_of",
+           "needs", "scan_split"]
+
+# call primitives whose body is inlined: they group code and change nothing else (a user's
+# checkpoint is subsumed by the per-segment one)
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"})
+# one-input ops on a parameter whose result is still "the parameter" for scheduling
+_VIEWS = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims",
+                    "broadcast_in_dim", "copy", "copy_p", "reduce_precision",
+                    "bitcast_convert_type"})
+_NUMBER = re.compile(r"(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """One flattened parameter leaf as the transform sees it.
+
+    Attributes:
+      path: its pytree path (``a/0/b``): names the layer it belongs to.
+      dim: its sharded dimension, or None (replicated: only cast).
+    """
+
+    path: str
+    dim: int | None
+
+
+def layer_of(path: str) -> str:
+    """The layer a leaf belongs to: its path up to the first component that ends in a number,
+    that number standing for the component (``h/3/mlp/w`` -> ``h/3``; ``ln0/scale`` and
+    ``up0/kernel`` -> ``0``: siblings named by layer number are one layer)."""
+    parts = path.split("/")
+    for n, part in enumerate(parts):
+        m = _NUMBER.search(part)
+        if m:
+            return "/".join([*parts[:n], m.group(1)])
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Lit:
+    """A literal or constant operand."""
+
+    val: Any
+
+
+@dataclasses.dataclass
+class Op:
+    eqn: Any  # jax JaxprEqn: its primitive and params
+    ins: list  # keys (hashable) or Lit
+    outs: list  # keys, None for a dropped output
+
+
+def flatten(jaxpr, consts, ins, ops: list, ids) -> list:
+    """Append ``jaxpr``'s equations to ``ops`` with inlined calls; return its output atoms.
+
+    Every value gets a key of its own, ``next(ids)`` (an inlined body called twice defines
+    its variables twice)."""
+    env: dict = {}
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = Lit(c)
+    for v, a in zip(jaxpr.invars, ins, strict=True):
+        env[v] = a
+
+    def atom(x):
+        return Lit(x.val) if isinstance(x, jcore.Literal) else env[x]
+
+    for eqn in jaxpr.eqns:
+        args = [atom(x) for x in eqn.invars]
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if eqn.primitive.name in _INLINE and inner is not None:
+            if isinstance(inner, jcore.ClosedJaxpr):
+                outs = flatten(inner.jaxpr, inner.consts, args, ops, ids)
+            else:
+                outs = flatten(inner, [], args, ops, ids)
+            for v, a in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = a
+            continue
+        keys = [None if isinstance(v, jcore.DropVar) else next(ids) for v in eqn.outvars]
+        for v, k in zip(eqn.outvars, keys, strict=True):
+            if k is not None:
+                env[v] = k
+        ops.append(Op(eqn, args, keys))
+    return [atom(x) for x in jaxpr.outvars]
+
+
+def bind(eqn, invals: list) -> list:
+    """Run one equation on ``invals`` (as ``jax.core.eval_jaxpr`` does)."""
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@dataclasses.dataclass
+class Segment:
+    kind: str  # "plain" or "scan"
+    ops: list = dataclasses.field(default_factory=list)
+    layers: set = dataclasses.field(default_factory=set)
+    leaves: set = dataclasses.field(default_factory=set)  # sharded leaves it uses
+    stacked: tuple = ()  # scan: (xs position, leaf) of the leaves the schedule slices
+
+
+@dataclasses.dataclass
+class Program:
+    ops: list
+    outs: list
+    param_keys: list
+    arg_keys: list
+    views: dict  # key -> the op that makes it
+    root: dict  # key -> leaf index (the leaf itself or a view of it)
+    segments: list
+    shared: list  # sharded leaves gathered once for the whole loss
+
+
+def scan_split(op: Op) -> tuple[int, int]:
+    return op.eqn.params["num_consts"], op.eqn.params["num_carry"]
+
+
+def analyse(closed, leaves: Sequence[LeafSpec]) -> Program:
+    ops: list = []
+    n = len(leaves)
+    top = closed.jaxpr
+    ids = itertools.count()
+    in_keys = [next(ids) for _ in top.invars]
+    outs = flatten(top, closed.consts, in_keys, ops, ids)
+    root = {in_keys[i]: i for i in range(n)}
+    views: dict = {}
+    for op in ops:  # a view of one leaf is that leaf, for scheduling
+        keys = [a for a in op.ins if not isinstance(a, Lit)]
+        if (op.eqn.primitive.name in _VIEWS and len(keys) == 1 and keys[0] in root
+                and len(op.outs) == 1 and op.outs[0] is not None):
+            root[op.outs[0]] = root[keys[0]]
+            views[op.outs[0]] = op
+    units = [op for op in ops if not (op.outs and op.outs[0] in views)]
+
+    def used(op: Op) -> set:
+        return {root[a] for a in op.ins if not isinstance(a, Lit) and a in root}
+
+    uses: dict = {}
+    for op in units:
+        for leaf in used(op):
+            uses[leaf] = uses.get(leaf, 0) + 1
+
+    def scheduled(op: Op) -> tuple:
+        """(xs position, leaf) pairs a scan can slice per iteration; () if it cannot."""
+        if op.eqn.primitive.name != "scan" or op.eqn.params["reverse"]:
+            return ()
+        start = sum(scan_split(op))
+        out = []
+        for pos, a in enumerate(op.ins[start:]):
+            leaf = root.get(a) if not isinstance(a, Lit) else None
+            if leaf is None or leaves[leaf].dim is None:
+                continue
+            chain_ok = a == in_keys[leaf] or _casts_only(a, views, in_keys[leaf])
+            dup = sum(1 for b in op.ins if not isinstance(b, Lit) and root.get(b) == leaf)
+            if leaves[leaf].dim == 0 or not chain_ok or uses[leaf] > 1 or dup > 1:
+                return ()  # gathered whole: the leaf is not only this loop's per-layer slices
+            out.append((pos, leaf))
+        return tuple(out)
+
+    segments: list[Segment] = []
+    seen: set = set()
+    current: Segment | None = None
+    for op in units:
+        stacked = scheduled(op)
+        if stacked:
+            sliced = {leaf for _, leaf in stacked}
+            seg = Segment("scan", [op], leaves={x for x in used(op) - sliced
+                                                 if leaves[x].dim is not None},
+                           stacked=stacked)
+            segments.append(seg)
+            current = None
+            continue
+        sharded = {x for x in used(op) if leaves[x].dim is not None}
+        new = {layer_of(leaves[x].path) for x in sharded} - seen
+        if current is None or (new and current.layers):
+            current = Segment("plain")
+            segments.append(current)
+        seen |= new
+        current.layers |= new
+        current.leaves |= sharded
+        current.ops.append(op)
+    count: dict = {}
+    for seg in segments:
+        for leaf in seg.leaves:
+            count[leaf] = count.get(leaf, 0) + 1
+    shared = sorted(leaf for leaf, c in count.items() if c > 1)
+    for seg in segments:
+        seg.leaves -= set(shared)
+    return Program(ops, outs, in_keys[:n], in_keys[n:], views, root, segments, shared)
+
+
+def _casts_only(key, views: dict, leaf_key) -> bool:
+    while key in views:
+        op = views[key]
+        if op.eqn.primitive.name != "convert_element_type":
+            return False
+        (key,) = [a for a in op.ins if not isinstance(a, Lit)]
+    return key == leaf_key
+
+
+class Env:
+    """Values of a program's keys, with views materialised where they are read."""
+
+    def __init__(self, prog: Program, values: dict, leaf_values: dict):
+        self.prog, self.values, self.leaf_values = prog, dict(values), leaf_values
+
+    def read(self, a):
+        if isinstance(a, Lit):
+            return a.val
+        if a in self.values:
+            return self.values[a]
+        if a in self.prog.views:
+            op = self.prog.views[a]
+            self.values[a] = bind(op.eqn, [self.read(x) for x in op.ins])[0]
+            return self.values[a]
+        return self.leaf_values[self.prog.root[a]]  # a leaf (KeyError: not available here)
+
+    def run(self, op: Op) -> None:
+        for k, v in zip(op.outs, bind(op.eqn, [self.read(a) for a in op.ins]), strict=True):
+            if k is not None:
+                self.values[k] = v
+
+
+def needs(op: Op, prog: Program) -> set:
+    """Keys ``op`` reads that are neither literals nor leaves or their views."""
+    return {a for a in op.ins if not isinstance(a, Lit) and a not in prog.root}
