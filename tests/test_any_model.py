@@ -71,8 +71,7 @@ def test_stage3_equals_single_device_optax(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "prefetch"), [("jax_loop", 0), ("linen_scan", 2),
-                                              ("eqx_scan", 0)])
+@pytest.mark.parametrize(("name", "prefetch"), [("jax_loop", 0), ("linen_scan", 2)])
 def test_stage3_equals_optax_at_other_prefetch_depths(name, prefetch):
     _train_and_compare(*_step(name, n_layers=4, prefetch_layers=prefetch))
 

@@ -10,10 +10,10 @@ from test_any_model import _compiled, _psi_bytes, _step
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", ["jax_loop", "linen_loop", "eqx_scan"])
 def test_temp_grows_by_less_than_a_gathered_layer_per_layer(name):
-    """The issue's memory criterion, 4 -> 8 layers (benchmarks/any_model.py goes to 16), bf16
-    gathers."""
+    """The issue's memory criterion, 4 -> 8 layers, bf16 gathers. The other scanned models run
+    the same scheduled loop; benchmarks/any_model.py measures all five to 16 layers."""
     temps, layer = [], None
     for n_layers in (4, 8):
         zstep, _, _ = _step(name, n_layers=n_layers, d=64, f=256, gather_dtype="bfloat16",
@@ -27,15 +27,15 @@ def test_temp_grows_by_less_than_a_gathered_layer_per_layer(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tgt", "name"), [("h100:8", "jax_loop"), ("v5p:2x2x2", "jax_loop"),
-                                          ("v5p:2x2x2", "eqx_scan")])
+@pytest.mark.parametrize("tgt", ["h100:8", "v5p:2x2x2"])
+@pytest.mark.parametrize("name", ["jax_loop"])
 def test_on_accelerator_compilers_flat_and_two_gathers(tgt, name):
     """The transform compiles for an H100 and a TPU v5p (deviceless): two bf16 gathers and one
     bf16 reduce-scatter per weight (a scan gathers its prefetch depth more), and temp growing
     by less than a gathered layer per layer. d 512: on TPU an unrolled model's temp grows by
     an activation-sized amount per layer (2.8 MB here, 4.8 MB at d 1024) that at d 256 is
-    more than its 1 MB of weights (libtpu's memory-space assignment counts in temp). A scan on
-    H100 is the GPT's scheduled loop, compiled in test_targets.py."""
+    more than its 1 MB of weights (libtpu's memory-space assignment counts in temp). A scanned
+    model runs the GPT's scheduled loop, compiled for both in test_targets.py."""
     import jax
     import jax.numpy as jnp
     import optax
