@@ -11,10 +11,11 @@ gathered weights:
   loop with the stack's prefetch depth, re-gathered in the backward, its gradient
   reduce-scattered at once.
 - **Unrolled layers.** The rest of the program is cut into segments at the first use of each
-  layer's parameters; the layer is the leaf path up to its first numbered component
-  (``h/3/attn/c_attn/kernel`` -> ``h/3``, ``layers_3/Dense_0/kernel`` -> ``layers_3``). Each
-  segment gathers the leaves only it uses and runs under ``jax.checkpoint`` with nothing saved
-  but its inputs, so the backward re-gathers one segment at a time.
+  layer's parameters; the layer is the leaf path up to its first component ending in a number
+  (``h/3/attn/c_attn/kernel`` -> ``h/3``, ``layers_3/Dense_0/kernel`` -> ``3``). Each segment
+  gathers the leaves only it uses, saves only its inputs, and gathers them again for its
+  backward once its outputs' cotangents exist (:func:`_remat`), so the backward holds one
+  segment's weights at a time.
 - **Shared leaves.** A leaf used in several segments (tied embeddings) is gathered once for
   the whole loss, so its gradients are summed before one reduce-scatter.
 - **Views.** Casts, reshapes and transposes of a leaf (``jax.tree.map(lambda p:
@@ -53,6 +54,7 @@ from zjax.partition.gather import gather, join_gathers
 from zjax.partition.schedule import ScheduleSpec, scheduled_loop
 
 __all__ = ["LeafSpec", "gather_on_use", "layer_of"]
+
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
