@@ -209,13 +209,18 @@ def test_only_unreadable_data_counts_as_damage(error, damage):
     assert is_damage(error) is damage and is_damage(wrapped) is damage
 
 
-def test_an_error_that_is_not_damage_surfaces_and_nothing_moves(tmp_path, monkeypatch):
+def _stage3_with_checkpointer(tmp_path):
+    """A stage-3 step of the small trainable and a synchronous checkpointer under tmp_path."""
     from zjax.checkpoint import CheckpointConfig, Checkpointer
 
     init, loss = _trainable()
     zstep = zjax.make_step(zjax.from_pytree(init, loss), optax.adam(1e-2), mesh=zjax.make_mesh(),
                            zero=ZeroConfig(stage=3, param_persistence_threshold=0))
-    ckpt = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(asynchronous=False))
+    return zstep, Checkpointer(tmp_path / "checkpoints", CheckpointConfig(asynchronous=False))
+
+
+def test_an_error_that_is_not_damage_surfaces_and_nothing_moves(tmp_path, monkeypatch):
+    zstep, ckpt = _stage3_with_checkpointer(tmp_path)
     ckpt.save(1, zstep.init(jax.random.key(0)), zstep)
     ckpt.wait()
     restored = ckpt.restore_latest(zstep)
@@ -235,12 +240,7 @@ def test_an_error_that_is_not_damage_surfaces_and_nothing_moves(tmp_path, monkey
 def test_values_other_than_recorded_are_damage_and_the_previous_step_restores(tmp_path, caplog):
     import shutil
 
-    from zjax.checkpoint import CheckpointConfig, Checkpointer
-
-    init, loss = _trainable()
-    zstep = zjax.make_step(zjax.from_pytree(init, loss), optax.adam(1e-2), mesh=zjax.make_mesh(),
-                           zero=ZeroConfig(stage=3, param_persistence_threshold=0))
-    ckpt = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(asynchronous=False))
+    zstep, ckpt = _stage3_with_checkpointer(tmp_path)
     ckpt.save(1, zstep.init(jax.random.key(0)), zstep)
     ckpt.save(2, zstep.init(jax.random.key(1)), zstep)
     ckpt.wait()

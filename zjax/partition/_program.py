@@ -122,7 +122,6 @@ class Segment:
 class Program:
     ops: list
     outs: list
-    param_keys: list
     arg_keys: list
     views: dict  # key -> the op that makes it
     root: dict  # key -> leaf index (the leaf itself or a view of it)
@@ -205,7 +204,7 @@ def analyse(closed, leaves: Sequence[LeafSpec]) -> Program:
     shared = sorted(leaf for leaf, c in count.items() if c > 1)
     for seg in segments:
         seg.leaves -= set(shared)
-    return Program(ops, outs, in_keys[:n], in_keys[n:], views, root, segments, shared)
+    return Program(ops, outs, in_keys[n:], views, root, segments, shared)
 
 
 def _casts_only(key, views: dict, leaf_key) -> bool:
