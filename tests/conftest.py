@@ -1,10 +1,26 @@
-"""Test setup: 8 simulated CPU devices, set before jax creates its backends."""
+"""Test setup: 8 simulated CPU devices, set before jax creates its backends, and one
+compilation cache for the whole run."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compile-only TPU targets in both pytest workers and their subprocesses (no TPU here)
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# JAX's persistent compilation cache, shared by both pytest workers and every subprocess a
+# test starts (through the environment): many tests compile the same step (the tiny GPT's,
+# trained by the CLI again and again), and the cache turns each repeat into a read. The key
+# is the HLO without its metadata, the options and the devices, so a hit is the program a
+# compile would give. The pytest process that loads this first makes the directory (the
+# workers inherit it) and removes it at exit; a directory set by the caller is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="zjax-test-jit-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 from zjax.mesh import simulate_cpu_devices  # imports jax; its backends start later
 

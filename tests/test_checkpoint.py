@@ -3,7 +3,6 @@ damaged-checkpoint fallback."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -15,26 +14,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
-import zjax
-from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
-from zjax.config import load_config
-from zjax.loop import resolve_loop
-from zjax.optim import make_optimizer
-from zjax.step import make_step
+from helpers import ROOT, cli_env, latest_checkpoint, start_zjax
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
-ROOT = Path(__file__).resolve().parent.parent
 FAST = ["model.n_layers=2", "data.seq_len=32", "train.log_every=5", "train.eval_every=0",
         "logging.tensorboard=false"]
 
 
 def _cli(*args, wait=True):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    cmd = [sys.executable, "-m", "zjax", "train", "configs/tiny.yaml", *FAST, *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_zjax("train", "configs/tiny.yaml", *FAST, *args)
     if wait:
         out, err = proc.communicate(timeout=600)
         return proc.returncode, out, err
@@ -50,15 +39,7 @@ def _wait_for_checkpoint(run_dir: Path, step: int, proc, timeout=300):
 
 
 def _final(run_dir: Path, overrides=()):
-    """The canonical (master params, optax state, step) of a run's latest checkpoint."""
-    cfg = load_config(ROOT / "configs/tiny.yaml", [*FAST, *overrides])
-    loop = resolve_loop("lm")
-    zstep = make_step(loop.trainable(cfg.model), make_optimizer(cfg.optimizer, total_steps=30),
-                      zero=cfg.zero, mesh=zjax.make_mesh(cfg.mesh))
-    ckpt = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
-    step, state, _, _ = ckpt.restore_latest(zstep)
-    ckpt.close()
-    return step, jax.tree.map(np.asarray, to_canonical(state, zstep))
+    return latest_checkpoint(run_dir, [*FAST, *overrides])
 
 
 def _assert_bitwise(a, b):
@@ -71,7 +52,7 @@ def _assert_bitwise(a, b):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run = tmp_path_factory.mktemp("straight")
-    rc, _, err = _cli("train.steps=80", "checkpoint.every=5", "--run-dir", str(run))
+    rc, _, err = _cli("train.steps=40", "checkpoint.every=5", "--run-dir", str(run))
     assert rc == 0, err[-2000:]
     return (run, *_final(run))
 
@@ -79,7 +60,7 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
     run = tmp_path / "run"
-    proc = _cli("train.steps=80", "checkpoint.every=5", "--run-dir", str(run), wait=False)
+    proc = _cli("train.steps=40", "checkpoint.every=5", "--run-dir", str(run), wait=False)
     _wait_for_checkpoint(run, 10, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
@@ -91,15 +72,15 @@ def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
         assert m and int(m.group(1)) == int(m.group(2)) == steps[-1], (err[-2000:], steps)
     else:
         assert proc.returncode == -signal.SIGKILL
-    assert steps and steps[-1] < 80
-    rc, out, err = _cli("train.steps=80", "checkpoint.every=5", "--run-dir", str(run))
+    assert steps and steps[-1] < 40
+    rc, out, err = _cli("train.steps=40", "checkpoint.every=5", "--run-dir", str(run))
     assert rc == 0, err[-2000:]
     assert f"resuming from the checkpoint at step {steps[-1]}" in out
     step, final = _final(run)
-    assert step == 80
+    assert step == 40
     _assert_bitwise(final, straight[2])
     rows = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 16  # steps 5..80, none twice
+    assert len(rows) == 8  # steps 5..40, none twice
 
 
 RESTORE = textwrap.dedent("""
@@ -109,9 +90,10 @@ RESTORE = textwrap.dedent("""
     simulate_cpu_devices({n})
     import jax, numpy as np, zjax
     from pathlib import Path
-    from tests.test_checkpoint import _final
+    sys.path.insert(0, {root!r} + "/tests")
+    from helpers import latest_checkpoint
     assert len(jax.devices()) == {n}
-    step, final = _final(Path({run!r}), {overrides!r})
+    step, final = latest_checkpoint(Path({run!r}), {fast!r} + {overrides!r})
     expected = np.load({npz!r})
     leaves = jax.tree.leaves(final)
     assert len(leaves) == len(expected.files)
@@ -139,9 +121,8 @@ def test_restore_on_other_device_counts_and_stages(straight, tmp_path, devices, 
     np.savez(npz, **{f"a{i}": x for i, x in enumerate(jax.tree.leaves(final))})
     script = RESTORE.format(root=str(ROOT), n=devices, run=str(src), overrides=overrides,
                             npz=str(npz), fast=FAST)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", script], env=cli_env(), capture_output=True,
+                       text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"restored {step} on {devices} devices" in r.stdout
 
