@@ -1,4 +1,5 @@
-"""Shared test helpers: the one tree-compare, and a single-device optax reference.
+"""Shared test helpers: the one tree-compare, a single-device optax reference, and the one way
+to run the ``zjax`` CLI in a subprocess.
 
 Tolerances (documented once, used everywhere):
 - ``FP32``: sharded fp32 runs vs the single-device reference. Reductions happen in another
@@ -13,6 +14,9 @@ Tolerances (documented once, used everywhere):
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+ROOT = Path(__file__).resolve().parent.parent
 FP32 = {"rtol": 2e-5, "atol": 1e-5}
 GRADS = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -35,6 +40,12 @@ def assert_trees_close(actual, expected, *, rtol: float, atol: float, what: str 
         np.testing.assert_allclose(
             a, e, rtol=rtol, atol=atol, err_msg=f"{what}{jax.tree_util.keystr(path)}"
         )
+
+
+def make_tx() -> optax.GradientTransformation:
+    """The optimizer of the equality tests: AdamW (eps 1e-5, see ``FP32``) after clipping."""
+    adamw = optax.adamw(3e-3, eps=1e-5, weight_decay=0.1)
+    return optax.chain(optax.clip_by_global_norm(0.5), adamw)
 
 
 def reference_run(init, loss_fn, tx, batches, *, seed: int = 0):
@@ -91,3 +102,60 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:  # the field after the state is the parent's id
             out.append(int(stat.parent.name))
     return out
+
+
+def latest_checkpoint(run_dir: Path, overrides=()) -> tuple[int, dict]:
+    """``(step, canonical state as numpy)`` of the newest checkpoint of a ``configs/tiny.yaml``
+    run trained with ``overrides`` (restored into the step those overrides build)."""
+    from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
+    from zjax.config import load_config
+    from zjax.loop import resolve_loop
+    from zjax.mesh import make_mesh
+    from zjax.optim import make_optimizer
+    from zjax.step import make_step
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
+    zstep = make_step(resolve_loop("lm").trainable(cfg.model),
+                      make_optimizer(cfg.optimizer, total_steps=cfg.train.steps),
+                      zero=cfg.zero, mesh=make_mesh(cfg.mesh))
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", CheckpointConfig())
+    step, state, _, _ = ckpt.restore_latest(zstep)
+    ckpt.close()
+    return step, jax.tree.map(np.asarray, to_canonical(state, zstep))
+
+
+def cli_env(**changes: str | None) -> dict[str, str]:
+    """The environment of a fresh shell for a zjax subprocess, plus ``changes``.
+
+    No ``XLA_FLAGS`` or ``JAX_PLATFORMS`` (the CLI simulates its own devices, as for a user)
+    and no ``ZJAX_*`` (``zjax launch``'s variables); what conftest set for every process (the
+    compilation cache, ``ALLOW_MULTIPLE_LIBTPU_LOAD``) stays. A change of None removes the key.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith("ZJAX_")}
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def zjax_cmd(*args: str) -> list[str]:
+    """``python -m zjax ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "zjax", *args]
+
+
+def run_zjax(*args: str, cwd: Path = ROOT, env: dict | None = None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``zjax ARGS`` to its end (from the repository root, in :func:`cli_env`)."""
+    return subprocess.run(zjax_cmd(*args), cwd=cwd, env=cli_env() if env is None else env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_zjax(*args: str, cwd: Path = ROOT, env: dict | None = None,
+               **popen: object) -> subprocess.Popen:
+    """Start ``zjax ARGS`` (stdout and stderr piped unless ``popen`` says otherwise)."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(zjax_cmd(*args), cwd=cwd, env=cli_env() if env is None else env,
+                            text=True, **popen)

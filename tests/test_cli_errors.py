@@ -13,13 +13,13 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import ROOT, cli_env, run_zjax
 
 import zjax
 from zjax import cli
@@ -30,7 +30,6 @@ from zjax.config import load_config
 from zjax.export import export
 from zjax.plot import plot_run
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
        "data.seq_len=16", "data.batch_size=8", "train.steps=2", "train.log_every=1",
        "train.eval_every=0", "logging.tensorboard=false", "checkpoint.every=1",
@@ -38,11 +37,10 @@ RUN = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2
 
 
 def _zjax(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "zjax", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=cwd)
+    # run from other directories too: zjax comes from the checkout, not the cwd
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return run_zjax(*args, cwd=cwd, timeout=timeout,
+                    env=cli_env(JAX_PLATFORMS="cpu", PYTHONPATH=path))
 
 
 def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:

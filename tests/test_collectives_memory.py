@@ -85,7 +85,7 @@ def test_prefetch_costs_its_layers_and_nothing_more():
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_lower_stage_collectives_follow_the_zero_table(stage):
     """DESIGN.md's table: 0 all-reduce; 1 all-reduce + all-gather; 2 reduce-scatter + all-gather."""
-    from tests.models import gpt_trainable
+    from models import gpt_trainable
 
     zero = zjax.ZeroConfig(stage=stage, gather_dtype="bfloat16", param_persistence_threshold=100)
     zstep = zjax.make_step(gpt_trainable(), optax.adamw(1e-3), zero=zero, mesh=zjax.make_mesh())

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import ROOT, run_zjax
+from models import gpt_trainable
 
 import zjax
-from tests.models import gpt_trainable
 from zjax.config import Config, load_config
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -97,9 +91,7 @@ def test_small_configs_train_a_few_steps(name):
 
 
 def _cli(*args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "zjax", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return run_zjax(*args, timeout=timeout)
 
 
 def test_cli_bad_input_exits_2_without_traceback(tmp_path):

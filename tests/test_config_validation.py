@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import gin
 import numpy as np
 import pytest
+from helpers import ROOT, run_zjax
 
 from zjax.checkpoint import CheckpointConfig
 from zjax.config import Config, OptimizerConfig, as_config, load_config
@@ -26,8 +24,6 @@ from zjax.mesh import MeshConfig
 from zjax.models.gpt import GPTConfig
 from zjax.offload.config import OffloadConfig
 from zjax.partition.config import ZeroConfig
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # 325 bytes that expand to 9**6 strings ("billion laughs")
 BOMB = "\n".join([
@@ -265,10 +261,8 @@ def test_a_mapping_is_a_config():
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     (tmp_path / "bomb.yaml").write_text(BOMB)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     for args in ([str(tmp_path / "bomb.yaml")], ["loop=subprocess:Popen"]):
-        r = subprocess.run([sys.executable, "-m", "zjax", "config", "show", *args],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        r = run_zjax("config", "show", *args, timeout=300)
         lines = [x for x in r.stderr.splitlines() if x.startswith("zjax")]
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert len(lines) == 1 and lines[0].startswith("zjax: error: ") and len(lines[0]) < 1000

@@ -11,42 +11,34 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import children
+from helpers import ROOT, children, cli_env, zjax_cmd
 
 import zjax
 from zjax.errors import NonFiniteError
 
 pytestmark = pytest.mark.slow  # trains in subprocesses
 
-ROOT = Path(__file__).resolve().parent.parent
 FAST = ["model.n_layers=2", "data.seq_len=32", "train.eval_every=0", "logging.tensorboard=false",
         "logging.progress=false"]
 
 
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith("ZJAX_")}
-
-
 def _train_cmd(run: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "zjax", "train", "configs/tiny.yaml", *FAST, *overrides,
-            "--run-dir", str(run)]
+    return zjax_cmd("train", "configs/tiny.yaml", *FAST, *overrides, "--run-dir", str(run))
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
     f = log.open("w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=f, stderr=subprocess.STDOUT,
                             text=True)
 
 
@@ -113,9 +105,9 @@ def test_sigterm_saves_the_step_it_stops_at_and_a_second_trainer_is_refused(tmp_
 
 def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
     run, log = tmp_path / "run", tmp_path / "log"
-    cmd = [sys.executable, "-m", "zjax", "launch", "-n", "2", "--devices-per-process", "4",
-           "--", *_train_cmd(run, "train.steps=200", "train.log_every=1",
-                             "checkpoint.every=1000")]
+    cmd = zjax_cmd("launch", "-n", "2", "--devices-per-process", "4",
+                   "--", *_train_cmd(run, "train.steps=200", "train.log_every=1",
+                                     "checkpoint.every=1000"))
     proc = _start(cmd, log)
     _wait_for(log, r"step +3 \|", proc)
     kids = children(proc.pid)
@@ -252,8 +244,8 @@ def test_export_refuses_altered_values_and_exports_the_intact_checkpoint(base, t
     run = _copy(base, tmp_path)
     _swap_in_state_of(run / "checkpoints" / "10", run / "checkpoints" / "5")
     before = _listing(run)
-    r = _run([sys.executable, "-m", "zjax", "export", str(run), str(tmp_path / "out.safetensors"),
-              "--format", "safetensors", "--dtype", "float32"])
+    r = _run(zjax_cmd("export", str(run), str(tmp_path / "out.safetensors"),
+                      "--format", "safetensors", "--dtype", "float32"))
     assert r.returncode == 0, r.stderr[-3000:]
     log = r.stdout + r.stderr
     assert re.search(r"checkpoint at step 10 .*damaged.*checksum mismatch", log), log[-3000:]

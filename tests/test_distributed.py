@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FP32, assert_trees_close, children
+from helpers import FP32, ROOT, assert_trees_close, children, cli_env, zjax_cmd
 
 import zjax
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
@@ -25,26 +25,19 @@ from zjax.optim import make_optimizer
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
-ROOT = Path(__file__).resolve().parent.parent
 FAST = ["model.n_layers=2", "data.seq_len=32", "train.steps=5", "train.log_every=5",
         "train.eval_every=0", "logging.tensorboard=false", "zero.stage=3",
         "zero.gather_dtype=float32"]  # bf16 would round a 1-ulp master difference to 2^-8
-TRAIN = [sys.executable, "-m", "zjax", "train", "configs/tiny.yaml", *FAST]
-
-
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith("ZJAX_")}
+TRAIN = zjax_cmd("train", "configs/tiny.yaml", *FAST)
 
 
 def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
 def _launch(n: int, d: int, *cmd: str) -> list[str]:
-    return [sys.executable, "-m", "zjax", "launch", "-n", str(n), "--devices-per-process",
-            str(d), "--", *cmd]
+    return zjax_cmd("launch", "-n", str(n), "--devices-per-process", str(d), "--", *cmd)
 
 
 def _restore(run_dir: Path, step: int):
@@ -100,7 +93,7 @@ READ_ON_2 = textwrap.dedent("""
 def test_checkpoints_cross_process_counts(runs, tmp_path):
     tmp, _, _ = runs
     want = _restore(tmp / "two", 5)  # written by 2 x 4, restored on 1 x 8
-    env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = cli_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                     "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", READ_ON_2, str(tmp / "two"), str(tmp_path / "a")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -120,7 +113,7 @@ def test_checkpoints_cross_process_counts(runs, tmp_path):
 
 
 def test_launch_ends_the_job_when_a_child_dies():
-    proc = subprocess.Popen(_launch(2, 4, *TRAIN, "train.steps=100000"), cwd=ROOT, env=_env(),
+    proc = subprocess.Popen(_launch(2, 4, *TRAIN, "train.steps=100000"), cwd=ROOT, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -145,7 +138,7 @@ def test_launch_ends_the_job_when_a_child_dies():
 
 def test_unreachable_coordinator_is_a_clear_error():
     t0 = time.monotonic()
-    env = _env() | {"ZJAX_COORDINATOR": "127.0.0.1:9", "ZJAX_NUM_PROCESSES": "2",
+    env = cli_env() | {"ZJAX_COORDINATOR": "127.0.0.1:9", "ZJAX_NUM_PROCESSES": "2",
                     "ZJAX_PROCESS_ID": "1"}
     r = subprocess.run([*TRAIN, "mesh.init_timeout_s=3"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)

@@ -5,23 +5,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-
-import zjax
-from tests.helpers import (
+from helpers import (
     FP32,
     adam_moments,
     assert_matches_reference,
     assert_trees_close,
+    make_tx,
     reference_run,
 )
-from tests.models import gpt_reference_loss, gpt_trainable, linen_trainable, token_batches
+from models import gpt_reference_loss, gpt_trainable, linen_trainable, token_batches
 
-
-def make_tx():
-    adamw = optax.adamw(3e-3, eps=1e-5, weight_decay=0.1)
-    return optax.chain(optax.clip_by_global_norm(0.5), adamw)
+import zjax
 
 
 def run_zjax(trainable, zero, batches, *, micro_batches=1):

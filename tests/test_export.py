@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import cli_env, run_zjax
 
 import zjax
 from zjax.config import load_config
@@ -55,10 +55,9 @@ def run(tmp_path_factory):
 
 
 def _read_outside_zjax(path: Path, tmp_path: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["JAX_PLATFORMS"] = "cpu"
     npz = tmp_path / "read.npz"
-    r = subprocess.run([sys.executable, "-c", READER, str(path), str(npz)], env=env,
+    r = subprocess.run([sys.executable, "-c", READER, str(path), str(npz)],
+                       env=cli_env(JAX_PLATFORMS="cpu"),
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     return dict(np.load(npz))
@@ -123,8 +122,5 @@ def test_export_refuses_bad_input(run, tmp_path):
         export(run_dir, tmp_path / "taken")
     with pytest.raises(zjax.ConfigError, match="--dtype: unknown dtype 'int8'"):
         export(run_dir, tmp_path / "y", dtype="int8")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    r = subprocess.run([sys.executable, "-m", "zjax", "export", str(tmp_path / "nope"),
-                        str(tmp_path / "z")], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    r = run_zjax("export", str(tmp_path / "nope"), str(tmp_path / "z"), timeout=300)
     assert r.returncode == 2 and "holds no checkpoint" in r.stderr and "Traceback" not in r.stderr

@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import GRADS, assert_trees_close
 from jax.sharding import PartitionSpec as P
 
 import zjax
-from tests.helpers import GRADS, assert_trees_close
 from zjax._backend import backend
 from zjax.hlo import collective_bytes
 from zjax.nn import Stack

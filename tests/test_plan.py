@@ -9,9 +9,9 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import gpt_trainable
 
 import zjax
-from tests.models import gpt_trainable
 from zjax.partition.plan import bytes_per_device
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop

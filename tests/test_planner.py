@@ -5,13 +5,10 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import pytest
+from helpers import run_zjax
 
 import zjax
 from zjax._autotune import autotune as _autotune
@@ -23,7 +20,6 @@ from zjax.planner import compile_report
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=16",
          "zero.param_persistence_threshold=0"]
 PER_DEVICE = {"params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes",
@@ -116,9 +112,7 @@ def test_budget_picks_the_least_communicating_config_that_fits():
 
 
 def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "zjax", "plan", *args], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=ROOT)
+    return run_zjax("plan", *args)
 
 
 def test_plan_cli_budget_writes_a_config_that_loads(tmp_path):

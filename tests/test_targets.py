@@ -10,12 +10,11 @@ import functools
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import cli_env, run_zjax
 
 import zjax
 from zjax._backend import backend
@@ -28,7 +27,6 @@ from zjax.planner import _abstract_batch
 from zjax.step import make_step
 from zjax.targets import target
 
-ROOT = Path(__file__).resolve().parent.parent
 GPU, TPU = "h100:8", "v5p:2x2x2"
 # the tiny GPT, 2 layers so each compile takes seconds; every leaf sharded
 BASE = ["model.n_layers=2", "data.seq_len=64", "zero.param_persistence_threshold=0"]
@@ -187,8 +185,8 @@ def test_offload_the_compiler_cannot_take_is_refused_beforehand(name, overrides,
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zjax", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
+    """``zjax ARGS`` in this process's environment (the test's simulated CPU) or ``env``."""
+    return run_zjax(*args, env=dict(os.environ) if env is None else env)
 
 
 @pytest.mark.slow
@@ -207,8 +205,7 @@ def test_plan_cli_with_a_target_and_a_bad_one():
 @pytest.mark.slow
 def test_cli_simulates_cpu_devices_with_the_compiler_plugins_installed():
     # a fresh shell: no XLA_FLAGS, no JAX_PLATFORMS; the CUDA plugin and libtpu are installed
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PJRT_NPROC")}
+    env = cli_env(PJRT_NPROC=None)
     r = _cli("plan", "configs/tiny.yaml", "model.n_layers=2", "--json", env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)

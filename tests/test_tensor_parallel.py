@@ -4,27 +4,25 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 import pytest
-
-import zjax
-from tests.helpers import (
+from helpers import (
     FP32,
+    ROOT,
     adam_moments,
     assert_matches_reference,
     assert_trees_close,
+    make_tx,
     reference_run,
+    run_zjax,
 )
-from tests.models import gpt_reference_loss, gpt_trainable, token_batches
-from tests.test_equivalence import make_tx
+from models import gpt_reference_loss, gpt_trainable, token_batches
+
+import zjax
 from zjax._autotune import autotune as _autotune
 from zjax._hlo_text import axes_of as _axes_of
 from zjax._planning import report as plan_report
@@ -41,7 +39,6 @@ pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast 
 # the shape of another whole weight (the HLO test tells them apart by shape)
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, d_ff=96, max_seq_len=16)
 MESHES = [(8, 1), (4, 2), (2, 4)]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _zstep(data: int, model: int, *, prefetch: int = 1, stage: int = 3, cfg=CFG, devices=None):
@@ -225,10 +222,7 @@ def test_checkpoints_move_between_mesh_shapes_bitwise(reference, tmp_path):
 
 
 def _plan_cli(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run([sys.executable, "-m", "zjax", "plan", "configs/tiny.yaml",
-                           "model.n_layers=2", "data.seq_len=32", *args], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=ROOT)
+    return run_zjax("plan", "configs/tiny.yaml", "model.n_layers=2", "data.seq_len=32", *args)
 
 
 def test_plan_cli_on_a_2d_mesh():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import matplotlib.image
@@ -25,11 +26,13 @@ def tiny_run(tmp_path_factory):
     cfg = load_config(ROOT / "configs/tiny.yaml",
                       ["train.steps=60", "train.log_every=10", "train.eval_every=60",
                        "train.eval_batches=2", "logging.tensorboard=true"])
-    return zjax.train("lm", cfg, run_dir=run_dir), run_dir
+    start = time.perf_counter()
+    result = zjax.train("lm", cfg, run_dir=run_dir)
+    return result, run_dir, time.perf_counter() - start  # wall time, measured outside
 
 
 def test_train_tiny_learns_and_evaluates(tiny_run):
-    result, _ = tiny_run
+    result, _, _ = tiny_run
     history = result.history
     assert [r["step"] for r in history] == [10, 20, 30, 40, 50, 60]
     untrained = math.log(256)
@@ -38,7 +41,7 @@ def test_train_tiny_learns_and_evaluates(tiny_run):
 
 
 def test_run_directory_holds_config_metrics_tensorboard(tiny_run):
-    result, run_dir = tiny_run
+    result, run_dir, wall_s = tiny_run
     assert load_config(run_dir / "config.yaml").zero.stage == 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows == result.history
@@ -49,8 +52,12 @@ def test_run_directory_holds_config_metrics_tensorboard(tiny_run):
     # memory comes from the compiled step, not an estimate: argument bytes = state + batch
     batch_bytes = 16 // 8 * 129 * 4
     assert row["memory_argument_bytes"] == row["state_bytes"] + batch_bytes
-    # tokens/s is measured: tokens per logged interval over its measured wall time
-    assert row["tokens_per_s"] == pytest.approx(16 * 128 / row["step_time_s"], rel=1e-6)
+    # step times are measured: the six logged intervals of 10 steps fit in the run's wall
+    # time (which also holds the compile, the evaluation and the saves) and are not nil
+    stepping = sum(10 * r["step_time_s"] for r in rows)
+    assert 0 < stepping < wall_s, (stepping, wall_s)
+    # tokens/s counts the global batch's tokens (16 x 128), not one device's share
+    assert 16 * 128 / row["step_time_s"] == pytest.approx(row["tokens_per_s"], rel=1e-6)
     assert any((run_dir / "tensorboard").iterdir())
     # the run directory is never clobbered: another model is refused, a finished run says so
     with pytest.raises(zjax.CheckpointError, match="holds the state of another model or optimizer"):
@@ -63,7 +70,7 @@ def test_run_directory_holds_config_metrics_tensorboard(tiny_run):
 
 
 def test_plot_writes_valid_pngs(tiny_run, tmp_path):
-    _, run_dir = tiny_run
+    _, run_dir, _ = tiny_run
     paths = plot_run(run_dir, tmp_path)
     assert {p.name for p in paths} == {"loss.png", "throughput.png"}
     for p in paths:
