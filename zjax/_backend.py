@@ -102,13 +102,19 @@ _TPU = Backend(
     platform="tpu",
     decomposes_collectives=True,
     # measured with benchmarks/zero_step.py --target v5p:2x2x2 (d_model 1024, 16 layers):
-    # ZeRO gather bytes overlapped with compute 0% -> 43-83% (stage 3, prefetch 0-2)
-    **_options(**{flag: (True, Quirk(_MAXTEXT, "measured here: docs/architecture.md"))
+    # ZeRO gather bytes overlapped with compute 0% -> 43-83% (stage 3, prefetch 0-2); the
+    # all-reduce fusion (TPU's reduce-scatter is an all-reduce + slice) 44% -> 61% at prefetch
+    # 1, the same 83% at prefetch 0 (benchmarks/tpu_flags.py, which also lists flags that
+    # changed nothing and are not set)
+    **_options(**{flag: (True, Quirk(_MAXTEXT, "measured here: benchmarks/tpu_flags.py"))
                   for flag in ("xla_tpu_enable_async_collective_fusion",
                                "xla_tpu_enable_async_collective_fusion_fuse_all_gather",
                                "xla_tpu_enable_async_collective_fusion_multiple_steps",
                                "xla_tpu_overlap_compute_collective_tc",
-                               "xla_enable_async_all_gather")}),
+                               "xla_enable_async_all_gather",
+                               "xla_tpu_enable_async_collective_fusion_fuse_all_reduce",
+                               "xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter",
+                               "xla_enable_async_all_reduce")}),
     no_host_update=Quirk(
         "libtpu 0.0.42 cannot compile an optimizer update placed on the host with "
         "compute_on('device_host'): SIGILL in xla::HostOffloader::WalkDownHostMemoryOffloadPaths "
