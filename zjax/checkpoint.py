@@ -19,7 +19,6 @@ failure while restoring is a bug, and surfaces as itself.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -32,8 +31,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from zjax._checkpoint_config import CheckpointConfig
 from zjax._digest import leaf_name, tree_digests
-from zjax._schema import non_negative, positive, validate
 from zjax.errors import CheckpointError, DamagedCheckpoint, first_line, is_damage
 from zjax.offload import to_device
 from zjax.step import TrainState, ZeroStep
@@ -43,22 +42,6 @@ __all__ = ["CheckpointConfig", "Checkpointer", "from_canonical", "to_canonical"]
 log = logging.getLogger("zjax")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    """The ``checkpoint`` section.
-
-    Attributes:
-      every: save every this many steps (0: only at the last step and on preemption).
-      keep: how many of the most recent checkpoints to keep.
-      asynchronous: write in the background while training continues.
-    """
-
-    every: int = non_negative(100)
-    keep: int = positive(3)
-    asynchronous: bool = True
-
-    def __post_init__(self):
-        validate(self, "checkpoint")
 
 
 def to_canonical(state: TrainState, zstep: ZeroStep) -> dict:

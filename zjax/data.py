@@ -13,7 +13,6 @@ Sources (``data.path``):
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import os
 import sysconfig
@@ -22,7 +21,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from zjax._schema import interval, positive, validate
+from zjax._data_config import DataConfig
 from zjax.errors import ConfigError
 
 __all__ = ["BYTE_VOCAB", "DataConfig", "Tokens", "load_tokens", "stdlib_files", "window_batches"]
@@ -30,25 +29,6 @@ __all__ = ["BYTE_VOCAB", "DataConfig", "Tokens", "load_tokens", "stdlib_files", 
 BYTE_VOCAB = 256
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """The ``data`` section: where tokens come from and how they are batched.
-
-    Attributes:
-      batch_size: global batch (sequences per optimizer step, over all replicas).
-      seq_len: tokens per sequence (each example holds ``seq_len + 1`` for the shifted targets).
-      path: a text file, directory or glob (byte-level), or a ``.npy`` token array; empty for
-        the ``.py`` files of Python's standard library.
-      eval_fraction: the tail of the token stream held out for evaluation.
-    """
-
-    batch_size: int = positive(16)
-    seq_len: int = positive(128)
-    path: str | None = None
-    eval_fraction: float = interval(0, 1, default=0.05)
-
-    def __post_init__(self):
-        validate(self, "data")
 
 
 def stdlib_files() -> list[Path]:

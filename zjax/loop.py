@@ -10,20 +10,20 @@ its loop: ``loop: lm`` for the built-in one, or ``package.module:Name`` for a us
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 
+from zjax._loop_name import NEEDS, find_loop
 from zjax._schema import short
 from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
-from zjax.errors import ConfigError, did_you_mean, first_line
+from zjax.errors import ConfigError, first_line
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.trainable import Trainable, from_nnx
 
-__all__ = ["BUILTIN_LOOPS", "LanguageModel", "Loop", "resolve_loop"]
+__all__ = ["LanguageModel", "Loop", "resolve_loop"]
 
 
 @runtime_checkable
@@ -83,52 +83,22 @@ class LanguageModel:
                               process_count=process_count, split=split)
 
 
-BUILTIN_LOOPS = {"lm": LanguageModel}
-
-
 def resolve_loop(name: str) -> Loop:
     """``lm`` or ``package.module:Name`` -> a Loop instance.
 
     A ``package.module:Name`` imports that module (running its code) and instantiates
     ``Name`` if it is a class; what it gives must have ``model_config`` (a dataclass),
-    ``trainable()`` and ``data()``.
+    ``trainable()`` and ``data()`` (:func:`zjax._loop_name.find_loop` checks the name).
     """
-    if not isinstance(name, str):
-        raise ConfigError(f"loop: expected a name like 'lm' or 'pkg.mod:Name', got "
-                          f"{short(name)} ({type(name).__name__})")
-    if name in BUILTIN_LOOPS:
-        return BUILTIN_LOOPS[name]()
-    if ":" not in name:
-        raise ConfigError(
-            f"loop: {short(name)} is not a built-in loop{did_you_mean(name, BUILTIN_LOOPS)}; "
-            f"use one of {', '.join(BUILTIN_LOOPS)} or 'package.module:ClassName'"
-        )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises on import: one line
-        why = first_line(e) or type(e).__name__
-        raise ConfigError(f"loop: cannot import module {module_name!r} ({why})") from None
-    try:
-        cls = getattr(module, attr)
-    except AttributeError:
-        names = [n for n in dir(module) if not n.startswith("_")]
-        raise ConfigError(
-            f"loop: module {module_name!r} has no {attr!r}{did_you_mean(attr, names)}"
-        ) from None
-    needs = "it needs model_config (a dataclass), trainable() and data()"
-    missing = [a for a in ("model_config", "trainable", "data") if not hasattr(cls, a)]
-    if missing:  # checked before instantiating: `loop=subprocess:Popen` must not run anything
-        raise ConfigError(f"loop: {short(name)} is not a Loop ({needs}; it has no "
-                          f"{', '.join(missing)})")
-    if isinstance(cls, type):
+    found = find_loop(name)
+    if isinstance(found, type):
         try:
-            loop = cls()
+            loop = found()
         except Exception as e:  # a user's constructor: one line, naming the key
             why = first_line(e) or type(e).__name__
             raise ConfigError(f"loop: {short(name)}() failed: {why}") from None
     else:
-        loop = cls
+        loop = found
     if not isinstance(loop, Loop) or not dataclasses.is_dataclass(loop.model_config):
-        raise ConfigError(f"loop: {short(name)} is not a Loop ({needs})")
+        raise ConfigError(f"loop: {short(name)} is not a Loop ({NEEDS})")
     return loop

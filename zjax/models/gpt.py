@@ -11,55 +11,19 @@ head counts, and :mod:`zjax.nn.tensor_parallel` marks where partial results are 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zjax._schema import positive, validate
 from zjax.errors import ConfigError
+from zjax.models._gpt_config import GPTConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape of the reference GPT (the ``model`` section of the built-in ``lm`` loop).
-
-    Attributes:
-      vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
-      d_model: width of the residual stream.
-      n_layers: transformer blocks (one ``Stack``).
-      n_heads: attention heads (must divide ``d_model``; ``mesh.model`` must divide them).
-      d_ff: MLP hidden width; empty for 4 x d_model (``mesh.model`` must divide it).
-      max_seq_len: longest sequence (size of the learned position table).
-      tie_embeddings: reuse the token embedding as the output projection.
-      remat: recompute each block in the backward pass instead of keeping its activations
-        (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
-    """
-
-    vocab_size: int = positive(256)
-    d_model: int = positive(128)
-    n_layers: int = positive(4)
-    n_heads: int = positive(4)
-    d_ff: int | None = positive(None, none_means="4 x d_model")
-    max_seq_len: int = positive(256)
-    tie_embeddings: bool = True
-    remat: bool = True
-
-    def __post_init__(self):
-        validate(self, "model")
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}"
-            )
-
-    @property
-    def ff(self) -> int:
-        return self.d_ff or 4 * self.d_model
 
 
 def _param(rngs: nnx.Rngs, shape, std: float, axes: tuple[str | None, ...]) -> nnx.Param:

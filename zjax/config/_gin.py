@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from gin import config_parser
 
-from zjax._yaml import check_expansion
+from zjax.config._yaml import check_expansion
 from zjax.errors import ConfigError, did_you_mean
 
 __all__ = ["locate", "read_gin"]
@@ -168,18 +168,20 @@ def _include_path(name: str, including: Path, where: str) -> Path:
                       f"{str(including.parent)!r} and the working directory)")
 
 
-def read_gin(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def read_gin(path: Path, *, sections: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Read a gin experiment file into the nested dict the config schema validates.
+
+    Args:
+      path: the ``.gin`` file.
+      sections: the config's section names (what a binding's first part may be).
 
     Returns:
       ``(data, where)``: the nested dict, and for each dotted key the file and line that
       bound it (for :func:`locate`).
     """
-    from zjax.config import section_types
-
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    reader = _Reader(path, list(section_types()))
+    reader = _Reader(path, sections)
     reader.read(path.resolve())
     return reader.result()
 

@@ -1,0 +1,138 @@
+"""The codebase's shape: the config at the bottom of the import graph, no import cycles, small
+files. These read the source (ast) or a fresh interpreter's ``sys.modules``; no step compiles."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+from helpers import ROOT
+
+from zjax._loop_name import BUILTIN_LOOPS
+from zjax.config import Config, load_config
+from zjax.errors import ConfigError
+
+PACKAGE = ROOT / "zjax"
+MAX_FILE_LINES = 400
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the zjax modules it imports anywhere (functions too: a lazy import is still
+    an edge), except under ``if TYPE_CHECKING``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, tree in modules.items():
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_in_zjax():
+    graph = _import_graph()
+    assert graph["zjax.trainer"] >= {"zjax.config", "zjax.step"}  # the reader sees edges
+    assert _cycles(graph) == []
+    # the checker sees one: config -> trainer would close config -> ... -> trainer -> config
+    assert _cycles({**graph, "zjax.config._config": {*graph["zjax.config._config"],
+                                                     "zjax.trainer"}})
+
+
+def test_config_is_at_the_bottom_of_the_import_graph():
+    """Reading and validating a config loads no engine, Orbax, Grain or Flax."""
+    code = ("import sys, json, zjax.config\n"
+            "c = zjax.config.load_config('configs/tiny.yaml', ['zero.stage=2'])\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('orbax', 'grain', 'flax', 'zjax'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True, timeout=120)
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    heavy = [m for m in loaded if m.split(".")[0] in ("orbax", "grain", "flax")]
+    assert heavy == []
+    engine = {"zjax.step", "zjax.trainer", "zjax.loop", "zjax.checkpoint", "zjax.data",
+              "zjax.models.gpt", "zjax.trainable"}
+    assert engine.isdisjoint(loaded), engine & set(loaded)
+    assert "zjax.config._gin" in loaded and "zjax.models._gpt_config" in loaded
+
+
+def test_no_file_over_the_size_limit():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert long == {}
+
+
+def test_builtin_loops_name_their_model_config_without_importing_them():
+    from zjax.loop import resolve_loop
+
+    for name, (_, model_config) in BUILTIN_LOOPS.items():
+        assert resolve_loop(name).model_config is model_config
+
+
+def test_validating_a_config_does_not_instantiate_the_users_loop(tmp_path, monkeypatch):
+    (tmp_path / "_zjax_lazy_loop.py").write_text(
+        "import dataclasses\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class Shape:\n    width: int = 4\n"
+        "class Lazy:\n    model_config = Shape\n"
+        "    def __init__(self):\n        raise RuntimeError('instantiated')\n"
+        "    def trainable(self, model): ...\n    def data(self, data, **kw): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = Config.from_dict({"loop": "_zjax_lazy_loop:Lazy", "model": {"width": 8}})
+    assert cfg.model.width == 8
+    with pytest.raises(ConfigError, match=r"^model\.width"):
+        Config.from_dict({"loop": "_zjax_lazy_loop:Lazy", "model": {"width": "x"}})
+    # the trainer is what builds it, and its failure names the key
+    from zjax.loop import resolve_loop
+
+    with pytest.raises(ConfigError, match=r"loop: .*Lazy'?\(\) failed: instantiated"):
+        resolve_loop("_zjax_lazy_loop:Lazy")
+    assert load_config(None).loop == "lm"
