@@ -62,8 +62,9 @@ def _stack_fn(p, h):
     return h + jnp.tanh(h @ p["a"]) @ p["b"] * p["s"]
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
-def test_scheduled_scan_matches_plain_scan(prefetch):
+@pytest.mark.parametrize(("prefetch", "bucket"), [(0, False), (1, False), (2, False),
+                                                   (3, False), (0, True), (1, True), (2, True)])
+def test_scheduled_scan_matches_plain_scan(prefetch, bucket):
     L, D, F = 4, 16, 32
     rng = np.random.default_rng(1)
     params = {"a": jnp.asarray(rng.normal(size=(L, D, F)) * 0.2, jnp.float32),
@@ -72,7 +73,7 @@ def test_scheduled_scan_matches_plain_scan(prefetch):
     x = jnp.asarray(rng.normal(size=(16, D)), jnp.float32)
     dims = {"a": 2, "b": 1, "s": None}
     leaves_dims = tuple(jax.tree.leaves(dims, is_leaf=lambda d: d is None))
-    spec = ScheduleSpec(dims=leaves_dims, prefetch=prefetch)
+    spec = ScheduleSpec(dims=leaves_dims, prefetch=prefetch, bucket=bucket)
 
     def ref(params, x):
         return jnp.sum(jax.lax.scan(lambda h, p: (_stack_fn(p, h), None), x, params)[0] ** 2)
@@ -97,7 +98,10 @@ def test_scheduled_scan_matches_plain_scan(prefetch):
     # forward + backward re-gather, and the k prefetches the backward issues past layer 0
     assert cb.all_gather == 2 * sharded + k * sharded // L
     assert cb.reduce_scatter == sharded
-    assert cb.counts["all_gather"] == 2 * (2 * L + k)  # two leaves
+    # two leaves; with prefetch a bucket moves both as one collective (tiled on other dims)
+    per_layer = 1 if bucket and k else 2
+    assert cb.counts["all_gather"] == per_layer * (2 * L + k)
+    assert cb.counts["reduce_scatter"] == per_layer * L
 
 
 class _Leaky(nnx.Module):

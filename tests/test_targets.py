@@ -64,7 +64,7 @@ def test_accelerator_records_hold_no_cpu_workaround():
         assert not set(record.compiler_options) & set(cpu.compiler_options)
     assert set(backend("gpu").workarounds()) == set()
     tpu = {k for k in backend("tpu").workarounds() if not k.startswith("compiler_options.")}
-    assert tpu == {"no_host_update"}
+    assert tpu == {"no_host_update", "bucket_layer_gathers"}
     # TPU's options are the async-collective flags that make gathers overlap (measured)
     assert all("async" in k or "overlap" in k for k in backend("tpu").compiler_options)
 
@@ -150,8 +150,9 @@ def test_accelerators_overlap_the_zero_collectives_with_compute_and_cpu_cannot()
     assert gpu.overlap["all_gather"] >= 0.9 and gpu.overlap["reduce_scatter"] >= 0.9
     assert cpu.overlap["all_gather"] == 0 and cpu.overlap["reduce_scatter"] == 0
     # libtpu overlaps gathers only with the async-collective flags of zjax's TPU record (0%
-    # without them; 11% here, 43-83% at d_model 1024: docs/architecture.md)
-    assert tpu.overlap["all_gather"] > 0.05
+    # without them), and with prefetch the whole of a layer's only with one bucket per layer
+    # (Backend.bucket_layer_gathers: 11% here without it; the rest is outside the loops)
+    assert tpu.overlap["all_gather"] >= 0.85, tpu.overlap  # 88%; 97% at d_model 1024
 
 
 OFFLOAD = {

@@ -160,6 +160,17 @@ def _elements(instr: Instr, instrs: list[Instr], users: dict[str, list[int]]
     return [(e, by_index[k]) for k, e in enumerate(elements)]
 
 
+def _outside(name: str, comp: str, caller: Instr, module: Module) -> str:
+    """``name`` as the caller sees it: a fused computation's ``parameter(i)`` is the
+    fusion's i-th operand (a TPU async collective fusion gathers what it is handed)."""
+    for instr in module.comps.get(comp, ()):
+        if instr.name == name and instr.opcode == "parameter":
+            m = re.search(r"parameter\((\d+)\)", instr.line)
+            if m and int(m.group(1)) < len(caller.operands):
+                return caller.operands[int(m.group(1))]
+    return name
+
+
 def _made_by(name: str, defs: dict[str, Instr], opcode: str, module: Module) -> bool:
     """Whether ``name`` comes from ``opcode``, looking back through copies, bitcasts and
     single-operand custom calls (TPU's ``ZeroCrop``)."""
@@ -268,7 +279,8 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
                         _has_op(module, u, "dynamic-slice") for u in users_of_element):
                     el_kind, via = "reduce_scatter", True
                 elif element.startswith("u") and k < len(instr.operands) and _made_by(
-                        instr.operands[k], defs, "dynamic-update-slice", module):
+                        _outside(instr.operands[k], comp, instrs[site], module), defs,
+                        "dynamic-update-slice", module):
                     el_kind, via = "all_gather", True  # unsigned bits: zjax's gathers
                 sites.append(CollectiveSite(el_kind, shape_bytes(element), w, site_comp,
                                             site_name, overlapped, via, instr.line))

@@ -125,7 +125,8 @@ def from_pytree(
             return plan.zero.prefetch_depth(layer_elements=layer_elements, n_layers=n_layers)
 
         run = gather_on_use(loss_fn, [LeafSpec(leaf.path, leaf.dim) for leaf in plan.leaves],
-                            prefetch=prefetch, join=plan.join_gathers, **_zero_args(plan))
+                            prefetch=prefetch, join=plan.join_gathers,
+                            bucket=plan.bucket_layer_gathers, **_zero_args(plan))
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     return Trainable(init=init, loss=loss, logical_axes=logical_axes)
@@ -184,6 +185,7 @@ def from_nnx(
                 dims=tuple(leaf.dim for leaf in layer_leaves),
                 prefetch=plan.zero.prefetch_depth(layer_elements=per_layer,
                                                   n_layers=stack.n_layers),
+                bucket=plan.bucket_layer_gathers,
                 **args,
             )
             return functools.partial(scheduled_scan, spec=spec)

@@ -14,6 +14,7 @@ of all its uses before the single reduce-scatter in the backward pass.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +29,15 @@ __all__ = [
     "REMAT_POLICY",
     "UINT",
     "all_gather",
+    "all_gather_bucket",
     "gather",
+    "gather_bucket",
     "gather_on_access",
     "gather_tree",
     "join_gathers",
     "reduce_scatter",
+    "reduce_scatter_bucket",
+    "split_bucket",
 ]
 
 GATHERED = "zjax_gathered"
@@ -100,6 +105,67 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int,
     size = x.shape[dim] // lax.axis_size(axis_name)
     start = lax.axis_index(axis_name) * size
     return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), start, size, axis=dim)
+
+
+def _to_rows(x: jax.Array, dim: int, n: int) -> jax.Array:
+    """``x`` split along ``dim`` into ``n`` tiles, one row each: ``(n, x.size // n)``."""
+    tiles = x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:])
+    return jnp.moveaxis(tiles, dim, 0).reshape(n, -1)
+
+
+def _from_rows(rows: jax.Array, shard_shape: tuple[int, ...], dim: int) -> jax.Array:
+    """Inverse of :func:`_to_rows`: ``(n, shard size)`` rows -> the tiles joined on ``dim``."""
+    n = rows.shape[0]
+    tiles = jnp.moveaxis(rows.reshape(n, *shard_shape), 0, dim)
+    return tiles.reshape(*shard_shape[:dim], n * shard_shape[dim], *shard_shape[dim + 1:])
+
+
+def gather_bucket(shards: list[jax.Array], axis_name: str) -> jax.Array:
+    """All-gather several shards as one collective: their bits as the rows of one buffer.
+
+    The shards' bits (one dtype width) are flattened into one buffer and gathered once,
+    giving ``(n, total)`` rows (one per device) that :func:`split_bucket` turns into the
+    gathered leaves. One collective per bucket, as DeepSpeed's parameter buckets and FSDP's
+    flat parameters: a compiler that runs one asynchronous collective at a time (TPU) can
+    hide the whole bucket behind one stretch of compute instead of fitting several gathers
+    between ops.
+    """
+    width = {x.dtype.itemsize for x in shards}
+    if len(width) != 1:
+        raise ValueError(f"a bucket holds one dtype width, got {sorted(width)} bytes")
+    uint = UINT[width.pop()]
+    flat = jnp.concatenate([lax.bitcast_convert_type(x, uint).reshape(-1) for x in shards])
+    return lax.all_gather(flat, axis_name, axis=0, tiled=False)
+
+
+def split_bucket(rows: jax.Array, like: list[Any], dims: list[int]) -> list[jax.Array]:
+    """The gathered leaves of :func:`gather_bucket`'s rows: each ``like`` shard (shape,
+    dtype) tiled along its ``dims`` entry, as a tiled all-gather of it would give."""
+    sizes = np.cumsum([math.prod(x.shape) for x in like])[:-1]
+    return [lax.bitcast_convert_type(_from_rows(r, x.shape, d), x.dtype)
+            for r, x, d in zip(jnp.split(rows, sizes, axis=1), like, dims, strict=True)]
+
+
+def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) -> list[jax.Array]:
+    """Tiled all-gathers of several shards (each along its ``dims`` entry) as one collective
+    (:func:`gather_bucket`, then :func:`split_bucket`)."""
+    return split_bucket(gather_bucket(shards, axis_name), shards, dims)
+
+
+def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: str, *,
+                          via_all_reduce: bool = False) -> list[jax.Array]:
+    """Tiled reduce-scatters of several values (one dtype) as one collective.
+
+    The inverse layout of :func:`all_gather_bucket`: each value's tiles become rows of one
+    ``(n, total)`` buffer whose reduce-scatter gives every device its row.
+    """
+    n = lax.axis_size(axis_name)
+    rows = [_to_rows(v, d, n) for v, d in zip(values, dims, strict=True)]
+    sizes = np.cumsum([r.shape[1] for r in rows])[:-1]
+    mine = reduce_scatter(jnp.concatenate(rows, axis=1), axis_name, dim=0,
+                          via_all_reduce=via_all_reduce)[0]
+    return [part.reshape(*v.shape[:d], v.shape[d] // n, *v.shape[d + 1:])
+            for part, v, d in zip(jnp.split(mine, sizes), values, dims, strict=True)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))

@@ -185,6 +185,12 @@ class ShardPlan:
         return self.backend.scatter_via_all_reduce is not None and jax.process_count() > 1
 
     @property
+    def bucket_layer_gathers(self) -> bool:
+        """Whether a prefetching layer scan moves each layer as one bucket
+        (``Backend.bucket_layer_gathers``: TPU)."""
+        return self.backend.bucket_layer_gathers is not None
+
+    @property
     def join_gathers(self) -> bool:
         """Whether the gathers outside the layer loops are joined (``Backend.join_gathers``).
 

@@ -80,6 +80,7 @@ def gather_on_use(
     from_host: bool = False,
     scatter_via_all_reduce: bool = False,
     join: bool = False,
+    bucket: bool = False,
 ) -> Callable[..., Any]:
     """Wrap ``fn(params, *args)`` to run on shards, each leaf gathered where it is used.
 
@@ -93,6 +94,8 @@ def gather_on_use(
       from_host: the shards live in host memory (``zero.offload_param``).
       scatter_via_all_reduce: reduce-scatter as all-reduce + slice.
       join: order every segment's gathers after its inputs (XLA:CPU's collectives).
+      bucket: a layer scan with prefetch moves each layer's leaves as one bucket
+        (``ScheduleSpec.bucket``).
 
     Returns:
       ``wrapped(shards, *args)`` (call it inside ``shard_map``; wrap it in
@@ -121,7 +124,7 @@ def gather_on_use(
             prog = analyse(closed, leaves)
             _warn_if_flat(prog, leaves)
             outs = _execute(prog, flat, jax.tree.leaves(args), leaves, gather_leaf, prefetch,
-                            gather_args, join)
+                            {**gather_args, "bucket": bucket}, join)
         except Exception as e:  # a program this transform cannot rewrite: correct, unscheduled
             warnings.warn(GatherFallbackWarning(
                 f"zjax could not schedule the model's gathers ({type(e).__name__}: "
@@ -309,6 +312,7 @@ def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gath
         reduce_dtype=gather_args["reduce_dtype"] or want[0],
         from_host=gather_args["from_host"],
         scatter_via_all_reduce=gather_args["scatter_via_all_reduce"],
+        bucket=gather_args["bucket"],
     )
     carry_out, ys = scheduled_loop(body, [stacked_shards[sliced[pos]] for pos in order],
                                    consts, carry, xs, spec=spec)
