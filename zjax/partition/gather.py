@@ -14,7 +14,6 @@ of all its uses before the single reduce-scatter in the backward pass.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,13 +30,11 @@ __all__ = [
     "all_gather",
     "all_gather_bucket",
     "gather",
-    "gather_bucket",
     "gather_on_access",
     "gather_tree",
     "join_gathers",
     "reduce_scatter",
     "reduce_scatter_bucket",
-    "split_bucket",
 ]
 
 GATHERED = "zjax_gathered"
@@ -120,36 +117,24 @@ def _from_rows(rows: jax.Array, shard_shape: tuple[int, ...], dim: int) -> jax.A
     return tiles.reshape(*shard_shape[:dim], n * shard_shape[dim], *shard_shape[dim + 1:])
 
 
-def gather_bucket(shards: list[jax.Array], axis_name: str) -> jax.Array:
-    """All-gather several shards as one collective: their bits as the rows of one buffer.
+def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) -> list[jax.Array]:
+    """Tiled all-gathers of several shards (each along its ``dims`` entry) as one collective.
 
-    The shards' bits (one dtype width) are flattened into one buffer and gathered once,
-    giving ``(n, total)`` rows (one per device) that :func:`split_bucket` turns into the
-    gathered leaves. One collective per bucket, as DeepSpeed's parameter buckets and FSDP's
-    flat parameters: a compiler that runs one asynchronous collective at a time (TPU) can
-    hide the whole bucket behind one stretch of compute instead of fitting several gathers
-    between ops.
+    The shards' bits (one dtype width) are flattened into one buffer, gathered once as
+    ``(n, total)`` rows (one per device) and split into the gathered leaves. One collective
+    per bucket, as DeepSpeed's parameter buckets and FSDP's flat parameters: a compiler that
+    runs one asynchronous collective at a time (TPU) can hide the whole bucket behind one
+    stretch of compute instead of fitting several gathers between ops.
     """
     width = {x.dtype.itemsize for x in shards}
     if len(width) != 1:
         raise ValueError(f"a bucket holds one dtype width, got {sorted(width)} bytes")
     uint = UINT[width.pop()]
-    flat = jnp.concatenate([lax.bitcast_convert_type(x, uint).reshape(-1) for x in shards])
-    return lax.all_gather(flat, axis_name, axis=0, tiled=False)
-
-
-def split_bucket(rows: jax.Array, like: list[Any], dims: list[int]) -> list[jax.Array]:
-    """The gathered leaves of :func:`gather_bucket`'s rows: each ``like`` shard (shape,
-    dtype) tiled along its ``dims`` entry, as a tiled all-gather of it would give."""
-    sizes = np.cumsum([math.prod(x.shape) for x in like])[:-1]
+    flat = [lax.bitcast_convert_type(x, uint).reshape(-1) for x in shards]
+    rows = lax.all_gather(jnp.concatenate(flat), axis_name, axis=0, tiled=False)
+    sizes = np.cumsum([f.size for f in flat])[:-1]
     return [lax.bitcast_convert_type(_from_rows(r, x.shape, d), x.dtype)
-            for r, x, d in zip(jnp.split(rows, sizes, axis=1), like, dims, strict=True)]
-
-
-def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) -> list[jax.Array]:
-    """Tiled all-gathers of several shards (each along its ``dims`` entry) as one collective
-    (:func:`gather_bucket`, then :func:`split_bucket`)."""
-    return split_bucket(gather_bucket(shards, axis_name), shards, dims)
+            for r, x, d in zip(jnp.split(rows, sizes, axis=1), shards, dims, strict=True)]
 
 
 def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: str, *,
