@@ -66,7 +66,7 @@ def _whole(init, loss) -> Trainable:
     def run(params, batch, plan):
         args = dict(axis_name="data", gather_dtype=plan.zero.gather,
                     reduce_dtype=plan.reduce_dtype, from_host=plan.params_on_host,
-                    scatter_via_all_reduce=plan.scatter_via_all_reduce)
+                    scatter=plan.scatter)
         return gather_on_access(loss, plan.dims, join=plan.join_gathers, **args)(params, batch)
 
     return Trainable(init=init, loss=run)

@@ -128,22 +128,31 @@ def test_ungathered_use_names_the_sharded_leaves():
 
 
 @pytest.mark.parametrize("dim", [0, 1])
-def test_reduce_scatter_via_all_reduce_is_the_same_sum(dim):
-    """The multi-process CPU fallback (all-reduce + own slice) gives each device its slice of
-    the sum, like the reduce-scatter, and its HLO holds no reduce-scatter."""
+@pytest.mark.parametrize("method", ["all_reduce", "ring"])
+def test_reduce_scatter_methods_are_the_same_sum(dim, method):
+    """The multi-process CPU fallback (all-reduce + own slice) and the TPU ring of
+    collective-permutes give each device its slice of the sum, like the reduce-scatter; their
+    HLO holds no reduce-scatter, and the reader counts the ring as one (its full tensor)."""
     from zjax.partition.gather import reduce_scatter
 
     x = np.random.default_rng(0).standard_normal((N * 16, 24)).astype(np.float32)
 
-    def local(a, via):  # device d contributes [a_d, 2 a_d, ..., N a_d] along dim
+    def local(a, method):  # device d contributes [a_d, 2 a_d, ..., N a_d] along dim
         t = jnp.concatenate([a * (k + 1) for k in range(N)], axis=dim)
-        return reduce_scatter(t, "data", dim=dim, via_all_reduce=via)
+        return reduce_scatter(t, "data", dim=dim, method=method)
 
     out = P("data") if dim == 0 else P(None, "data")
     total = x.reshape(N, 16, 24).sum(0)
     expected = np.concatenate([total * (k + 1) for k in range(N)], axis=dim)
-    for via in (False, True):
-        f = smap(lambda a, via=via: local(a, via), (P("data"),), out)
+    for m in ("direct", method):
+        f = smap(lambda a, m=m: local(a, m), (P("data"),), out)
         np.testing.assert_allclose(f(x), expected, rtol=1e-5, atol=1e-5)
-    text = smap(lambda a: local(a, True), (P("data"),), out).lower(x).compile().as_text()
-    assert "reduce-scatter(" not in text and collective_bytes(text).all_reduce > 0
+    text = smap(lambda a: local(a, method), (P("data"),), out).lower(x).compile().as_text()
+    cb = collective_bytes(text)
+    assert "reduce-scatter(" not in text
+    if method == "all_reduce":
+        assert cb.all_reduce > 0
+    else:  # N - 1 hops of one tile each, read as one reduce-scatter of the full tensor
+        assert text.count("collective-permute(") == N - 1
+        assert cb.reduce_scatter == N * 16 * 24 * 4 and cb.counts["reduce_scatter"] == 1
+        assert cb.collective_permute == 0 and cb.wire == cb.reduce_scatter

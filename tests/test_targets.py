@@ -64,7 +64,7 @@ def test_accelerator_records_hold_no_cpu_workaround():
         assert not set(record.compiler_options) & set(cpu.compiler_options)
     assert set(backend("gpu").workarounds()) == set()
     tpu = {k for k in backend("tpu").workarounds() if not k.startswith("compiler_options.")}
-    assert tpu == {"no_host_update", "bucket_layer_gathers"}
+    assert tpu == {"no_host_update", "bucket_layer_gathers", "scatter_via_ring"}
     # TPU's options are the async-collective flags that make gathers overlap (measured)
     assert all("async" in k or "overlap" in k for k in backend("tpu").compiler_options)
 
@@ -127,6 +127,9 @@ def test_stage3_moves_two_gathers_and_one_reduce_scatter_per_parameter(name, pre
     assert coll.all_gather == pytest.approx((2 * psi + drain) * 2, rel=0.02)
     assert coll.reduce_scatter == pytest.approx(psi * reduced, rel=0.02)
     assert coll.all_reduce < 0.01 * psi  # scalars (loss, count, grad norm) only
+    # no reduce-scatter run as an all-reduce (TPU: the ring of Backend.scatter_via_ring);
+    # libtpu still runs gathers this small as all-reduces of zero-padded buffers
+    assert coll.reduce_scatter_via_all_reduce == 0
 
 
 @pytest.mark.slow
@@ -153,6 +156,9 @@ def test_accelerators_overlap_the_zero_collectives_with_compute_and_cpu_cannot()
     # without them), and with prefetch the whole of a layer's only with one bucket per layer
     # (Backend.bucket_layer_gathers: 11% here without it; the rest is outside the loops)
     assert tpu.overlap["all_gather"] >= 0.85, tpu.overlap  # 88%; 97% at d_model 1024
+    # the ring's collective-permutes (Backend.scatter_via_ring) run behind compute, after the
+    # prefetch (44% of gather bytes overlapped without the barrier in the backward loop)
+    assert tpu.overlap["reduce_scatter"] >= 0.9, tpu.overlap
 
 
 OFFLOAD = {

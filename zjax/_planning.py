@@ -186,7 +186,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         notes.append(f"this backend reduces in {plan.reduce_dtype.name} (its temp and "
                      f"collective figures say so); gradients are counted in {reduce.name}, "
                      "the zero.reduce_dtype an accelerator uses")
-    if plan.scatter_via_all_reduce:
+    if plan.scatter == "all_reduce":
         notes.append("XLA:CPU with several processes: reduce-scatters run as all-reduces plus a "
                      "slice (gloo's reduce-scatter returns wrong values, jax-ml/jax#40830)")
     setting = {

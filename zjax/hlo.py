@@ -8,7 +8,9 @@ mesh's row-major device order). The three backends' spellings are read alike
 (GPU) and TPU's async collective fusions (counted once, at their start). TPU often writes a
 reduce-scatter as an all-reduce whose result is dynamic-sliced, and a small all-gather as an
 all-reduce of a zero-padded buffer: with ``decomposed=True`` both are counted as what they are,
-and their extra traffic is in ``wire``.
+and their extra traffic is in ``wire``. The collective-permutes of zjax's ring reduce-scatter
+(:func:`zjax.partition.gather.reduce_scatter`, ``method="ring"``; named by its scope in the
+instructions' metadata) are counted as the one reduce-scatter they make.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from zjax._hlo_text import (
     axes_of,
     group_size,
     parse_module,
+    replica_groups,
     shape_bytes,
     tuple_elements,
 )
@@ -32,6 +35,8 @@ from zjax._hlo_text import (
 __all__ = ["CollectiveBytes", "CollectiveSite", "UnorderedPair", "collective_bytes",
            "collective_sites", "unordered_collectives"]
 
+# zjax.partition.gather.RING_SCOPE: the op_name scope of a ring reduce-scatter's permutes
+_RING_SCOPE = "zjax_ring_reduce_scatter"
 _START_SHAPE_RESULT = {"all-gather", "reduce-scatter", "collective-permute"}  # (operand, result)
 # instructions that are not compute: moving, viewing or waiting on data
 _NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
@@ -100,7 +105,8 @@ class CollectiveSite:
       kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ...: what it computes (an
         all-reduce whose result is dynamic-sliced is a ``reduce_scatter``).
       nbytes: tensor bytes per execution (gathered / pre-scatter size).
-      weight: executions per step (loop trip counts multiplied).
+      weight: executions per step (loop trip counts multiplied); each of a ring
+        reduce-scatter's ``n - 1`` permutes carries ``1 / (n - 1)`` of the ring's.
       computation: the scheduled computation it runs in.
       name: its instruction there (the start of an async pair, or the TPU fusion).
       overlapped: whether compute is scheduled between its start and its done.
@@ -221,6 +227,19 @@ def _done_index(instrs: list[Instr], start: int, users: dict[str, list[int]]) ->
     return None
 
 
+def _ring_length(line: str) -> int:
+    """The length of the cycle through the first source of a permute's ``source_target_pairs``."""
+    pairs = dict(tuple(p) for p in replica_groups(line) or () if len(p) == 2)
+    if not pairs:
+        return 1
+    start = node = next(iter(pairs))
+    for n in range(1, len(pairs) + 1):
+        node = pairs.get(node, start)
+        if node == start:
+            return n
+    return len(pairs)
+
+
 def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[CollectiveSite]:
     """Every collective of a compiled module with its bytes, weight and overlap.
 
@@ -264,10 +283,15 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
             site_name = instrs[site].name
             if kind == "reduce_scatter":
                 nbytes *= group_size(instr.line)
+            site_weight = w
+            if kind == "collective_permute" and _RING_SCOPE in instr.line:
+                # one hop of a ring reduce-scatter: a tile of the summed tensor
+                n = _ring_length(instr.line)
+                kind, nbytes, site_weight = "reduce_scatter", nbytes * n, w / max(1, n - 1)
             if (kind != "all_reduce" or phase != "sync" or not decomposed
                     or group_size(instr.line) == 1):
-                sites.append(CollectiveSite(kind, nbytes, w, site_comp, site_name, overlapped,
-                                            False, instr.line))
+                sites.append(CollectiveSite(kind, nbytes, site_weight, site_comp, site_name,
+                                            overlapped, False, instr.line))
                 continue
             # an all-reduce (a combined one: per tuple element) may be another collective
             if site_comp not in defs_of:
@@ -313,8 +337,8 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
             by_axis[axes_of(s.line, mesh_axes)][s.kind] += b
     overlap = {k: round(hidden[k] / v, 4) for k, v in sums.items()
                if v and k in _KINDS.values()}
-    return CollectiveBytes(**{k: int(v) for k, v in sums.items()},
-                           counts={k: int(v) for k, v in counts.items()},
+    return CollectiveBytes(**{k: round(v) for k, v in sums.items()},
+                           counts={k: round(v) for k, v in counts.items()},
                            by_axis={a: {k: int(v) for k, v in d.items()}
                                     for a, d in sorted(by_axis.items())},
                            overlap=overlap)

@@ -174,7 +174,7 @@ def _reduce_grads(grads, plan: ShardPlan, *, reduced_in_backward: bool):
             g = lax.psum(to_device(g).astype(rd), DATA)
         elif leaf.dim is not None and plan.zero.stage >= 2:
             g = reduce_scatter(g.astype(rd), DATA, dim=leaf.dim,
-                               via_all_reduce=plan.scatter_via_all_reduce)
+                               method=plan.scatter)
         else:
             g = lax.psum(g.astype(rd), DATA)
         out.append(g.astype(jnp.float32))

@@ -60,7 +60,7 @@ class Trainable:
 def _zero_args(plan: ShardPlan) -> dict:
     return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.reduce_dtype,
                 from_host=plan.params_on_host,
-                scatter_via_all_reduce=plan.scatter_via_all_reduce)
+                scatter=plan.scatter)
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:

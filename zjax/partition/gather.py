@@ -26,6 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 __all__ = [
     "GATHERED",
     "REMAT_POLICY",
+    "RING_SCOPE",
+    "SCATTER_METHODS",
     "UINT",
     "all_gather",
     "all_gather_bucket",
@@ -87,21 +89,49 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = No
     return lax.bitcast_convert_type(full, x.dtype)
 
 
-def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int,
-                   via_all_reduce: bool = False) -> jax.Array:
+SCATTER_METHODS = ("direct", "all_reduce", "ring")
+# the name scope of a ring's collective-permutes: zjax.hlo reads them as one reduce-scatter
+RING_SCOPE = "zjax_ring_reduce_scatter"
+
+
+def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "direct"
+                   ) -> jax.Array:
     """Tiled reduce-scatter of ``x`` along ``dim`` over ``axis_name``.
 
-    ``via_all_reduce`` sums with an all-reduce and keeps this device's slice instead: twice the
-    traffic, but correct where XLA:CPU's reduce-scatter is not. With ``jax.distributed``
-    initialised, XLA:CPU runs collectives through gloo, whose halving-doubling reduce-scatter
-    intermittently returns wrong values at the end of rank 0's chunk, with no error
-    (jax-ml/jax#40830; seen here as a silently wrong embedding row on 2 processes).
+    ``method`` (:data:`SCATTER_METHODS`):
+
+    - ``direct``: ``lax.psum_scatter``, the compiler's reduce-scatter.
+    - ``all_reduce``: an all-reduce, keeping this device's slice: twice the traffic, but
+      correct where XLA:CPU's reduce-scatter is not. With ``jax.distributed`` initialised,
+      XLA:CPU runs collectives through gloo, whose halving-doubling reduce-scatter
+      intermittently returns wrong values at the end of rank 0's chunk, with no error
+      (jax-ml/jax#40830; seen here as a silently wrong embedding row on 2 processes).
+    - ``ring``: ``n - 1`` collective-permutes of one tile each around the ring of
+      ``axis_name``, adding this device's tile of the passing sum at every hop: the bytes of
+      a reduce-scatter, on a compiler that would run ``direct`` as an all-reduce (libtpu).
+      Sums in a different order than ``direct`` (rounding differs, not the result).
     """
-    if not via_all_reduce:
+    if method == "direct":
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
-    size = x.shape[dim] // lax.axis_size(axis_name)
-    start = lax.axis_index(axis_name) * size
-    return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), start, size, axis=dim)
+    n = lax.axis_size(axis_name)
+    size = x.shape[dim] // n
+    me = lax.axis_index(axis_name)
+    if method == "all_reduce":
+        return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), me * size, size, axis=dim)
+    if method != "ring":
+        raise ValueError(f"reduce_scatter method {method!r}; choose from {SCATTER_METHODS}")
+
+    def tile(j):
+        return lax.dynamic_slice_in_dim(x, (j % n) * size, size, axis=dim)
+
+    # after hop s the passing sum covers devices me - s .. me of tile me - s - 1: after
+    # n - 1 hops every device holds the whole sum of its own tile
+    with jax.named_scope(RING_SCOPE):
+        ring = [(j, (j + 1) % n) for j in range(n)]
+        acc = tile(me + n - 1)
+        for s in range(1, n):
+            acc = lax.ppermute(acc, axis_name, ring) + tile(me + n - 1 - s)
+    return acc
 
 
 def _to_rows(x: jax.Array, dim: int, n: int) -> jax.Array:
@@ -138,7 +168,7 @@ def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) 
 
 
 def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: str, *,
-                          via_all_reduce: bool = False) -> list[jax.Array]:
+                          method: str = "direct") -> list[jax.Array]:
     """Tiled reduce-scatters of several values (one dtype) as one collective.
 
     The inverse layout of :func:`all_gather_bucket`: each value's tiles become rows of one
@@ -147,28 +177,26 @@ def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: s
     n = lax.axis_size(axis_name)
     rows = [_to_rows(v, d, n) for v, d in zip(values, dims, strict=True)]
     sizes = np.cumsum([r.shape[1] for r in rows])[:-1]
-    mine = reduce_scatter(jnp.concatenate(rows, axis=1), axis_name, dim=0,
-                          via_all_reduce=via_all_reduce)[0]
+    mine = reduce_scatter(jnp.concatenate(rows, axis=1), axis_name, dim=0, method=method)[0]
     return [part.reshape(*v.shape[:d], v.shape[d] // n, *v.shape[d + 1:])
             for part, v, d in zip(jnp.split(mine, sizes), values, dims, strict=True)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, via_all_reduce: bool):
+def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, scatter: str):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
     # the gathered value itself (the custom call's output would otherwise be saved)
     return all_gather(x.astype(gather_dtype), axis_name, axis=dim, name=GATHERED)
 
 
-def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype, via_all_reduce):
+def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype, scatter):
     # the zero-size residual carries the shard's dtype for the backward cast
-    out = _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, via_all_reduce)
+    out = _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter)
     return out, jnp.zeros((0,), x.dtype)
 
 
-def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, via_all_reduce, like, g):
-    shard = reduce_scatter(g.astype(reduce_dtype), axis_name, dim=dim,
-                           via_all_reduce=via_all_reduce)
+def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, scatter, like, g):
+    shard = reduce_scatter(g.astype(reduce_dtype), axis_name, dim=dim, method=scatter)
     return (shard.astype(like.dtype),)
 
 
@@ -183,7 +211,7 @@ def gather(
     gather_dtype=None,
     reduce_dtype=None,
     from_host: bool = False,
-    scatter_via_all_reduce: bool = False,
+    scatter: str = "direct",
 ) -> jax.Array:
     """All-gather shard ``x`` along ``dim`` over ``axis_name`` (inside ``shard_map``).
 
@@ -195,8 +223,7 @@ def gather(
       reduce_dtype: dtype of the reduce-scatter of its cotangent (default: ``x.dtype``).
       from_host: ``x`` lives in host memory (``zero.offload_param``): it is brought to the
         device first, and its cotangent goes back to host memory.
-      scatter_via_all_reduce: reduce the cotangent with an all-reduce (see
-        :func:`reduce_scatter`).
+      scatter: how the cotangent is reduce-scattered (:func:`reduce_scatter`'s ``method``).
 
     Returns:
       The full weight in ``gather_dtype``. Its cotangent comes back to ``x`` reduce-scattered
@@ -210,7 +237,7 @@ def gather(
         return x
     if dim is None:
         return x.astype(gather_dtype)
-    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter_via_all_reduce)
+    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter)
 
 
 def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> list[jax.Array]:
@@ -247,7 +274,7 @@ def gather_tree(
     gather_dtype=None,
     reduce_dtype=None,
     from_host: bool = False,
-    scatter_via_all_reduce: bool = False,
+    scatter: str = "direct",
     join: bool = False,
 ) -> Any:
     """Gather every leaf of ``shards`` once (each gathered value is tagged :data:`GATHERED`).
@@ -259,7 +286,7 @@ def gather_tree(
     def one(x, dim):
         return gather(x, dim=dim, axis_name=axis_name, gather_dtype=gather_dtype,
                       reduce_dtype=reduce_dtype, from_host=from_host,
-                      scatter_via_all_reduce=scatter_via_all_reduce)
+                      scatter=scatter)
 
     leaves, treedef = jax.tree.flatten(shards)
     # up to the params' structure: a None *entry* of the params (Equinox's filtered models) is
@@ -282,7 +309,7 @@ def gather_on_access(
     gather_dtype=None,
     reduce_dtype=None,
     from_host: bool = False,
-    scatter_via_all_reduce: bool = False,
+    scatter: str = "direct",
     join: bool = False,
     remat: bool = True,
 ) -> Callable[..., Any]:
@@ -297,7 +324,7 @@ def gather_on_access(
     def wrapped(shards, *args):
         full = gather_tree(shards, dims, axis_name=axis_name, gather_dtype=gather_dtype,
                            reduce_dtype=reduce_dtype, from_host=from_host,
-                           scatter_via_all_reduce=scatter_via_all_reduce, join=join)
+                           scatter=scatter, join=join)
         return fn(full, *args)
 
     return jax.checkpoint(wrapped, policy=REMAT_POLICY) if remat else wrapped

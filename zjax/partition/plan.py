@@ -175,14 +175,17 @@ class ShardPlan:
         return rd
 
     @property
-    def scatter_via_all_reduce(self) -> bool:
-        """Whether gradients are reduce-scattered as an all-reduce plus a slice.
+    def scatter(self) -> str:
+        """How gradients are reduce-scattered (:func:`zjax.partition.gather.reduce_scatter`).
 
-        Only where the backend's multi-process reduce-scatter is wrong
+        ``all_reduce`` where the backend's multi-process reduce-scatter is wrong
         (``Backend.scatter_via_all_reduce``: XLA:CPU through gloo) and the job has several
-        processes; an all-reduce is correct, at twice the traffic.
+        processes; ``ring`` where the compiler would run a reduce-scatter as an all-reduce
+        (``Backend.scatter_via_ring``: TPU); else ``direct``.
         """
-        return self.backend.scatter_via_all_reduce is not None and jax.process_count() > 1
+        if self.backend.scatter_via_all_reduce is not None and jax.process_count() > 1:
+            return "all_reduce"
+        return "ring" if self.backend.scatter_via_ring is not None else "direct"
 
     @property
     def bucket_layer_gathers(self) -> bool:
@@ -318,7 +321,7 @@ class ShardPlan:
             + ("" if self.reduce_dtype == self.zero.reduce else
                f" (zero.reduce_dtype {self.zero.reduce.name} is not supported by XLA:CPU)")
             + (", reduce-scatters as all-reduces (XLA:CPU's gloo reduce-scatter is unreliable)"
-               if self.scatter_via_all_reduce else ""),
+               if self.scatter == "all_reduce" else ""),
         ]
         if self.replicated:
             rep_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in self.replicated)

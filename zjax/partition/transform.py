@@ -78,7 +78,7 @@ def gather_on_use(
     gather_dtype=None,
     reduce_dtype=None,
     from_host: bool = False,
-    scatter_via_all_reduce: bool = False,
+    scatter: str = "direct",
     join: bool = False,
     bucket: bool = False,
 ) -> Callable[..., Any]:
@@ -92,7 +92,7 @@ def gather_on_use(
       gather_dtype: dtype floating leaves are gathered and computed in.
       reduce_dtype: dtype gradients are reduce-scattered in.
       from_host: the shards live in host memory (``zero.offload_param``).
-      scatter_via_all_reduce: reduce-scatter as all-reduce + slice.
+      scatter: how gradients are reduce-scattered (``reduce_scatter``'s ``method``).
       join: order every segment's gathers after its inputs (XLA:CPU's collectives).
       bucket: a layer scan with prefetch moves each layer's leaves as one bucket
         (``ScheduleSpec.bucket``).
@@ -104,7 +104,7 @@ def gather_on_use(
     """
     gather_args = dict(axis_name=axis_name, gather_dtype=gather_dtype,
                        reduce_dtype=reduce_dtype, from_host=from_host,
-                       scatter_via_all_reduce=scatter_via_all_reduce)
+                       scatter=scatter)
 
     def gather_leaf(x, leaf: int):
         return gather(x, dim=leaves[leaf].dim, **gather_args)
@@ -311,7 +311,7 @@ def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gath
         gather_dtype=gather_args["gather_dtype"] or want[0],
         reduce_dtype=gather_args["reduce_dtype"] or want[0],
         from_host=gather_args["from_host"],
-        scatter_via_all_reduce=gather_args["scatter_via_all_reduce"],
+        scatter=gather_args["scatter"],
         bucket=gather_args["bucket"],
     )
     carry_out, ys = scheduled_loop(body, [stacked_shards[sliced[pos]] for pos in order],
