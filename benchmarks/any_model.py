@@ -14,7 +14,7 @@ an accelerator's compiler with ``--target``), three rows:
 
 zjax rows gather in bf16 and reduce in fp32 (stage 3, prefetch 1, persistence threshold 0).
 Per row: temp bytes from ``compiled.memory_analysis()``, all-gather / reduce-scatter bytes and
-the fraction of all-gather bytes overlapped (``zjax.hlo``). Per model: temp growth per added
+the fraction of all-gather bytes overlapped (``zjax.planning``). Per model: temp growth per added
 layer against one bf16 layer of weights. Prints one JSON object.
 
 Usage: ``python benchmarks/any_model.py [--d 512] [--layers 4,8,16] [--target h100:8]``
@@ -41,9 +41,9 @@ from any_models import MODELS
 
 from zjax import ZeroConfig, from_pytree, make_mesh, make_plan, make_step
 from zjax._backend import backend
-from zjax.hlo import collective_bytes
 from zjax.mesh import DATA
 from zjax.partition.gather import gather_on_access
+from zjax.planning import collective_bytes
 from zjax.targets import target
 from zjax.trainable import Trainable
 
@@ -64,10 +64,8 @@ def _whole(init, loss) -> Trainable:
     """``from_pytree`` as it was: every sharded leaf gathered at the loss's start."""
 
     def run(params, batch, plan):
-        args = dict(axis_name="data", gather_dtype=plan.zero.gather,
-                    reduce_dtype=plan.reduce_dtype, from_host=plan.params_on_host,
-                    scatter=plan.scatter)
-        return gather_on_access(loss, plan.dims, join=plan.join_gathers, **args)(params, batch)
+        return gather_on_access(loss, plan.dims, comm=plan.comm,
+                                join=plan.join_gathers)(params, batch)
 
     return Trainable(init=init, loss=run)
 

@@ -33,7 +33,7 @@ from zero_step import (  # benchmarks/, the script directory
 )
 
 from zjax import MeshConfig, ZeroConfig, make_mesh, make_step, simulate_cpu_devices
-from zjax.hlo import collective_bytes
+from zjax.planning import collective_bytes
 
 
 def log(msg: str) -> None:

@@ -3,7 +3,7 @@
 Compiles ``benchmarks/zero_step.py``'s stage-3 rows for a TPU topology (deviceless) with the
 TPU record's compiler options (:mod:`zjax._backend`) plus, per variant, extra libtpu flags, and
 prints per row: temp bytes (``memory_analysis()``), wire bytes and the fraction of all-gather
-bytes whose async start..done encloses compute (``zjax.hlo``). The record keeps a flag only if
+bytes whose async start..done encloses compute (``zjax.planning``). The record keeps a flag only if
 a row here shows it helps.
 
 Usage: ``JAX_PLATFORMS=cpu python benchmarks/tpu_flags.py [--target v5p:2x2x2] [--jobs

@@ -61,13 +61,13 @@ from jax.sharding import PartitionSpec as P
 
 from zjax import ZeroConfig, from_nnx, make_mesh, make_plan, make_step, simulate_cpu_devices
 from zjax._backend import backend
-from zjax.hlo import collective_bytes
 from zjax.mesh import DATA
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.nn import bind_runners
-from zjax.offload import OffloadConfig, OptimizerOffloadConfig, state_bytes
+from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 from zjax.optim import clip_by_global_norm
-from zjax.partition import bytes_per_device
+from zjax.partition import nbytes
+from zjax.planning import collective_bytes
 from zjax.targets import target
 from zjax.trainable import Trainable
 
@@ -214,11 +214,6 @@ def build_baseline(kind: str, trainable: Trainable, graphdef: Any, mesh: Mesh,
                  _with_shardings(abstract, shardings), time.perf_counter() - t0)
 
 
-def total_bytes(abstract: Any) -> int:
-    return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-               for a in jax.tree.leaves(abstract))
-
-
 def time_step(built: Built, tokens: jax.Array, repeats: int, warmup: int = 2) -> float:
     """Median wall seconds of one step on real arrays (state donated and threaded through)."""
     state = built.init()
@@ -236,7 +231,6 @@ def time_step(built: Built, tokens: jax.Array, repeats: int, warmup: int = 2) ->
 def measure(built: Built, tokens: jax.Array | None, repeats: int) -> dict:
     """Memory, state, collective and time figures of one compiled step."""
     mem = built.compiled.memory_analysis()
-    shardings = jax.tree.map(lambda a: a.sharding, built.abstract_state)
     platform = jax.tree.leaves(built.abstract_state)[0].sharding.mesh.devices.flat[0].platform
     coll = collective_bytes(built.compiled.as_text(),
                             decomposed=backend(platform).decomposes_collectives)
@@ -247,9 +241,9 @@ def measure(built: Built, tokens: jax.Array | None, repeats: int) -> dict:
         "temp_bytes": int(mem.temp_size_in_bytes),
         "peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
-        "state_bytes": bytes_per_device(built.abstract_state, shardings),
-        **{f"state_{k}_bytes": v for k, v in state_bytes(built.abstract_state).items()},
-        "total_state_bytes": total_bytes(built.abstract_state),
+        "state_bytes": nbytes(built.abstract_state),
+        **{f"state_{m}_bytes": nbytes(built.abstract_state, memory=m) for m in ("device", "host")},
+        "total_state_bytes": nbytes(built.abstract_state, per_device=False),
         "collectives": {"all_gather": coll.all_gather, "reduce_scatter": coll.reduce_scatter,
                         "all_reduce": coll.all_reduce, "wire": coll.wire,
                         "other": coll.all_to_all + coll.collective_permute,

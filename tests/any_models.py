@@ -6,12 +6,21 @@ model with a tied embedding."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import equinox as eqx
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zjax
+from zjax.errors import GatherFallbackWarning
+from zjax.partition import ZeroConfig
 
 
 def _lm_loss(logits, tokens):
@@ -213,3 +222,35 @@ def eqx_scan(*, vocab=64, d=32, f=128, n_layers=3, remat=False):
 
 MODELS = {"jax_loop": jax_loop, "jax_scan": jax_scan, "linen_loop": linen_loop,
           "linen_scan": linen_scan, "eqx_scan": eqx_scan}
+
+
+# -- steps of these models ---------------------------------------------------------------------
+
+TX = optax.adam(3e-3, eps=1e-5)
+
+
+def zero3_step(name, *, n_layers=3, d=32, f=128, gather_dtype="float32", micro_batches=1,
+               **zero):
+    """``(ZeroStep, init, loss)``: model ``name`` at stage 3, every leaf sharded."""
+    init, loss = MODELS[name](n_layers=n_layers, d=d, f=f)
+    zero = ZeroConfig(stage=3, param_persistence_threshold=0, gather_dtype=gather_dtype,
+                      **zero)
+    zstep = zjax.make_step(zjax.from_pytree(init, loss), TX, mesh=zjax.make_mesh(), zero=zero,
+                           micro_batches=micro_batches)
+    return zstep, init, loss
+
+
+def compiled_step(zstep, batch=16, seq=8):
+    """The step compiled for token batches; a model that falls back to gathering everything
+    at once is an error."""
+    spec = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32,
+                                sharding=NamedSharding(zjax.make_mesh(), P("data")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GatherFallbackWarning)  # every model here is layered
+        return zstep.lower(spec).compile()
+
+
+def psi_bytes(init, itemsize: int) -> int:
+    """Bytes of all params of ``init`` at ``itemsize`` bytes each."""
+    return sum(int(np.prod(x.shape)) for x in
+               jax.tree.leaves(jax.eval_shape(init, jax.random.key(0)))) * itemsize

@@ -104,23 +104,24 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def latest_checkpoint(run_dir: Path, overrides=()) -> tuple[int, dict]:
-    """``(step, canonical state as numpy)`` of the newest checkpoint of a ``configs/tiny.yaml``
-    run trained with ``overrides`` (restored into the step those overrides build)."""
+def latest_checkpoint(run_dir: Path, overrides=(), *, step: int | None = None
+                      ) -> tuple[int, dict]:
+    """``(step, canonical state as numpy)`` of the newest checkpoint (or the one at ``step``)
+    of a ``configs/tiny.yaml`` run trained with ``overrides``, restored into the step those
+    overrides build on this process's devices."""
+    from zjax import build_step
     from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
     from zjax.config import load_config
-    from zjax.loop import resolve_loop
-    from zjax.mesh import make_mesh
-    from zjax.optim import make_optimizer
-    from zjax.step import make_step
 
-    cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
-    zstep = make_step(resolve_loop("lm").trainable(cfg.model),
-                      make_optimizer(cfg.optimizer, total_steps=cfg.train.steps),
-                      zero=cfg.zero, mesh=make_mesh(cfg.mesh))
+    zstep = build_step(load_config(ROOT / "configs/tiny.yaml", overrides))
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", CheckpointConfig())
-    step, state, _, _ = ckpt.restore_latest(zstep)
-    ckpt.close()
+    try:
+        if step is None:
+            step, state, _, _ = ckpt.restore_latest(zstep)
+        else:
+            state = ckpt.restore(step, zstep)[0]
+    finally:
+        ckpt.close()
     return step, jax.tree.map(np.asarray, to_canonical(state, zstep))
 
 

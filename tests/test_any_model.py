@@ -7,51 +7,24 @@ exactly twice per step, and holds a bounded number of gathered layers whatever i
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from any_models import MODELS, jax_flat
+from any_models import MODELS, TX, compiled_step, jax_flat, psi_bytes, zero3_step
 from helpers import FP32, assert_trees_close, reference_run
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import token_batches
 
 import zjax
 from zjax.errors import GatherFallbackWarning
-from zjax.hlo import collective_bytes, unordered_collectives
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 from zjax.partition import ZeroConfig
 from zjax.partition.gather import gather_tree
 from zjax.partition.transform import layer_of
+from zjax.planning import collective_bytes, unordered_collectives
 
-TX = optax.adam(3e-3, eps=1e-5)
 SCANNED = {"jax_scan", "linen_scan", "eqx_scan"}
-
-
-def _step(name, *, n_layers=3, d=32, f=128, gather_dtype="float32", micro_batches=1, **zero):
-    init, loss = MODELS[name](n_layers=n_layers, d=d, f=f)
-    zero = ZeroConfig(stage=3, param_persistence_threshold=0, gather_dtype=gather_dtype,
-                      **zero)
-    zstep = zjax.make_step(zjax.from_pytree(init, loss), TX, mesh=zjax.make_mesh(), zero=zero,
-                           micro_batches=micro_batches)
-    return zstep, init, loss
-
-
-def _compiled(zstep, batch=16, seq=8):
-    spec = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32,
-                                sharding=NamedSharding(zjax.make_mesh(), P("data")))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GatherFallbackWarning)  # every model here is layered
-        return zstep.lower(spec).compile()
-
-
-def _psi_bytes(init, itemsize: int) -> int:
-    return sum(int(np.prod(x.shape)) for x in
-               jax.tree.leaves(jax.eval_shape(init, jax.random.key(0)))) * itemsize
 
 
 def _train_and_compare(zstep, init, loss, n=5):
@@ -67,21 +40,21 @@ def _train_and_compare(zstep, init, loss, n=5):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_stage3_equals_single_device_optax(name):
-    _train_and_compare(*_step(name, prefetch_layers=1))
+    _train_and_compare(*zero3_step(name, prefetch_layers=1))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "prefetch"), [("jax_loop", 0), ("linen_scan", 2)])
 def test_stage3_equals_optax_at_other_prefetch_depths(name, prefetch):
-    _train_and_compare(*_step(name, n_layers=4, prefetch_layers=prefetch))
+    _train_and_compare(*zero3_step(name, n_layers=4, prefetch_layers=prefetch))
 
 
 @pytest.mark.slow
 def test_with_gradient_accumulation_and_offload():
     """Micro-batches around unrolled segments; params and Adam state in host memory around a
     scheduled loop."""
-    _train_and_compare(*_step("jax_loop", micro_batches=2))
-    _train_and_compare(*_step("eqx_scan", offload_optimizer=OptimizerOffloadConfig(
+    _train_and_compare(*zero3_step("jax_loop", micro_batches=2))
+    _train_and_compare(*zero3_step("eqx_scan", offload_optimizer=OptimizerOffloadConfig(
         device="host"), offload_param=OffloadConfig(device="host")))
 
 
@@ -89,10 +62,10 @@ def test_with_gradient_accumulation_and_offload():
 def test_every_weight_is_gathered_twice_and_reduced_once(name):
     """bf16 gathers, fp32 reduce; a scan at prefetch k gathers k layers more (the drain)."""
     n_layers, k = 4, 1
-    zstep, init, _ = _step(name, n_layers=n_layers, gather_dtype="bfloat16", prefetch_layers=k)
-    text = _compiled(zstep).as_text()
+    zstep, init, _ = zero3_step(name, n_layers=n_layers, gather_dtype="bfloat16", prefetch_layers=k)
+    text = compiled_step(zstep).as_text()
     coll = collective_bytes(text)
-    psi = _psi_bytes(init, 1)
+    psi = psi_bytes(init, 1)
     stacked = sum(int(np.prod(x.shape)) for path, x in jax.tree_util.tree_flatten_with_path(
         jax.eval_shape(init, jax.random.key(0)))[0] if _is_stacked(name, path))
     drain = k * stacked // n_layers if name in SCANNED else 0
@@ -122,7 +95,7 @@ def test_a_program_the_transform_cannot_rewrite_falls_back_with_the_cause(monkey
         raise NotImplementedError("a primitive it does not know")
 
     monkeypatch.setattr(transform, "_execute", broken)
-    zstep, init, loss = _step("jax_loop")
+    zstep, init, loss = zero3_step("jax_loop")
     with pytest.warns(GatherFallbackWarning, match="NotImplementedError: a primitive it does"):
         _train_and_compare(zstep, init, loss, n=2)
 
@@ -133,7 +106,7 @@ def test_gather_tree_with_none_entries():
     dims = {"w": 0, "act": None, "b": None}
 
     def local(shards):
-        return gather_tree(shards, dims, axis_name="data")
+        return gather_tree(shards, dims)
 
     mesh = zjax.make_mesh()
     out = jax.shard_map(local, mesh=mesh, in_specs=({"w": P("data"), "act": None, "b": P()},),

@@ -5,8 +5,7 @@ criterion; the GPT on ``Stack`` passes the same test in test_collectives_memory.
 from __future__ import annotations
 
 import pytest
-from any_models import MODELS
-from test_any_model import _compiled, _psi_bytes, _step
+from any_models import MODELS, compiled_step, psi_bytes, zero3_step
 
 
 @pytest.mark.slow
@@ -16,12 +15,12 @@ def test_temp_grows_by_less_than_a_gathered_layer_per_layer(name):
     the same scheduled loop; benchmarks/any_model.py measures all five to 16 layers."""
     temps, layer = [], None
     for n_layers in (4, 8):
-        zstep, _, _ = _step(name, n_layers=n_layers, d=64, f=256, gather_dtype="bfloat16",
+        zstep, _, _ = zero3_step(name, n_layers=n_layers, d=64, f=256, gather_dtype="bfloat16",
                             prefetch_layers=1)
-        temps.append(_compiled(zstep).memory_analysis().temp_size_in_bytes)
+        temps.append(compiled_step(zstep).memory_analysis().temp_size_in_bytes)
         if layer is None:
-            one = _psi_bytes(MODELS[name](n_layers=1, d=64, f=256)[0], 2)
-            two = _psi_bytes(MODELS[name](n_layers=2, d=64, f=256)[0], 2)
+            one = psi_bytes(MODELS[name](n_layers=1, d=64, f=256)[0], 2)
+            two = psi_bytes(MODELS[name](n_layers=2, d=64, f=256)[0], 2)
             layer = two - one  # one layer's weights in bf16
     assert (temps[1] - temps[0]) / 4 < layer, (temps, layer)
 
@@ -44,8 +43,8 @@ def test_on_accelerator_compilers_flat_and_two_gathers(tgt, name):
 
     import zjax
     from zjax._backend import backend
-    from zjax.hlo import collective_bytes
     from zjax.partition import ZeroConfig
+    from zjax.planning import collective_bytes
     from zjax.targets import target
 
     mesh = zjax.make_mesh(devices=list(target(tgt).devices))
@@ -62,11 +61,11 @@ def test_on_accelerator_compilers_flat_and_two_gathers(tgt, name):
         coll = collective_bytes(compiled.as_text(),
                                 decomposed=backend(mesh.devices.flat[0].platform)
                                 .decomposes_collectives)
-        psi = _psi_bytes(init, 1)
-        drain = (psi - _psi_bytes(MODELS[name](n_layers=0, d=512, f=2048)[0], 1)) \
+        psi = psi_bytes(init, 1)
+        drain = (psi - psi_bytes(MODELS[name](n_layers=0, d=512, f=2048)[0], 1)) \
             // n_layers if name == "eqx_scan" else 0
         assert coll.all_gather == pytest.approx((2 * psi + drain) * 2, rel=0.02)
         assert coll.reduce_scatter == pytest.approx(psi * 2, rel=0.02)
-    layer = _psi_bytes(MODELS[name](n_layers=2, d=512, f=2048)[0], 2) \
-        - _psi_bytes(MODELS[name](n_layers=1, d=512, f=2048)[0], 2)
+    layer = psi_bytes(MODELS[name](n_layers=2, d=512, f=2048)[0], 2) \
+        - psi_bytes(MODELS[name](n_layers=1, d=512, f=2048)[0], 2)
     assert (temps[1] - temps[0]) / 2 < layer, (temps, layer)

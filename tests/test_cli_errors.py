@@ -24,10 +24,10 @@ from helpers import ROOT, cli_env, run_zjax
 import zjax
 from zjax import cli
 from zjax import export as export_mod
-from zjax._autotune import Candidate
-from zjax._autotune import autotune as _autotune
 from zjax.config import load_config
 from zjax.export import export
+from zjax.planning import Candidate
+from zjax.planning import search as _autotune
 from zjax.plot import plot_run
 
 RUN = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
@@ -299,7 +299,7 @@ def test_budget_search_reports_each_candidate_and_keeps_its_result():
 
 
 def test_plan_budget_prints_progress_to_stderr(monkeypatch, capsys, cli_logging):
-    import zjax.planner as planner
+    import zjax.planning as planner
 
     class Result:
         budget_bytes, rows, config = 1, [], None

@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import zjax
-from zjax.hlo import collective_bytes, unordered_collectives
 from zjax.models import GPT, GPTConfig, lm_loss
+from zjax.planning import collective_bytes, unordered_collectives
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 

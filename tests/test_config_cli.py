@@ -47,8 +47,15 @@ def test_batch_not_divisible_by_data_axis():
     zstep = zjax.make_step(gpt_trainable(), optax.sgd(0.1),
                            zero=zjax.ZeroConfig(stage=3, param_persistence_threshold=100),
                            mesh=zjax.make_mesh())
-    with pytest.raises(zjax.ConfigError, match=r"data.batch_size: .* 12 is not divisible .* 8"):
+    # the engine names its own argument; the config layer names the key it came from
+    with pytest.raises(zjax.ArgumentError,
+                       match=r"^batch: the global batch of 12 is not divisible by the data axis"):
         zstep.lower(jax.ShapeDtypeStruct((12, 17), jnp.int32))
+    built = zjax.build_step(load_config(ROOT / "configs/tiny.yaml", ["data.batch_size=12"]))
+    with pytest.raises(zjax.ConfigError, match=r"^data.batch_size: .* 12 is not divisible .* 8"):
+        zjax.plan(load_config(ROOT / "configs/tiny.yaml", ["data.batch_size=12"]))
+    with pytest.raises(zjax.ArgumentError, match=r"^batch: "):
+        built.check_batch((12, 17))
 
 
 def test_mesh_that_does_not_fit_the_devices():

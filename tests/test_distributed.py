@@ -16,12 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FP32, ROOT, assert_trees_close, children, cli_env, zjax_cmd
-
-import zjax
-from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
-from zjax.loop import resolve_loop
-from zjax.optim import make_optimizer
+from helpers import (
+    FP32,
+    ROOT,
+    assert_trees_close,
+    children,
+    cli_env,
+    latest_checkpoint,
+    zjax_cmd,
+)
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
@@ -40,17 +43,9 @@ def _launch(n: int, d: int, *cmd: str) -> list[str]:
     return zjax_cmd("launch", "-n", str(n), "--devices-per-process", str(d), "--", *cmd)
 
 
-def _restore(run_dir: Path, step: int):
-    """The canonical state of ``run_dir``'s checkpoint at ``step``, on this process's 8 devices."""
-    cfg = zjax.load_config(ROOT / "configs/tiny.yaml", FAST)
-    tx = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps)
-    zstep = zjax.make_step(resolve_loop("lm").trainable(cfg.model), tx, zero=cfg.zero,
-                           mesh=zjax.make_mesh())
-    ckpt = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
-    try:
-        return to_canonical(ckpt.restore(step, zstep)[0], zstep)
-    finally:
-        ckpt.close()
+def _restore(run_dir: Path, step: int) -> dict:
+    """The canonical state of ``run_dir``'s checkpoint at ``step``, on this process's devices."""
+    return latest_checkpoint(run_dir, FAST, step=step)[1]
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +78,8 @@ READ_ON_2 = textwrap.dedent("""
     sys.path.insert(0, "tests")
     import jax, numpy as np
     assert jax.device_count() == 2
-    from test_distributed import _restore
-    state = _restore(Path(sys.argv[1]), 5)
+    from helpers import latest_checkpoint
+    _, state = latest_checkpoint(Path(sys.argv[1]), sys.argv[3].split(), step=5)
     leaves = [np.asarray(x) for x in jax.tree.leaves((state["params"], state["opt_state"]))]
     np.savez(sys.argv[2], *leaves)
 """)
@@ -95,7 +90,8 @@ def test_checkpoints_cross_process_counts(runs, tmp_path):
     want = _restore(tmp / "two", 5)  # written by 2 x 4, restored on 1 x 8
     env = cli_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                     "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", READ_ON_2, str(tmp / "two"), str(tmp_path / "a")],
+    r = subprocess.run([sys.executable, "-c", READ_ON_2, str(tmp / "two"), str(tmp_path / "a"),
+                        " ".join(FAST)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(tmp_path / "a.npz")

@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import zjax
 from zjax._backend import backend
-from zjax.hlo import collective_bytes
 from zjax.nn import Stack
 from zjax.partition import REMAT_POLICY, ScheduleSpec, gather_tree, scheduled_scan
+from zjax.planning import collective_bytes
 
 N = 8
 

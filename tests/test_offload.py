@@ -16,9 +16,9 @@ from models import gpt_trainable, token_batches
 import zjax
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
 from zjax.export import export
-from zjax.offload import OffloadConfig, OptimizerOffloadConfig, state_bytes
-from zjax.optim import clip_by_global_norm, make_optimizer
-from zjax.partition import ZeroConfig
+from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+from zjax.optim import clip_by_global_norm
+from zjax.partition import ZeroConfig, nbytes
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
@@ -103,7 +103,7 @@ def test_offloaded_state_lives_and_moves_in_host_memory(mode):
     sharded = sum(leaf.size // 8 if leaf.dim is not None else leaf.size
                   for leaf in zstep.plan.leaves)
     assert sharded < 1.03 * n_params / 8  # (almost) every leaf is sharded
-    placed = state_bytes(zstep.abstract_state)
+    placed = {m: nbytes(zstep.abstract_state, memory=m) for m in ("device", "host")}
     offloaded = [x for x in jax.tree.leaves(zstep.abstract_state)
                  if x.sharding.memory_kind == "pinned_host"]
     assert all(x.ndim for x in offloaded)  # optax's counts stay on the device
@@ -178,9 +178,6 @@ def test_train_with_offload_reports_bytes_and_exports(tmp_path):
                                                                     held["pinned_host"])
     # predicted (the ZeRO paper's formula) beside the compiled model states
     assert 0 < row["model_state_bytes"] <= row["predicted_model_state_bytes"]
-    summary = result.step.plan.summary(opt_state=result.step.abstract_state.opt_state,
-                                        tx=make_optimizer(cfg.optimizer, total_steps=2))
-    assert "optimizer" in summary and "in host memory" in summary
     # the gathered export reads the host-resident master like any other checkpoint
     out = export(tmp_path / "run", tmp_path / "export", dtype="float32")
     exported = ocp.StandardCheckpointer().restore(out)

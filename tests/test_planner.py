@@ -11,12 +11,8 @@ import pytest
 from helpers import run_zjax
 
 import zjax
-from zjax._autotune import autotune as _autotune
-from zjax._planning import formula
-from zjax.hlo import collective_bytes
-from zjax.loop import resolve_loop
-from zjax.optim import make_optimizer
-from zjax.planner import compile_report
+from zjax.planning import collective_bytes, compile_report, formula
+from zjax.planning import search as _autotune
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
@@ -45,9 +41,7 @@ def test_plan_reports_the_compiled_step(stage):
     report = zjax.plan(config)
     assert set(report.per_device) == PER_DEVICE and set(report.collectives) == COLLECTIVES
     # the same step built by hand: the collective bytes are those the engine's HLO holds
-    tx = make_optimizer(config.optimizer, total_steps=config.train.steps)
-    zstep = zjax.make_step(resolve_loop("lm").trainable(config.model), tx, zero=config.zero,
-                           mesh=zjax.make_mesh())
+    zstep = zjax.build_step(config)
     batch = jax.ShapeDtypeStruct((16, 33), jax.numpy.int32)
     compiled = zstep.lower(batch).compile()
     coll = collective_bytes(compiled.as_text())

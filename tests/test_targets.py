@@ -11,20 +11,13 @@ import json
 import os
 import subprocess
 
-import jax
 import numpy as np
 import pytest
 from helpers import cli_env, run_zjax
 
 import zjax
 from zjax._backend import backend
-from zjax._planning import report
-from zjax.hlo import collective_bytes
-from zjax.loop import resolve_loop
-from zjax.mesh import make_mesh
-from zjax.optim import make_optimizer
-from zjax.planner import _abstract_batch
-from zjax.step import make_step
+from zjax.planning import collective_bytes, report
 from zjax.targets import target
 
 GPU, TPU = "h100:8", "v5p:2x2x2"
@@ -44,12 +37,8 @@ SETTINGS = {
 def _compiled(name: str, *overrides: str):
     """(zstep, compiled, report) of the tiny GPT's step compiled for ``name``."""
     config = zjax.load_config("configs/tiny.yaml", [*BASE, *overrides])
-    devices = jax.devices() if name == "cpu" else list(target(name).devices)
-    loop = resolve_loop(config.loop)
-    zstep = make_step(loop.trainable(config.model),
-                      make_optimizer(config.optimizer, total_steps=10), zero=config.zero,
-                      mesh=make_mesh(config.mesh, devices=devices))
-    compiled = zstep.lower(_abstract_batch(loop, config)).compile()
+    zstep = zjax.build_step(config, None if name == "cpu" else target(name))
+    compiled = zstep.lower(zjax.abstract_batch(config)).compile()
     return zstep, compiled, report(zstep, compiled,
                                   target=None if name == "cpu" else target(name))
 

@@ -23,15 +23,14 @@ from helpers import (
 from models import gpt_reference_loss, gpt_trainable, token_batches
 
 import zjax
-from zjax._autotune import autotune as _autotune
-from zjax._hlo_text import axes_of as _axes_of
-from zjax._planning import report as plan_report
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
 from zjax.config import load_config
 from zjax.export import export
-from zjax.hlo import collective_bytes
 from zjax.models import GPTConfig
-from zjax.planner import compile_report
+from zjax.planning import axes_of as _axes_of
+from zjax.planning import collective_bytes, compile_report
+from zjax.planning import report as plan_report
+from zjax.planning import search as _autotune
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
@@ -159,17 +158,18 @@ def test_bad_meshes_are_config_errors():
         zjax.make_mesh(zjax.MeshConfig(model=3))
     odd_ff = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=36, max_seq_len=16)
     with pytest.raises(zjax.ConfigError,
-                       match=r"mesh.model: 8 does not divide the 'mlp' dimension of "
+                       match=r"^mesh: the model axis \(8\) does not divide the 'mlp' dimension of "
                              r"blocks/layers/w_(up|down) \(size 36"):
         _zstep(1, 8, cfg=odd_ff)
     zstep = _zstep(1, 8, cfg=GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
                                        max_seq_len=16))
-    with pytest.raises(zjax.ConfigError, match=r"mesh.model: 8 does not divide model.n_heads 4"):
+    with pytest.raises(zjax.ConfigError,
+                       match=r"^mesh: the model axis \(8\) does not divide the 4 attention"):
         zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32))
     # a model that names no dimension for tensor parallelism cannot use a model axis
     plain = zjax.from_pytree(lambda rng: {"w": jax.random.normal(rng, (8, 8))},
                              lambda p, b: (jax.numpy.sum(p["w"]) * 0, 1.0))
-    with pytest.raises(zjax.ConfigError, match=r"mesh.model: 2, but the model names no"):
+    with pytest.raises(zjax.ConfigError, match=r"^mesh: a model axis of 2, but the model names no"):
         zjax.make_step(plain, make_tx(), zero=zjax.ZeroConfig(stage=3),
                        mesh=zjax.make_mesh(zjax.MeshConfig(model=2)))
 
@@ -235,7 +235,8 @@ def test_plan_cli_on_a_2d_mesh():
     assert set(by_axis["model"]) == {"all_reduce"}
     # tiny.yaml's 4 heads cannot be split 8 ways: exit 2, the key and sizes, no traceback
     r = _plan_cli("mesh.model=8")
-    assert r.returncode == 2 and "mesh.model: 8 does not divide model.n_heads 4" in r.stderr
+    assert r.returncode == 2 and ("mesh.model: the model axis (8) does not divide the 4 "
+                                  "attention heads") in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -266,8 +267,8 @@ def test_budget_search_picks_a_model_axis_when_only_it_fits():
 ])
 def test_replica_group_spellings_map_to_mesh_axes(groups, axes, size):
     """XLA writes replica groups three ways; each is attributed to the axes it spans on 4x2."""
-    from zjax._hlo_text import axes_of as _axes_of
-    from zjax._hlo_text import group_size as _group_size
+    from zjax.planning import axes_of as _axes_of
+    from zjax.planning import group_size as _group_size
 
     line = f"%x = f32[8] all-reduce(%y), channel_id=1, replica_groups={groups}, to_apply=%r"
     assert _axes_of(line, {"data": 4, "model": 2}) == axes

@@ -56,9 +56,16 @@ def test_run_directory_holds_config_metrics_tensorboard(tiny_run):
     # time (which also holds the compile, the evaluation and the saves) and are not nil
     stepping = sum(10 * r["step_time_s"] for r in rows)
     assert 0 < stepping < wall_s, (stepping, wall_s)
-    # tokens/s counts the global batch's tokens (16 x 128), not one device's share
-    assert 16 * 128 / row["step_time_s"] == pytest.approx(row["tokens_per_s"], rel=1e-6)
+    # tokens/s counts the global batch's tokens (60 steps x 16 x 128 in all), not one device's
+    # share: the logged rates, over the logged intervals, account for every token trained
+    trained = sum(r["tokens_per_s"] * 10 * r["step_time_s"] for r in rows)
+    assert trained == pytest.approx(60 * 16 * 128, rel=1e-6)
     assert any((run_dir / "tensorboard").iterdir())
+    # the compiled step's plan report, beside the metrics it explains
+    planned = json.loads((run_dir / "plan.json").read_text())
+    assert planned["per_device"]["temp_bytes"] == row["memory_temp_bytes"]
+    assert planned["per_device"]["host_bytes"] == row["state_host_bytes"]
+    assert planned["setting"]["stage"] == 3 and planned["n_devices"] == 8
     # the run directory is never clobbered: another model is refused, a finished run says so
     with pytest.raises(zjax.CheckpointError, match="holds the state of another model or optimizer"):
         zjax.train("lm", load_config(None, ["train.steps=100"]), run_dir=run_dir)

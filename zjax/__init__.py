@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "ArgumentError": "zjax.errors",
     "CheckpointError": "zjax.errors",
     "Config": "zjax.config",
     "ConfigError": "zjax.errors",
@@ -20,29 +21,32 @@ _EXPORTS = {
     "MeshConfig": "zjax.mesh",
     "NonFiniteError": "zjax.errors",
     "NotGatheredError": "zjax.errors",
-    "PlanReport": "zjax._planning",
+    "PlanReport": "zjax.planning",
     "Preempted": "zjax._preempt",
     "ShardPlan": "zjax.partition",
     "TrainResult": "zjax.trainer",
     "TrainState": "zjax.step",
     "Trainable": "zjax.trainable",
-    "TuneResult": "zjax._autotune",
+    "TuneResult": "zjax.planning",
     "ZeroConfig": "zjax.partition",
     "ZeroStep": "zjax.step",
     "ZjaxError": "zjax.errors",
-    "autotune": "zjax.planner",
+    "abstract_batch": "zjax._build",
+    "autotune": "zjax.planning",
+    "build_step": "zjax._build",
     "from_nnx": "zjax.trainable",
     "from_pytree": "zjax.trainable",
     "load_config": "zjax.config",
     "make_mesh": "zjax.mesh",
     "make_plan": "zjax.partition",
     "make_step": "zjax.step",
-    "plan": "zjax.planner",
+    "plan": "zjax.planning",
     "simulate_cpu_devices": "zjax.mesh",
     "train": "zjax.trainer",
 }
 
 __all__ = [
+    "ArgumentError",
     "CheckpointError",
     "Config",
     "ConfigError",
@@ -62,7 +66,9 @@ __all__ = [
     "ZeroConfig",
     "ZeroStep",
     "ZjaxError",
+    "abstract_batch",
     "autotune",
+    "build_step",
     "from_nnx",
     "from_pytree",
     "load_config",
@@ -89,11 +95,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from zjax._autotune import TuneResult
-    from zjax._planning import PlanReport
+    from zjax._build import abstract_batch, build_step
     from zjax._preempt import Preempted
     from zjax.config import Config, load_config
     from zjax.errors import (
+        ArgumentError,
         CheckpointError,
         ConfigError,
         GatherFallbackWarning,
@@ -104,7 +110,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.loop import LanguageModel, Loop
     from zjax.mesh import MeshConfig, make_mesh, simulate_cpu_devices
     from zjax.partition import ShardPlan, ZeroConfig, make_plan
-    from zjax.planner import autotune, plan
+    from zjax.planning import PlanReport, TuneResult, autotune, plan
     from zjax.step import TrainState, ZeroStep, make_step
     from zjax.trainable import Trainable, from_nnx, from_pytree
     from zjax.trainer import TrainResult, train

@@ -51,7 +51,7 @@ class Backend:
       no_host_update: refuse ``zero.offload_optimizer.update_on: host`` (the compiler crashes).
       decomposes_collectives: the compiler writes a reduce-scatter as an all-reduce whose
         result is dynamic-sliced, and a small all-gather as an all-reduce of a zero-padded
-        buffer (TPU); :func:`zjax.hlo.collective_bytes` then reads them as what they are.
+        buffer (TPU); :func:`zjax.planning.collective_bytes` then reads them as what they are.
     """
 
     platform: str
@@ -93,7 +93,7 @@ _CPU = Backend(
         "XLA:CPU runs a loop's collectives in an executor of their own, unordered against "
         "those outside; two same-kind collectives in flight share one rendezvous key "
         "(channel id 1) and abort or hang the step",
-        "zjax.hlo.unordered_collectives; jax-ml/jax#40830 (thread)"),
+        "zjax.planning.unordered_collectives; jax-ml/jax#40830 (thread)"),
     scatter_via_all_reduce=Quirk(
         "with jax.distributed, XLA:CPU's gloo reduce-scatter intermittently returns wrong "
         "values at the end of rank 0's chunk, with no error",

@@ -83,6 +83,13 @@ class RunDir:
         except OSError as e:
             raise ConfigError(f"--run-dir: cannot write to {str(self.path)!r}: {e}") from None
 
+    def write_plan(self, report: dict) -> None:
+        """Write ``plan.json``: the compiled step's :class:`~zjax.planning.PlanReport`."""
+        try:
+            _atomic_write(self.path / "plan.json", json.dumps(report, indent=1) + "\n")
+        except OSError as e:
+            raise ConfigError(f"--run-dir: cannot write to {str(self.path)!r}: {e}") from None
+
     def truncate_metrics(self, step: int) -> None:
         """Drop rows logged after ``step`` (a resume logs them again; 0: all) and any torn
         last line.

@@ -122,9 +122,6 @@ class Checkpointer:
         """The steps of the committed checkpoints, oldest first."""
         return sorted(self.manager.all_steps())
 
-    def should_save(self, step: int, last: int) -> bool:
-        return step == last or (self.config.every > 0 and step % self.config.every == 0)
-
     def save(self, step: int, state: TrainState, zstep: ZeroStep, *, data_state: Any = None,
              meta: dict | None = None) -> None:
         """Start saving ``state`` at ``step`` (returns before the write completes if async).

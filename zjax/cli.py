@@ -205,7 +205,7 @@ def _plan(args) -> int:
         raise ConfigError("--budget: 'device' takes the memory of a --target; give a size "
                           "(e.g. 80GiB) or a --target")
     _setup_devices(None if args.target else args.devices)
-    from zjax.planner import autotune, plan
+    from zjax.planning import autotune, plan
 
     if not args.budget:
         report = plan(config, devices=args.devices, target=args.target)

@@ -10,9 +10,9 @@ import difflib
 import json
 from collections.abc import Iterable
 
-__all__ = ["CheckpointError", "ConfigError", "DamagedCheckpoint", "GatherFallbackWarning",
-           "NonFiniteError", "NotGatheredError", "ZjaxError", "did_you_mean", "first_line",
-           "is_damage"]
+__all__ = ["ArgumentError", "CheckpointError", "ConfigError", "DamagedCheckpoint",
+           "GatherFallbackWarning", "NonFiniteError", "NotGatheredError", "ZjaxError",
+           "did_you_mean", "first_line", "is_damage"]
 
 
 class ZjaxError(Exception):
@@ -21,6 +21,27 @@ class ZjaxError(Exception):
 
 class ConfigError(ZjaxError, ValueError):
     """A configuration value is missing, of the wrong type, or not allowed."""
+
+
+class ArgumentError(ConfigError):
+    """An argument of an engine function (``make_step``'s ``micro_batches``, a batch, a mesh)
+    does not fit.
+
+    The engine names its own arguments; the config layer (:func:`zjax.build_step`, the
+    trainer, the planner) renames them to the config keys they came from (:meth:`renamed`).
+
+    Attributes:
+      argument: the argument's name.
+      detail: what is wrong and what would fit.
+    """
+
+    def __init__(self, argument: str, detail: str):
+        super().__init__(f"{argument}: {detail}")
+        self.argument, self.detail = argument, detail
+
+    def renamed(self, keys: dict[str, str]) -> ConfigError:
+        """The same error naming the config key ``keys`` maps the argument to."""
+        return ConfigError(f"{keys.get(self.argument, self.argument)}: {self.detail}")
 
 
 class CheckpointError(ZjaxError, OSError):

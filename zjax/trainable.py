@@ -57,12 +57,6 @@ class Trainable:
     logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None
 
 
-def _zero_args(plan: ShardPlan) -> dict:
-    return dict(axis_name="data", gather_dtype=plan.zero.gather, reduce_dtype=plan.reduce_dtype,
-                from_host=plan.params_on_host,
-                scatter=plan.scatter)
-
-
 def _suspects(plan: ShardPlan, message: str) -> list[str]:
     """Sharded leaves whose local shard size appears in an error message, best matches first."""
     numbers = {int(n) for n in re.findall(r"\d+", message)}
@@ -126,7 +120,7 @@ def from_pytree(
 
         run = gather_on_use(loss_fn, [LeafSpec(leaf.path, leaf.dim) for leaf in plan.leaves],
                             prefetch=prefetch, join=plan.join_gathers,
-                            bucket=plan.bucket_layer_gathers, **_zero_args(plan))
+                            bucket=plan.bucket_layer_gathers, comm=plan.comm)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     return Trainable(init=init, loss=loss, logical_axes=logical_axes)
@@ -161,41 +155,48 @@ def from_nnx(
     def loss(params, batch, plan: ShardPlan):
         if plan.zero.stage < 3:
             return loss_fn(nnx.merge(graphdef, params), batch)
-        by_path = {leaf.path: leaf for leaf in plan.leaves}
-        args = _zero_args(plan)
-
-        def gather_non_stacked(shards):
-            leaves = jax.tree.leaves(shards)
-            out = [x if leaf.stacked else gather_tree(x, leaf.dim, **args)
-                   for x, leaf in zip(leaves, plan.leaves, strict=True)]
-            if plan.join_gathers:  # XLA:CPU: none may overlap the stack's loops
-                out = join_gathers(out, [not leaf.stacked and leaf.dim is not None
-                                         for leaf in plan.leaves])
-            return plan.tree(out)
-
-        def runner(path: str, stack: Stack):
-            _, state = nnx.split(stack.layers)
-            flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
-            layer_leaves = [by_path[f"{path}/layers/{path_str(p)}"] for p, _ in flat]
-            # what one device gathers per layer: 1/model of the leaves tensor parallelism splits
-            per_layer = sum(leaf.size // leaf.shape[0]
-                            // (plan.n_model if leaf.model_dim is not None else 1)
-                            for leaf in layer_leaves)
-            spec = ScheduleSpec(
-                dims=tuple(leaf.dim for leaf in layer_leaves),
-                prefetch=plan.zero.prefetch_depth(layer_elements=per_layer,
-                                                  n_layers=stack.n_layers),
-                bucket=plan.bucket_layer_gathers,
-                **args,
-            )
-            return functools.partial(scheduled_scan, spec=spec)
-
-        def run(shards, batch):
-            # non-stack leaves gathered here once; stack leaves stay shards for the schedule
-            model = nnx.merge(graphdef, gather_non_stacked(shards))
-            bind_runners(model, runner)
-            return loss_fn(model, batch)
-
+        run = lambda shards, batch: _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     return Trainable(init=init, loss=loss, stacked=stacked, logical_axes=names.get)
+
+
+def _gather_non_stacked(shards, plan: ShardPlan):
+    """Every leaf outside a Stack gathered once; stack leaves stay shards for the schedule."""
+    out = [x if leaf.stacked else gather_tree(x, leaf.dim, comm=plan.comm)
+           for x, leaf in zip(jax.tree.leaves(shards), plan.leaves, strict=True)]
+    if plan.join_gathers:  # XLA:CPU: none may overlap the stack's loops
+        out = join_gathers(out, [not leaf.stacked and leaf.dim is not None
+                                 for leaf in plan.leaves])
+    return plan.tree(out)
+
+
+def _stack_runner(plan: ShardPlan):
+    """``runner(path, stack)``: the scheduled scan that runs the Stack at ``path``."""
+    by_path = {leaf.path: leaf for leaf in plan.leaves}
+
+    def runner(path: str, stack: Stack):
+        _, state = nnx.split(stack.layers)
+        flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+        layer_leaves = [by_path[f"{path}/layers/{path_str(p)}"] for p, _ in flat]
+        # what one device gathers per layer: 1/model of the leaves tensor parallelism splits
+        per_layer = sum(leaf.size // leaf.shape[0]
+                        // (plan.n_model if leaf.model_dim is not None else 1)
+                        for leaf in layer_leaves)
+        spec = ScheduleSpec(
+            dims=tuple(leaf.dim for leaf in layer_leaves),
+            prefetch=plan.zero.prefetch_depth(layer_elements=per_layer,
+                                              n_layers=stack.n_layers),
+            bucket=plan.bucket_layer_gathers,
+            comm=plan.comm,
+        )
+        return functools.partial(scheduled_scan, spec=spec)
+
+    return runner
+
+
+def _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan: ShardPlan):
+    """The NNX model's loss at stage 3: its Stacks run as scheduled scans."""
+    model = nnx.merge(graphdef, _gather_non_stacked(shards, plan))
+    bind_runners(model, _stack_runner(plan))
+    return loss_fn(model, batch)

@@ -8,9 +8,9 @@ directory. Only process 0 prints and writes; every process logs warnings and err
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,20 +18,23 @@ from typing import Any
 import jax
 import numpy as np
 
+from zjax._build import build_step, config_keys
+from zjax._hooks import Hook, run_hooks, training_steps
 from zjax._metrics import MetricsWriter
 from zjax._nonfinite import FiniteWatch
-from zjax._planning import report
-from zjax._preempt import Preempted, PreemptionGuard
+from zjax._preempt import PreemptionGuard
 from zjax._rundir import RunDir
+from zjax._train_hooks import Checkpoints, Evaluation, MetricsLog, Progress, preemption
 from zjax.checkpoint import Checkpointer
 from zjax.config import Config, as_config
 from zjax.distributed import detect, initialize
 from zjax.errors import CheckpointError, ConfigError
 from zjax.loop import Loop, resolve_loop
-from zjax.mesh import make_mesh, process_batch_slice
-from zjax.optim import make_optimizer, make_schedule
-from zjax.partition.plan import bytes_per_device
-from zjax.step import TrainState, ZeroStep, make_step
+from zjax.mesh import process_batch_slice
+from zjax.optim import make_schedule
+from zjax.partition import nbytes
+from zjax.planning._report import PlanReport, compiled_memory, report
+from zjax.step import TrainState, ZeroStep
 
 __all__ = ["TrainResult", "train"]
 
@@ -51,56 +54,6 @@ class TrainResult:
     state: TrainState
     history: list[dict]
     step: ZeroStep
-
-
-def _memory(compiled) -> dict[str, int]:
-    mem = compiled.memory_analysis()
-    return {
-        "memory_argument_bytes": int(mem.argument_size_in_bytes),
-        "memory_output_bytes": int(mem.output_size_in_bytes),
-        "memory_temp_bytes": int(mem.temp_size_in_bytes),
-        "memory_peak_bytes": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                 + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
-    }
-
-
-class _Progress:
-    """A rich progress bar on a terminal (process 0 only); nothing elsewhere."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        console = Console()
-        if not console.is_terminal:
-            return
-        self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]}"),
-                            TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn(),
-                            console=console)
-        self.task = self.bar.add_task("train", total=total, loss="-", tps="-")
-        self.bar.start()
-
-    def update(self, step: int, row: dict | None) -> None:
-        if self.bar is None:
-            return
-        fields = {}
-        if row is not None:
-            fields = {"loss": f"{row['loss']:.4f}", "tps": f"{row['tokens_per_s']:,.0f}"}
-        self.bar.update(self.task, completed=step, **fields)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _iterator_state(it) -> Any:
@@ -180,7 +133,8 @@ def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) 
             raise ConfigError(  # said before compiling anything
                 f"train.steps: the run in {str(run_dir)!r} is already at step "
                 f"{ckpt.steps()[-1]}; set train.steps above it to train further")
-        return _train_steps(loop, config, ckpt, run, info)
+        with config_keys():  # the step's errors name the config's keys
+            return _train_steps(loop, config, ckpt, run, info)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -188,21 +142,82 @@ def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) 
 
 def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: RunDir | None,
                  info) -> TrainResult:
-    mesh = make_mesh(config.mesh)
-    steps = config.train.steps
-    tx = make_optimizer(config.optimizer, total_steps=steps)
-    schedule = make_schedule(config.optimizer, total_steps=steps)
-    zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
-                      micro_batches=config.train.grad_accum,
-                      skip_nonfinite=config.train.on_nonfinite == "skip")
+    zstep = build_step(config, loop=loop)
+    train_data, eval_data, put = _data(loop, config, zstep)
+    # before compiling: a checkpoint of another model or optimizer is an error at once
+    restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
+    start, meta = 0, {}
+    if restored is None:
+        state = zstep.init(jax.random.key(config.train.seed))
+    else:
+        start, state, data_state, meta = restored
+        info("resuming from the checkpoint at step %d", start)
+        for split, it in (("train", train_data), ("eval", eval_data)):
+            if it is not None and data_state.get(split) is not None:
+                _set_iterator(it, data_state[split], start, ckpt, split)
+    first = put(next(train_data))
+    compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
+    memory, planned = _memory_row(zstep, compiled, config, info)
+    if run is not None:  # every check has passed: only now is the run directory changed
+        run.truncate_metrics(start)  # rows after the resumed step (all, starting afresh)
+        run.write_config(config.to_dict())
+        run.write_plan(planned.to_json())
+    watch = _finite_watch(config, meta)
 
+    def save(step: int, state: TrainState) -> None:
+        data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
+        ckpt.save(step, state, zstep, data_state=data_state,
+                  meta={"step": step, "config": config.to_dict(),
+                        "skipped": {"total": watch.skipped, "in_a_row": watch.in_a_row}})
+
+    steps, train = config.train.steps, config.train
+    checkpoints = None if ckpt is None else Checkpoints(
+        ckpt, save, watch=watch, saved=start if restored is not None else None)
+    batches = itertools.chain([first], (put(b) for b in train_data))
+    with (MetricsWriter(run.path if run else None,
+                        tensorboard=config.logging.tensorboard) as writer,
+          Progress(steps, start=start, enabled=config.logging.progress
+                   and jax.process_index() == 0) as progress,
+          PreemptionGuard() as guard):
+        log = MetricsLog(writer, schedule=make_schedule(config.optimizer, total_steps=steps),
+                         tokens_per_step=config.data.batch_size * config.data.seq_len,
+                         memory=memory, watch=watch, info=info)
+        hooks = [Hook(log.count), Hook(lambda s: (watch.add(s.step, s.metrics), watch.poll()))]
+        if checkpoints is not None:
+            hooks.append(Hook(checkpoints, every=config.checkpoint.every))
+        hooks.append(Hook(log.metrics, every=train.log_every))
+        if eval_data is not None:
+            evaluation = Evaluation(zstep.evaluate, (put(b) for b in eval_data),
+                                    n_batches=train.eval_batches, log=log)
+            hooks.append(Hook(evaluation, every=train.eval_every))
+        hooks += [Hook(log.write), Hook(progress.update), Hook(preemption(guard, checkpoints))]
+        for s in training_steps(compiled, state, batches, start=start, steps=steps):
+            run_hooks(hooks, s)
+            state = s.state
+        watch.poll(wait=True)
+        if checkpoints is not None:  # under the guard: a signal now cannot cut the last commit
+            checkpoints.committed()
+    return TrainResult(state, log.history, zstep)
+
+
+def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:
+    watch = FiniteWatch(config.train.on_nonfinite, max_skips=config.train.max_skips,
+                        lockstep=jax.process_count() > 1)
+    # the skip counts go on where the checkpoint left them
+    skipped = (meta or {}).get("skipped") or {}
+    watch.skipped, watch.in_a_row = skipped.get("total", 0), skipped.get("in_a_row", 0)
+    return watch
+
+
+def _data(loop: Loop, config: Config, zstep: ZeroStep):
+    """``(train iterator, eval iterator or None, put)``: ``put`` makes a global array of this
+    process's rows."""
     # processes that share data rows (a model axis across processes) load the same slice
-    index, count = process_batch_slice(mesh)
-    shard = dict(process_index=index, process_count=count)
-    train_data = loop.data(config.data, split="train", seed=config.train.seed, **shard)
-    eval_data = None
-    if config.train.eval_every:
-        eval_data = loop.data(config.data, split="eval", seed=config.train.seed, **shard)
+    index, count = process_batch_slice(zstep.plan.mesh)
+    shard = dict(process_index=index, process_count=count, seed=config.train.seed)
+    train_data = loop.data(config.data, split="train", **shard)
+    eval_data = loop.data(config.data, split="eval", **shard) if config.train.eval_every \
+        else None
 
     def put(local: Any) -> jax.Array:
         local = np.asarray(local)
@@ -210,106 +225,13 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
         zstep.check_batch(global_shape)
         return jax.make_array_from_process_local_data(zstep.batch_sharding, local, global_shape)
 
-    # before compiling: a checkpoint of another model or optimizer is an error at once
-    restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
-    start = 0
-    if restored is None:
-        state = zstep.init(jax.random.key(config.train.seed))
-    else:
-        start, state, data_state, meta = restored
-        info("resuming from the checkpoint at step %d", start)
-        if data_state.get("train") is not None:
-            _set_iterator(train_data, data_state["train"], start, ckpt, "train")
-        if eval_data is not None and data_state.get("eval") is not None:
-            _set_iterator(eval_data, data_state["eval"], start, ckpt, "eval")
-    first = put(next(train_data))
-    compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
-    memory = _memory_row(zstep, compiled, config, info)
-    if run is not None:  # every check has passed: only now is the run directory changed
-        run.truncate_metrics(start)  # rows after the resumed step (all, starting afresh)
-        run.write_config(config.to_dict())
-
-    def save(step: int) -> None:
-        data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
-        ckpt.save(step, state, zstep, data_state=data_state,
-                  meta={"step": step, "config": config.to_dict(),
-                        "skipped": {"total": watch.skipped, "in_a_row": watch.in_a_row}})
-
-    writer = MetricsWriter(run.path if run else None, tensorboard=config.logging.tensorboard)
-    progress = _Progress(steps, config.logging.progress and jax.process_index() == 0)
-    progress.update(start, None)
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    watch = FiniteWatch(config.train.on_nonfinite, max_skips=config.train.max_skips,
-                        lockstep=jax.process_count() > 1)
-    if restored is not None:  # the skip counts go on where the checkpoint left them
-        skipped = (meta or {}).get("skipped") or {}
-        watch.skipped, watch.in_a_row = skipped.get("total", 0), skipped.get("in_a_row", 0)
-    history: list[dict] = []
-    t0, done, saved = time.perf_counter(), 0, start if restored is not None else None
-    batch = first
-    with PreemptionGuard() as guard:
-        try:
-            for i in range(start, steps):
-                if i > start:
-                    batch = put(next(train_data))
-                state, metrics = compiled(state, batch)
-                done += 1
-                step = i + 1
-                watch.add(step, metrics)
-                watch.poll()
-                if ckpt is not None and ckpt.should_save(step, steps):
-                    watch.poll(wait=True)  # never save a non-finite state
-                    save(step)
-                    saved = step
-                if step % config.train.log_every == 0 or step == steps:
-                    row = {k: float(v) for k, v in metrics.items()
-                           if k not in ("count", "finite")}  # blocks
-                    watch.poll(wait=True)
-                    dt = time.perf_counter() - t0
-                    row = {"step": step, **row, "lr": float(schedule(step - 1)),
-                           "tokens_per_s": done * tokens_per_step / dt,
-                           "step_time_s": dt / done}
-                    if config.train.on_nonfinite == "skip":
-                        row["skipped_steps"] = watch.skipped
-                    evaluate = eval_data is not None and (
-                        step % config.train.eval_every == 0 or step == steps)
-                    if evaluate:
-                        losses = [zstep.evaluate(state.params, put(next(eval_data)))
-                                  for _ in range(config.train.eval_batches)]
-                        row["eval_loss"] = float(np.mean([float(x) for x in losses]))
-                    row.update(memory)
-                    history.append(row)
-                    writer.write(row)  # process 0 with a run directory; else a no-op
-                    evals = f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-                    info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", step,
-                         row["loss"], evals, row["tokens_per_s"], row["step_time_s"])
-                    progress.update(step, row)
-                    t0, done = time.perf_counter(), 0
-                else:
-                    progress.update(step, None)
-                # every process asks at every step; the answer is the same everywhere
-                if guard.reached(step) and step < steps:
-                    if ckpt is not None and saved != step:
-                        watch.poll(wait=True)
-                        save(step)
-                    if ckpt is not None:
-                        ckpt.wait()
-                        committed = ckpt.steps()
-                        saved = committed[-1] if committed else None
-                    raise Preempted(step, guard.signum, str(ckpt.directory) if ckpt else None,
-                                    saved if ckpt is not None else None)
-            watch.poll(wait=True)
-            if ckpt is not None:  # under the guard: a signal now cannot cut the last commit
-                ckpt.wait()
-        finally:
-            progress.close()
-            writer.close()
-    return TrainResult(state, history, zstep)
+    return train_data, eval_data, put
 
 
-def _memory_row(zstep: ZeroStep, compiled, config: Config, info) -> dict:
-    memory = _memory(compiled)
-    memory["state_bytes"] = bytes_per_device(zstep.abstract_state, zstep.state_shardings)
+def _memory_row(zstep: ZeroStep, compiled, config: Config, info) -> tuple[dict, PlanReport]:
+    """The compiled step's memory, logged in every metrics row, and its plan report."""
+    memory = {f"memory_{k}": v for k, v in compiled_memory(compiled).items()}
+    memory["state_bytes"] = nbytes(zstep.abstract_state)
     planned = report(zstep, compiled, grad_accum=config.train.grad_accum,
                      remat=getattr(config.model, "remat", None))
     info("%s", planned.table())
@@ -323,7 +245,7 @@ def _memory_row(zstep: ZeroStep, compiled, config: Config, info) -> dict:
          "temp %.2f MiB, peak %.2f MiB", memory["state_device_bytes"] / 2**20,
          memory["state_host_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
          memory["memory_peak_bytes"] / 2**20)
-    return memory
+    return memory, planned
 
 
 def _set_iterator(it, state: Any, step: int, ckpt: Checkpointer, split: str) -> None:

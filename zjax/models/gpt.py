@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zjax.errors import ConfigError
+from zjax.errors import ArgumentError
 from zjax.models._gpt_config import GPTConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
@@ -69,8 +69,8 @@ class Block(nnx.Module):
         hd = d // self.n_heads
         m = model_axis_size()
         if self.n_heads % m:
-            raise ConfigError(f"mesh.model: {m} does not divide model.n_heads {self.n_heads} "
-                              "(attention heads are split over the model axis)")
+            raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
+                                f"{self.n_heads} attention heads (n_heads), which it splits")
         wq = self.wq[...]
         h = wq.shape[-1] // hd  # this device's heads
         y = column_parallel_input(self.ln1(x))
@@ -103,9 +103,8 @@ class GPT(nnx.Module):
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len: {t} exceeds model.max_seq_len {self.cfg.max_seq_len}"
-            )
+            raise ArgumentError("tokens", f"a sequence of {t} tokens exceeds the model's "
+                                f"max_seq_len {self.cfg.max_seq_len}")
         embed = self.embed[...]
         h = jnp.take(embed, tokens, axis=0) + self.pos[...][:t].astype(embed.dtype)
         h = self.ln_f(self.blocks(h))

@@ -6,7 +6,6 @@ from zjax.offload.host import (
     global_norm,
     on_host,
     on_host_compute,
-    state_bytes,
     to_device,
     to_host,
 )
@@ -18,7 +17,6 @@ __all__ = [
     "global_norm",
     "on_host",
     "on_host_compute",
-    "state_bytes",
     "to_device",
     "to_host",
 ]

@@ -18,14 +18,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zjax.errors import ConfigError
 
-__all__ = ["check_memory_kind", "global_norm", "on_host", "on_host_compute", "state_bytes",
-           "to_device", "to_host"]
+__all__ = ["check_memory_kind", "global_norm", "on_host", "on_host_compute", "to_device",
+           "to_host"]
 
 _IS_SHARDING = lambda x: isinstance(x, NamedSharding)
 
@@ -80,19 +79,3 @@ def global_norm(tree: Any) -> jax.Array:
     """
     return jnp.sqrt(functools.reduce(
         operator.add, [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]))
-
-
-def state_bytes(abstract: Any) -> dict[str, int]:
-    """Bytes per device of ``abstract`` (``ShapeDtypeStruct``s with shardings), by memory.
-
-    ``compiled.memory_analysis()`` does not separate host from device bytes on every backend,
-    so this counts each array by its sharding's memory kind.
-    """
-    out = {"device": 0, "host": 0}
-    for leaf in jax.tree.leaves(abstract):
-        sharding = leaf.sharding
-        shard = sharding.shard_shape(leaf.shape)
-        size = int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-        kind = sharding.memory_kind or "device"
-        out["host" if kind.endswith("host") else "device"] += size
-    return out

@@ -1,33 +1,36 @@
 """ZeRO partitioning: placement plan, gather primitive, scheduled layer scan, gather on use."""
 
+from zjax.partition._bytes import nbytes
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import (
     GATHERED,
     REMAT_POLICY,
+    Comm,
     gather,
     gather_on_access,
     gather_tree,
     join_gathers,
 )
-from zjax.partition.plan import LeafPlan, ShardPlan, bytes_per_device, make_plan
+from zjax.partition.plan import LeafPlan, ShardPlan, make_plan
 from zjax.partition.schedule import ScheduleSpec, scheduled_loop, scheduled_scan
 from zjax.partition.transform import LeafSpec, gather_on_use
 
 __all__ = [
     "GATHERED",
     "REMAT_POLICY",
+    "Comm",
     "LeafPlan",
     "LeafSpec",
     "ScheduleSpec",
     "ShardPlan",
     "ZeroConfig",
-    "bytes_per_device",
     "gather",
     "gather_on_access",
     "gather_on_use",
     "gather_tree",
     "join_gathers",
     "make_plan",
+    "nbytes",
     "scheduled_loop",
     "scheduled_scan",
 ]

@@ -133,62 +133,69 @@ def scan_split(op: Op) -> tuple[int, int]:
     return op.eqn.params["num_consts"], op.eqn.params["num_carry"]
 
 
-def analyse(closed, leaves: Sequence[LeafSpec]) -> Program:
-    ops: list = []
-    n = len(leaves)
-    top = closed.jaxpr
-    ids = itertools.count()
-    in_keys = [next(ids) for _ in top.invars]
-    outs = flatten(top, closed.consts, in_keys, ops, ids)
-    root = {in_keys[i]: i for i in range(n)}
-    views: dict = {}
+@dataclasses.dataclass
+class _Roots:
+    """Which leaf each value is (the leaf itself or a view of it), and how often leaves are
+    used by the program's units (ops that are not views)."""
+
+    in_keys: list
+    root: dict  # key -> leaf index
+    views: dict  # key -> the op that makes it
+    uses: dict = dataclasses.field(default_factory=dict)  # leaf -> units using it
+
+    def used(self, op: Op) -> set:
+        return {self.root[a] for a in op.ins if not isinstance(a, Lit) and a in self.root}
+
+
+def _roots(ops: list, in_keys: list, n: int) -> tuple[_Roots, list]:
+    """The roots of ``ops``' values, and the units (the ops that are not views)."""
+    r = _Roots(in_keys, {in_keys[i]: i for i in range(n)}, {})
     for op in ops:  # a view of one leaf is that leaf, for scheduling
         keys = [a for a in op.ins if not isinstance(a, Lit)]
-        if (op.eqn.primitive.name in _VIEWS and len(keys) == 1 and keys[0] in root
+        if (op.eqn.primitive.name in _VIEWS and len(keys) == 1 and keys[0] in r.root
                 and len(op.outs) == 1 and op.outs[0] is not None):
-            root[op.outs[0]] = root[keys[0]]
-            views[op.outs[0]] = op
-    units = [op for op in ops if not (op.outs and op.outs[0] in views)]
-
-    def used(op: Op) -> set:
-        return {root[a] for a in op.ins if not isinstance(a, Lit) and a in root}
-
-    uses: dict = {}
+            r.root[op.outs[0]] = r.root[keys[0]]
+            r.views[op.outs[0]] = op
+    units = [op for op in ops if not (op.outs and op.outs[0] in r.views)]
     for op in units:
-        for leaf in used(op):
-            uses[leaf] = uses.get(leaf, 0) + 1
+        for leaf in r.used(op):
+            r.uses[leaf] = r.uses.get(leaf, 0) + 1
+    return r, units
 
-    def scheduled(op: Op) -> tuple:
-        """(xs position, leaf) pairs a scan can slice per iteration; () if it cannot."""
-        if op.eqn.primitive.name != "scan" or op.eqn.params["reverse"]:
-            return ()
-        start = sum(scan_split(op))
-        out = []
-        for pos, a in enumerate(op.ins[start:]):
-            leaf = root.get(a) if not isinstance(a, Lit) else None
-            if leaf is None or leaves[leaf].dim is None:
-                continue
-            chain_ok = a == in_keys[leaf] or _casts_only(a, views, in_keys[leaf])
-            dup = sum(1 for b in op.ins if not isinstance(b, Lit) and root.get(b) == leaf)
-            if leaves[leaf].dim == 0 or not chain_ok or uses[leaf] > 1 or dup > 1:
-                return ()  # gathered whole: the leaf is not only this loop's per-layer slices
-            out.append((pos, leaf))
-        return tuple(out)
 
+def _scheduled(op: Op, r: _Roots, leaves: Sequence[LeafSpec]) -> tuple:
+    """(xs position, leaf) pairs a scan can slice per iteration; () if it cannot."""
+    if op.eqn.primitive.name != "scan" or op.eqn.params["reverse"]:
+        return ()
+    start = sum(scan_split(op))
+    out = []
+    for pos, a in enumerate(op.ins[start:]):
+        leaf = r.root.get(a) if not isinstance(a, Lit) else None
+        if leaf is None or leaves[leaf].dim is None:
+            continue
+        chain_ok = a == r.in_keys[leaf] or _casts_only(a, r.views, r.in_keys[leaf])
+        dup = sum(1 for b in op.ins if not isinstance(b, Lit) and r.root.get(b) == leaf)
+        if leaves[leaf].dim == 0 or not chain_ok or r.uses[leaf] > 1 or dup > 1:
+            return ()  # gathered whole: the leaf is not only this loop's per-layer slices
+        out.append((pos, leaf))
+    return tuple(out)
+
+
+def _segments(units: list, r: _Roots, leaves: Sequence[LeafSpec]) -> list[Segment]:
+    """Cut the units into scheduled scans and plain segments, a new plain segment at the
+    first use of each layer."""
     segments: list[Segment] = []
     seen: set = set()
     current: Segment | None = None
     for op in units:
-        stacked = scheduled(op)
+        stacked = _scheduled(op, r, leaves)
         if stacked:
             sliced = {leaf for _, leaf in stacked}
-            seg = Segment("scan", [op], leaves={x for x in used(op) - sliced
-                                                 if leaves[x].dim is not None},
-                           stacked=stacked)
-            segments.append(seg)
+            segments.append(Segment("scan", [op], leaves={
+                x for x in r.used(op) - sliced if leaves[x].dim is not None}, stacked=stacked))
             current = None
             continue
-        sharded = {x for x in used(op) if leaves[x].dim is not None}
+        sharded = {x for x in r.used(op) if leaves[x].dim is not None}
         new = {layer_of(leaves[x].path) for x in sharded} - seen
         if current is None or (new and current.layers):
             current = Segment("plain")
@@ -197,14 +204,26 @@ def analyse(closed, leaves: Sequence[LeafSpec]) -> Program:
         current.layers |= new
         current.leaves |= sharded
         current.ops.append(op)
+    return segments
+
+
+def analyse(closed, leaves: Sequence[LeafSpec]) -> Program:
+    """The loss's program: its ops flattened, cut into segments, the shared leaves apart."""
+    ops: list = []
+    n = len(leaves)
+    ids = itertools.count()
+    in_keys = [next(ids) for _ in closed.jaxpr.invars]
+    outs = flatten(closed.jaxpr, closed.consts, in_keys, ops, ids)
+    r, units = _roots(ops, in_keys, n)
+    segments = _segments(units, r, leaves)
     count: dict = {}
     for seg in segments:
         for leaf in seg.leaves:
             count[leaf] = count.get(leaf, 0) + 1
-    shared = sorted(leaf for leaf, c in count.items() if c > 1)
+    shared = sorted(leaf for leaf, c in count.items() if c > 1)  # used in several segments
     for seg in segments:
         seg.leaves -= set(shared)
-    return Program(ops, outs, in_keys[n:], views, root, segments, shared)
+    return Program(ops, outs, in_keys[n:], r.views, r.root, segments, shared)
 
 
 def _casts_only(key, views: dict, leaf_key) -> bool:

@@ -13,6 +13,7 @@ of all its uses before the single reduce-scatter in the backward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "RING_SCOPE",
     "SCATTER_METHODS",
     "UINT",
+    "Comm",
     "all_gather",
     "all_gather_bucket",
     "gather",
@@ -90,7 +92,7 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = No
 
 
 SCATTER_METHODS = ("direct", "all_reduce", "ring")
-# the name scope of a ring's collective-permutes: zjax.hlo reads them as one reduce-scatter
+# the name scope of a ring's collective-permutes: zjax.planning reads them as one reduce-scatter
 RING_SCOPE = "zjax_ring_reduce_scatter"
 
 
@@ -182,6 +184,32 @@ def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: s
             for part, v, d in zip(jnp.split(mine, sizes), values, dims, strict=True)]
 
 
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """How ZeRO moves parameters: one record for every gather and reduce-scatter.
+
+    Attributes:
+      axis_name: the mesh axis the shards are spread over.
+      gather_dtype: dtype floating weights are gathered and computed in (None: the shard's).
+      reduce_dtype: dtype their gradients are reduce-scattered in (None: the shard's).
+      from_host: the shards live in host memory (``zero.offload_param``): each is brought to
+        the device as it is gathered, and its gradient goes back to host memory.
+      scatter: how gradients are reduce-scattered (:func:`reduce_scatter`'s ``method``).
+    """
+
+    axis_name: str = "data"
+    gather_dtype: Any = None
+    reduce_dtype: Any = None
+    from_host: bool = False
+    scatter: str = "direct"
+
+    def resolved(self, dtype) -> Comm:
+        """This record with the dtypes left None set to ``dtype``."""
+        return dataclasses.replace(self, gather_dtype=np.dtype(self.gather_dtype or dtype),
+                                   reduce_dtype=np.dtype(self.reduce_dtype or dtype))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, scatter: str):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
@@ -203,41 +231,27 @@ def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, scatter, like, 
 _zjax_gather.defvjp(_zjax_gather_fwd, _zjax_gather_bwd)
 
 
-def gather(
-    x: jax.Array,
-    *,
-    dim: int | None,
-    axis_name: str = "data",
-    gather_dtype=None,
-    reduce_dtype=None,
-    from_host: bool = False,
-    scatter: str = "direct",
-) -> jax.Array:
-    """All-gather shard ``x`` along ``dim`` over ``axis_name`` (inside ``shard_map``).
+def gather(x: jax.Array, *, dim: int | None, comm: Comm = Comm()) -> jax.Array:
+    """All-gather shard ``x`` along ``dim`` over ``comm.axis_name`` (inside ``shard_map``).
 
     Args:
       x: the local shard.
       dim: the sharded dimension; None means ``x`` is replicated and is only cast.
-      axis_name: the mesh axis the shards are spread over.
-      gather_dtype: dtype of the communicated and returned weight (default: ``x.dtype``).
-      reduce_dtype: dtype of the reduce-scatter of its cotangent (default: ``x.dtype``).
-      from_host: ``x`` lives in host memory (``zero.offload_param``): it is brought to the
-        device first, and its cotangent goes back to host memory.
-      scatter: how the cotangent is reduce-scattered (:func:`reduce_scatter`'s ``method``).
+      comm: the axis, dtypes, host residence and reduce-scatter method.
 
     Returns:
-      The full weight in ``gather_dtype``. Its cotangent comes back to ``x`` reduce-scattered
-      (summed over ``axis_name``) and cast to ``x.dtype``.
+      The full weight in ``comm.gather_dtype``. Its cotangent comes back to ``x``
+      reduce-scattered (summed over the axis) in ``comm.reduce_dtype`` and cast to
+      ``x.dtype``.
     """
-    gather_dtype = np.dtype(gather_dtype or x.dtype)
-    reduce_dtype = np.dtype(reduce_dtype or x.dtype)
-    if from_host:  # outside the custom_vjp: the move's transpose sends the cotangent back
+    c = comm.resolved(x.dtype)
+    if c.from_host:  # outside the custom_vjp: the move's transpose sends the cotangent back
         x = jax.device_put(x, jax.memory.Space.Device)
     if not _is_float(x.dtype):
         return x
     if dim is None:
-        return x.astype(gather_dtype)
-    return _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter)
+        return x.astype(c.gather_dtype)
+    return _zjax_gather(x, dim, c.axis_name, c.gather_dtype, c.reduce_dtype, c.scatter)
 
 
 def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> list[jax.Array]:
@@ -251,7 +265,7 @@ def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> li
     gives every collective channel id 1), which aborts or hangs the step. With the barrier,
     the gathers of weights used after the loop (final norm, head) finish before the loop
     starts, and their reduce-scatters wait for the loop's gradient of the embeddings.
-    :func:`zjax.hlo.unordered_collectives` checks a compiled step for such pairs.
+    :func:`zjax.planning.unordered_collectives` checks a compiled step for such pairs.
 
     Args:
       values: the gathered weights (any values).
@@ -266,17 +280,7 @@ def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> li
     return out
 
 
-def gather_tree(
-    shards: Any,
-    dims: Any,
-    *,
-    axis_name: str = "data",
-    gather_dtype=None,
-    reduce_dtype=None,
-    from_host: bool = False,
-    scatter: str = "direct",
-    join: bool = False,
-) -> Any:
+def gather_tree(shards: Any, dims: Any, *, comm: Comm = Comm(), join: bool = False) -> Any:
     """Gather every leaf of ``shards`` once (each gathered value is tagged :data:`GATHERED`).
 
     ``dims`` is a pytree with the structure of ``shards`` holding each leaf's sharded
@@ -284,9 +288,7 @@ def gather_tree(
     """
 
     def one(x, dim):
-        return gather(x, dim=dim, axis_name=axis_name, gather_dtype=gather_dtype,
-                      reduce_dtype=reduce_dtype, from_host=from_host,
-                      scatter=scatter)
+        return gather(x, dim=dim, comm=comm)
 
     leaves, treedef = jax.tree.flatten(shards)
     # up to the params' structure: a None *entry* of the params (Equinox's filtered models) is
@@ -301,18 +303,8 @@ def gather_tree(
     return jax.tree.unflatten(treedef, out)
 
 
-def gather_on_access(
-    fn: Callable[..., Any],
-    dims: Any,
-    *,
-    axis_name: str = "data",
-    gather_dtype=None,
-    reduce_dtype=None,
-    from_host: bool = False,
-    scatter: str = "direct",
-    join: bool = False,
-    remat: bool = True,
-) -> Callable[..., Any]:
+def gather_on_access(fn: Callable[..., Any], dims: Any, *, comm: Comm = Comm(),
+                     join: bool = False, remat: bool = True) -> Callable[..., Any]:
     """Wrap ``fn(params, *args)`` so it runs on shards: ``fn(shards, *args)``.
 
     The wrapped function gathers each sharded leaf once (summing the gradients of repeated
@@ -322,9 +314,6 @@ def gather_on_access(
     """
 
     def wrapped(shards, *args):
-        full = gather_tree(shards, dims, axis_name=axis_name, gather_dtype=gather_dtype,
-                           reduce_dtype=reduce_dtype, from_host=from_host,
-                           scatter=scatter, join=join)
-        return fn(full, *args)
+        return fn(gather_tree(shards, dims, comm=comm, join=join), *args)
 
     return jax.checkpoint(wrapped, policy=REMAT_POLICY) if remat else wrapped

@@ -25,12 +25,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax._backend import Backend, backend_of
-from zjax.errors import ConfigError
+from zjax.errors import ArgumentError, ConfigError
 from zjax.mesh import DATA, MODEL
 from zjax.partition.config import ZeroConfig
+from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
 
-__all__ = ["LeafPlan", "ShardPlan", "bytes_per_device", "make_plan", "path_str"]
+__all__ = ["LeafPlan", "ShardPlan", "make_plan", "path_str"]
 
 
 def path_str(path) -> str:
@@ -116,21 +117,11 @@ def _model_dim(path, shape, stacked, logical_axes, rules, m) -> int | None:
         raise ValueError(f"{path}: logical axes {names} do not match its shape {shape}")
     dim = model_dim(names, rules, offset=offset)
     if dim is not None and shape[dim] % m:
-        raise ConfigError(
-            f"mesh.model: {m} does not divide the {names[dim - offset]!r} dimension of {path} "
-            f"(size {shape[dim]}, shape {shape}); use a model axis size that divides {shape[dim]}"
-        )
+        raise ArgumentError(
+            "mesh", f"the model axis ({m}) does not divide the {names[dim - offset]!r} dimension "
+            f"of {path} (size {shape[dim]}, shape {shape}); use a model axis size that divides "
+            f"{shape[dim]}")
     return dim
-
-
-def bytes_per_device(abstract: Any, shardings: Any) -> int:
-    """Bytes each device holds of ``abstract`` placed by ``shardings`` (matching trees)."""
-    total = 0
-    shardings = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
-    for leaf, sharding in zip(jax.tree.leaves(abstract), shardings, strict=True):
-        shard = sharding.shard_shape(leaf.shape)
-        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +158,19 @@ class ShardPlan:
         """The dtype gradients are actually reduced in on this mesh's backend.
 
         A backend that cannot compile 16-bit reductions (``Backend.wide_reduce``: XLA:CPU)
-        reduces a 16-bit ``zero.reduce_dtype`` in float32; the summary says so.
+        reduces a 16-bit ``zero.reduce_dtype`` in float32; the plan report says so.
         """
         rd = self.zero.reduce
         if rd.itemsize < 4 and self.backend.wide_reduce:
             return np.dtype(np.float32)
         return rd
+
+    @property
+    def comm(self) -> Comm:
+        """How the ZeRO collectives move this plan's leaves over ``data`` (gather and reduce
+        dtypes, host residence, the backend's reduce-scatter)."""
+        return Comm(DATA, self.zero.gather, self.reduce_dtype, self.params_on_host,
+                    self.scatter)
 
     @property
     def scatter(self) -> str:
@@ -286,50 +284,6 @@ class ShardPlan:
     def replicated(self) -> list[LeafPlan]:
         return [leaf for leaf in self.leaves if leaf.dim is None]
 
-    def summary(self, *, opt_state: Any = None, tx=None) -> str:
-        """A readable table: bytes per device per category, and the replicated leaves."""
-        params = sum(self.leaf_bytes(leaf, self.stored_param_dtype(leaf), self.zero.stage == 3)
-                     for leaf in self.leaves)
-        grads = sum(self.leaf_bytes(leaf, np.dtype(np.float32), self.zero.stage >= 2)
-                    for leaf in self.leaves)
-        master = 0
-        if self.has_master:
-            master = sum(self.leaf_bytes(leaf, leaf.dtype, self.zero.stage >= 1)
-                         for leaf in self.leaves)
-        opt = 0
-        if opt_state is not None and tx is not None:
-            opt = bytes_per_device(opt_state, self.shardings(self.opt_specs(tx, opt_state)))
-        total = sum(leaf.size for leaf in self.leaves)
-        where = lambda host: "in host memory" if host else "on device"
-        host = params * self.params_on_host + master * self.master_on_host \
-            + opt * self.opt_on_host
-        lines = [
-            f"ZeRO stage {self.zero.stage} on data={self.n_data}"
-            + (f" x model={self.n_model}" if self.n_model > 1 else "")
-            + f": {total:,} parameters in {len(self.leaves)} leaves, "
-            f"{len(self.leaves) - len(self.replicated)} sharded over data"
-            + (f", {sum(leaf.model_dim is not None for leaf in self.leaves)} split over model"
-               if self.n_model > 1 else ""),
-            f"  params      {params / 2**20:10.2f} MiB/device {where(self.params_on_host)}",
-            f"  grads       {grads / 2**20:10.2f} MiB/device (transient, float32)",
-            f"  master      {master / 2**20:10.2f} MiB/device "
-            f"{where(self.master_on_host and master)}",
-            f"  optimizer   {opt / 2**20:10.2f} MiB/device {where(self.opt_on_host)}",
-            f"  state       {(params + master + opt - host) / 2**20:10.2f} MiB/device on device,"
-            f" {host / 2**20:.2f} MiB/device in host memory",
-            f"  gather in {self.zero.gather.name}, reduce in {self.reduce_dtype.name}"
-            + ("" if self.reduce_dtype == self.zero.reduce else
-               f" (zero.reduce_dtype {self.zero.reduce.name} is not supported by XLA:CPU)")
-            + (", reduce-scatters as all-reduces (XLA:CPU's gloo reduce-scatter is unreliable)"
-               if self.scatter == "all_reduce" else ""),
-        ]
-        if self.replicated:
-            rep_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in self.replicated)
-            lines.append(f"  leaves replicated over data ({len(self.replicated)}, {rep_bytes:,} "
-                         "bytes before any model split):")
-            lines += [f"    {leaf.path} {leaf.shape}: {leaf.reason}" for leaf in self.replicated]
-        return "\n".join(lines)
-
     def leaf_bytes(self, leaf: LeafPlan, dtype, sharded: bool) -> int:
         """Bytes of ``leaf`` in ``dtype`` on one device: split over ``model`` where the rules
         say, and over ``data`` too when ``sharded`` (the stage shards it) and the plan does."""
@@ -385,11 +339,10 @@ def make_plan(
             )
         leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason, mdim))
     if m > 1 and all(leaf.model_dim is None for leaf in leaves):
-        raise ConfigError(
-            f"mesh.model: {m}, but the model names no parameter dimension that the rules split "
-            f"over the model axis ({', '.join(k for k, v in rules if v == MODEL)}); annotate "
-            "its weights with logical axes (see zjax.partition.rules) or use mesh.model: 1"
-        )
+        raise ArgumentError(
+            "mesh", f"a model axis of {m}, but the model names no parameter dimension that the "
+            f"rules split over it ({', '.join(k for k, v in rules if v == MODEL)}); annotate "
+            "its weights with logical axes (see zjax.partition.rules) or use a model axis of 1")
     plan = ShardPlan(zero, mesh, tuple(leaves), treedef)
     if zero.stage == 3 and n > 1 and len(plan.replicated) == len(leaves):
         raise ConfigError(

@@ -38,6 +38,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from zjax.partition.gather import (
+    Comm,
     all_gather,
     all_gather_bucket,
     reduce_scatter,
@@ -55,27 +56,18 @@ class ScheduleSpec:
 
     Attributes:
       dims: per flattened leaf, the sharded dimension of the *stacked* leaf (>= 1), or None.
-      axis_name: mesh axis the shards are spread over.
-      gather_dtype: dtype weights are gathered and computed in.
-      reduce_dtype: dtype gradients are reduce-scattered in.
+      comm: the axis, dtypes (None: float32), host residence and reduce-scatter method. With
+        ``from_host`` each layer's slice is brought to the device as it is gathered, and each
+        layer's gradient shard goes back into a host buffer as soon as it is reduce-scattered.
       prefetch: how many layers ahead to gather.
-      from_host: the stacked shards live in host memory (``zero.offload_param``): each
-        layer's slice is brought to the device as it is gathered, and each layer's gradient
-        shard goes back into a host buffer as soon as it is reduce-scattered.
-      scatter: how layer gradients are reduce-scattered
-        (:func:`~zjax.partition.gather.reduce_scatter`'s ``method``).
       bucket: with prefetch, move a layer's sharded float leaves as one bucket: one
         all-gather per layer and one reduce-scatter per layer gradient
         (:func:`~zjax.partition.gather.all_gather_bucket`), instead of one per leaf.
     """
 
     dims: tuple[int | None, ...]
-    axis_name: str = "data"
-    gather_dtype: Any = np.float32
-    reduce_dtype: Any = np.float32
+    comm: Comm = dataclasses.field(default_factory=Comm)
     prefetch: int = 1
-    from_host: bool = False
-    scatter: str = "direct"
     bucket: bool = False
 
 
@@ -123,7 +115,7 @@ def scheduled_scan(
 
     Returns:
       The output of layer L-1. Differentiable: cotangents of sharded leaves come back
-      reduce-scattered over ``spec.axis_name`` in each leaf's own dtype.
+      reduce-scattered over ``spec.comm.axis_name`` in each leaf's own dtype.
     """
     def body(params, consts, h, xs):
         return layer_fn(params, h), None
@@ -163,12 +155,12 @@ def scheduled_loop(
         raise ValueError("scheduled_scan needs at least one stacked leaf")
     n_layers = leaves_in[0].shape[0]
     k = min(spec.prefetch, n_layers)
-    gather_dtype = np.dtype(spec.gather_dtype)
-    reduce_dtype = np.dtype(spec.reduce_dtype)
+    comm = spec.comm.resolved(np.float32)
+    gather_dtype, reduce_dtype = comm.gather_dtype, comm.reduce_dtype
 
-    to_device = (lambda x: jax.device_put(x, jax.memory.Space.Device)) if spec.from_host \
+    to_device = (lambda x: jax.device_put(x, jax.memory.Space.Device)) if comm.from_host \
         else (lambda x: x)
-    to_home = (lambda x: jax.device_put(x, jax.memory.Space.Host)) if spec.from_host \
+    to_home = (lambda x: jax.device_put(x, jax.memory.Space.Host)) if comm.from_host \
         else (lambda x: x)
 
     # the leaves moved as one bucket (spec.bucket): sharded float leaves, if more than one;
@@ -186,13 +178,13 @@ def scheduled_loop(
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(gather_dtype)
             if dim is not None and not b:
-                w = all_gather(w, spec.axis_name, axis=dim - 1)
+                w = all_gather(w, comm.axis_name, axis=dim - 1)
             out.append(w)
         if in_bucket:
             # split as soon as gathered: carrying the rows to the use measured worse on TPU
             # (v5p:2x2x2, d_model 1024: temp 897 -> 923 MB at prefetch 1)
             full = all_gather_bucket([out[j] for j in in_bucket],
-                                     [spec.dims[j] - 1 for j in in_bucket], spec.axis_name)
+                                     [spec.dims[j] - 1 for j in in_bucket], comm.axis_name)
             for j, w in zip(in_bucket, full, strict=True):
                 out[j] = w
         return tuple(out)
@@ -269,14 +261,14 @@ def scheduled_loop(
             shards = []
             for dw, dim, b in zip(dws, spec.dims, bucketed, strict=True):
                 if dim is not None and not b:
-                    dw = reduce_scatter(dw.astype(reduce_dtype), spec.axis_name, dim=dim - 1,
-                                        method=spec.scatter)
+                    dw = reduce_scatter(dw.astype(reduce_dtype), comm.axis_name, dim=dim - 1,
+                                        method=comm.scatter)
                 shards.append(dw)
             if in_bucket:
                 mine = reduce_scatter_bucket(
                     [dws[j].astype(reduce_dtype) for j in in_bucket],
-                    [spec.dims[j] - 1 for j in in_bucket], spec.axis_name,
-                    method=spec.scatter)
+                    [spec.dims[j] - 1 for j in in_bucket], comm.axis_name,
+                    method=comm.scatter)
                 for j, dw in zip(in_bucket, mine, strict=True):
                     shards[j] = dw
             shards = [dw.astype(leaf.dtype) for dw, leaf in zip(shards, leaves, strict=True)]

@@ -50,10 +50,12 @@ from zjax.partition._program import (
     needs,
     scan_split,
 )
-from zjax.partition.gather import gather, join_gathers
+from zjax.partition.gather import Comm, gather, join_gathers
 from zjax.partition.schedule import ScheduleSpec, scheduled_loop
 
 __all__ = ["LeafSpec", "gather_on_use", "layer_of"]
+
+_DEFAULT_COMM = Comm()
 
 
 def _is_float(x) -> bool:
@@ -74,11 +76,7 @@ def gather_on_use(
     leaves: Sequence[LeafSpec],
     *,
     prefetch: Callable[[int, int], int],
-    axis_name: str = "data",
-    gather_dtype=None,
-    reduce_dtype=None,
-    from_host: bool = False,
-    scatter: str = "direct",
+    comm: Comm = _DEFAULT_COMM,
     join: bool = False,
     bucket: bool = False,
 ) -> Callable[..., Any]:
@@ -88,11 +86,7 @@ def gather_on_use(
       fn: the loss, written for whole params; pure.
       leaves: per flattened leaf of ``params`` (``jax.tree.leaves`` order): path and dim.
       prefetch: ``prefetch(layer_elements, n_layers)``: a layer scan's prefetch depth.
-      axis_name: the mesh axis the shards are spread over.
-      gather_dtype: dtype floating leaves are gathered and computed in.
-      reduce_dtype: dtype gradients are reduce-scattered in.
-      from_host: the shards live in host memory (``zero.offload_param``).
-      scatter: how gradients are reduce-scattered (``reduce_scatter``'s ``method``).
+      comm: the axis, dtypes, host residence and reduce-scatter method of the gathers.
       join: order every segment's gathers after its inputs (XLA:CPU's collectives).
       bucket: a layer scan with prefetch moves each layer's leaves as one bucket
         (``ScheduleSpec.bucket``).
@@ -102,19 +96,15 @@ def gather_on_use(
       ``jax.checkpoint(policy=REMAT_POLICY)`` so the shared leaves are re-gathered for the
       backward rather than kept).
     """
-    gather_args = dict(axis_name=axis_name, gather_dtype=gather_dtype,
-                       reduce_dtype=reduce_dtype, from_host=from_host,
-                       scatter=scatter)
-
     def gather_leaf(x, leaf: int):
-        return gather(x, dim=leaves[leaf].dim, **gather_args)
+        return gather(x, dim=leaves[leaf].dim, comm=comm)
 
     def wrapped(shards, *args):
         flat, treedef = jax.tree.flatten(shards)
         if len(flat) != len(leaves):
             raise ValueError(f"{len(leaves)} leaf specs for {len(flat)} parameter leaves")
-        size = lax.axis_size(axis_name)
-        full = [_gathered_aval(x, spec.dim, size, gather_dtype)
+        size = lax.axis_size(comm.axis_name)
+        full = [_gathered_aval(x, spec.dim, size, comm.gather_dtype)
                 for x, spec in zip(flat, leaves, strict=True)]
         abstract_args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a),
                                                                     jnp.result_type(a)), args)
@@ -124,7 +114,7 @@ def gather_on_use(
             prog = analyse(closed, leaves)
             _warn_if_flat(prog, leaves)
             outs = _execute(prog, flat, jax.tree.leaves(args), leaves, gather_leaf, prefetch,
-                            {**gather_args, "bucket": bucket}, join)
+                            comm, bucket=bucket, join=join)
         except Exception as e:  # a program this transform cannot rewrite: correct, unscheduled
             warnings.warn(GatherFallbackWarning(
                 f"zjax could not schedule the model's gathers ({type(e).__name__}: "
@@ -168,13 +158,11 @@ def _warn_if_flat(prog: Program, leaves: Sequence[LeafSpec]) -> None:
         "layer's weights"), stacklevel=3)
 
 
-def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefetch,
-             gather_args: dict, join: bool) -> list:
-    values = dict(zip(prog.arg_keys, args, strict=True))
-    top: dict = {}  # persistent leaves (cast) and shared ones (gathered once)
-    for i, spec in enumerate(leaves):
-        if spec.dim is None:
-            top[i] = gather_leaf(shards[i], i)
+def _gather_top(prog: Program, shards: list, leaves, gather_leaf, join: bool) -> dict:
+    """Leaf index -> value of what the whole loss holds: persistent leaves (cast) and shared
+    ones (gathered once)."""
+    top: dict = {i: gather_leaf(shards[i], i) for i, spec in enumerate(leaves)
+                 if spec.dim is None}
     up_front = list(prog.shared)
     if join and any(seg.kind == "scan" for seg in prog.segments):
         # XLA:CPU runs a loop's collectives unordered against those outside it: a segment's
@@ -186,26 +174,45 @@ def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefe
                 up_front += sorted(seg.leaves)
                 seg.leaves = set()
     shared = [gather_leaf(shards[i], i) for i in up_front]
-    if join:
-        shared = join_gathers(shared)
-    top.update(zip(up_front, shared, strict=True))
-    # keys each segment must hand on: read later, or returned
+    top.update(zip(up_front, join_gathers(shared) if join else shared, strict=True))
+    return top
+
+
+def _later(prog: Program) -> list[set]:
+    """Per segment, the keys it must hand on: read by a later segment, or returned."""
     later: list[set] = [set() for _ in prog.segments]
     wanted = {a for a in prog.outs if not isinstance(a, Lit)}
     for s in range(len(prog.segments) - 1, -1, -1):
         later[s] = set(wanted)
         for op in prog.segments[s].ops:
             wanted |= needs(op, prog)
-    # a segment's gathers may start once the inputs of the segment ``depth`` before it are
-    # ready (the prefetch window); XLA:CPU needs them after the segment's own inputs
+    return later
+
+
+def _tie_at(prog: Program, shards: list, depth_of, join: bool) -> dict:
+    """Segment -> the plain segments whose gathers are tied to its inputs.
+
+    A segment's gathers may start once the inputs of the segment ``depth`` before it are
+    ready (the prefetch window; ``depth_of(largest segment bytes, segments)``); XLA:CPU
+    (``join``) needs them after the segment's own inputs.
+    """
     plain = [s for s, seg in enumerate(prog.segments) if seg.kind == "plain" and seg.leaves]
     largest = max((sum(int(np.prod(shards[i].shape)) for i in prog.segments[s].leaves)
                    for s in plain), default=0)
-    depth = 0 if join or not plain else prefetch(largest * lax.axis_size(
-        gather_args["axis_name"]), len(plain))
+    depth = 0 if join or not plain else depth_of(largest, len(plain))
     tie_at: dict = {}
     for n, s in enumerate(plain):
         tie_at.setdefault(plain[max(0, n - depth)], []).append(s)
+    return tie_at
+
+
+def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefetch,
+             comm: Comm, *, bucket: bool, join: bool) -> list:
+    values = dict(zip(prog.arg_keys, args, strict=True))
+    top = _gather_top(prog, shards, leaves, gather_leaf, join)
+    later = _later(prog)
+    tie_at = _tie_at(prog, shards, lambda size, n: prefetch(
+        size * lax.axis_size(comm.axis_name), n), join)
     tied: dict = {}
     env = Env(prog, values, top)
     for s, seg in enumerate(prog.segments):
@@ -220,7 +227,7 @@ def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefe
             outs = _run_scan(prog, seg, dict(zip(inputs, in_vals, strict=True)), top,
                              {i: shards[i] for i in private},
                              {i: shards[i] for _, i in seg.stacked}, gather_leaf, leaves,
-                             prefetch, gather_args)
+                             prefetch, comm, bucket)
             env.values.update((k, outs[k]) for k in exports)
             continue
         used = sorted({prog.root[a] for op in seg.ops for a in op.ins
@@ -277,7 +284,7 @@ def _run_plain(prog, seg, inputs, exports, private, used, gather_leaf, shards, l
 
 
 def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gather_leaf,
-              leaves, prefetch, gather_args) -> dict:
+              leaves, prefetch, comm: Comm, bucket: bool) -> dict:
     (op,) = seg.ops
     leaf_values = dict(top)
     leaf_values.update({i: gather_leaf(x, i) for i, x in private_shards.items()})
@@ -307,12 +314,8 @@ def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gath
     spec = ScheduleSpec(
         dims=tuple(leaves[sliced[pos]].dim for pos in order),
         prefetch=prefetch(layer_elements, n_layers),
-        axis_name=gather_args["axis_name"],
-        gather_dtype=gather_args["gather_dtype"] or want[0],
-        reduce_dtype=gather_args["reduce_dtype"] or want[0],
-        from_host=gather_args["from_host"],
-        scatter=gather_args["scatter"],
-        bucket=gather_args["bucket"],
+        comm=comm.resolved(want[0]),
+        bucket=bucket,
     )
     carry_out, ys = scheduled_loop(body, [stacked_shards[sliced[pos]] for pos in order],
                                    consts, carry, xs, spec=spec)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zjax._hlo_text import KINDS as _KINDS
-from zjax._hlo_text import Instr, parse_module, replica_groups
+from zjax.planning._hlo_text import KINDS as _KINDS
+from zjax.planning._hlo_text import Instr, parse_module, replica_groups
 
 __all__ = ["UnorderedPair", "unordered_collectives"]
 

@@ -2,7 +2,7 @@
 
 The step is lowered from ``ShapeDtypeStruct``s (nothing allocated) and compiled; memory comes
 from ``compiled.memory_analysis()`` and the state's shardings (host vs device by memory kind),
-collective bytes from the compiled HLO (:mod:`zjax.hlo`). Beside them: the ZeRO paper's
+collective bytes from the compiled HLO (:mod:`zjax.planning._hlo`). Beside them: the ZeRO paper's
 model-state formula for the same Ψ, N and dtypes. See ``docs/memory-model.md``.
 
 On a ``data`` x ``model`` mesh, collective bytes are also split by the mesh axes they run over
@@ -15,16 +15,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import numpy as np
-
-from zjax.hlo import collective_bytes
-from zjax.offload import state_bytes
-from zjax.partition.plan import bytes_per_device
+from zjax.partition import nbytes
+from zjax.planning._hlo import collective_bytes
 from zjax.step import ZeroStep
 from zjax.targets import Target
 
-__all__ = ["PlanReport", "formula", "report"]
+__all__ = ["PlanReport", "compiled_memory", "formula", "report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +143,57 @@ def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad
     return {k: round(v) for k, v in out.items()}
 
 
-def _nbytes(tree: Any) -> int:
-    return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))
+def _state_bytes(zstep: ZeroStep) -> dict[str, int]:
+    """Per device: stored params, reduced gradients (``zero.reduce_dtype``, transient), float32
+    master and optimizer state, and what of the state lives in host memory."""
+    plan, a = zstep.plan, zstep.abstract_state
+    reduce = plan.zero.reduce  # the configured dtype: the one an accelerator reduces in
+    optimizer = nbytes(a.opt_state) + nbytes(a.master)
+    return {
+        "params_bytes": nbytes(a.params),
+        "grads_bytes": sum(plan.leaf_bytes(leaf, reduce, plan.zero.stage >= 2)
+                           for leaf in plan.leaves),
+        "optimizer_bytes": optimizer,
+        "host_bytes": nbytes(a, memory="host"),
+    }
+
+
+def compiled_memory(compiled: Any) -> dict[str, int]:
+    """``argument_bytes``, ``output_bytes``, ``temp_bytes`` and ``peak_bytes`` (arguments +
+    outputs + temporaries - donated aliases) of a compiled step, per device."""
+    mem = compiled.memory_analysis()
+    out = {"argument_bytes": int(mem.argument_size_in_bytes),
+           "output_bytes": int(mem.output_size_in_bytes),
+           "temp_bytes": int(mem.temp_size_in_bytes)}
+    out["peak_bytes"] = sum(out.values()) - int(mem.alias_size_in_bytes)
+    return out
+
+
+def _compiled_bytes(compiled: Any, host: int) -> dict[str, int]:
+    """``temp_bytes``, ``host_bytes`` and ``total_bytes`` (peak in device memory) of the
+    compiled step; ``host``: the state's host bytes counted from its shardings."""
+    mem = compiled.memory_analysis()
+    # TPU counts host-memory arguments and outputs apart (host_*); XLA:CPU counts them in
+    # argument/output, so there the host-placed state is taken out by its shardings
+    host_apart = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
+                  + mem.host_temp_size_in_bytes) > 0
+    if host_apart:  # the compiler's own figure: it includes the backend's padding
+        host = int(mem.host_argument_size_in_bytes)
+    figures = compiled_memory(compiled)
+    return {"temp_bytes": figures["temp_bytes"], "host_bytes": host,
+            "total_bytes": figures["peak_bytes"] - (0 if host_apart else host)}
+
+
+def _notes(plan) -> list[str]:
+    notes = []
+    if plan.reduce_dtype != plan.zero.reduce:
+        notes.append(f"this backend reduces in {plan.reduce_dtype.name} (its temp and "
+                     f"collective figures say so); gradients are counted in "
+                     f"{plan.zero.reduce.name}, the zero.reduce_dtype an accelerator uses")
+    if plan.scatter == "all_reduce":
+        notes.append("XLA:CPU with several processes: reduce-scatters run as all-reduces plus a "
+                     "slice (gloo's reduce-scatter returns wrong values, jax-ml/jax#40830)")
+    return notes
 
 
 def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
@@ -158,73 +202,42 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
 
     ``target``: the compile-only target compiled for (name and device memory).
     """
-    plan, a = zstep.plan, zstep.abstract_state
-    zero = plan.zero
-    shard = lambda tree: bytes_per_device(tree, jax.tree.map(lambda x: x.sharding, tree))
+    plan, zero = zstep.plan, zstep.plan.zero
     n_params = sum(leaf.size for leaf in plan.leaves)
     # what one model slice holds: tensor parallelism divides the split leaves
     slice_params = sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
                        for leaf in plan.leaves)
-    reduce = zero.reduce  # the configured dtype: the one an accelerator reduces in
-    grads = sum(plan.leaf_bytes(leaf, reduce, zero.stage >= 2) for leaf in plan.leaves)
-    optimizer = shard(a.opt_state) + (shard(a.master) if a.master is not None else 0)
-    params = shard(a.params)
-    host = state_bytes(a)["host"]
-    mem = compiled.memory_analysis()
-    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
-    # TPU counts host-memory arguments and outputs apart (host_*); XLA:CPU counts them in
-    # argument/output, so there the host-placed state is taken out by its shardings
-    host_apart = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
-                  + mem.host_temp_size_in_bytes) > 0
+    state = _state_bytes(zstep)
+    per_device = {k: state[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
+    per_device["model_state_bytes"] = sum(per_device.values())
+    per_device.update(_compiled_bytes(compiled, state["host_bytes"]))
+    capacity = per_device["capacity_bytes"] = target.capacity_bytes if target else None
     coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape),
                             decomposed=plan.backend.decomposes_collectives)
     # K of the paper: float32 master plus the optimizer's per-parameter state
-    k = 4 + _nbytes(a.opt_state) / max(1, n_params)
-    notes = []
-    if plan.reduce_dtype != reduce:
-        notes.append(f"this backend reduces in {plan.reduce_dtype.name} (its temp and "
-                     f"collective figures say so); gradients are counted in {reduce.name}, "
-                     "the zero.reduce_dtype an accelerator uses")
-    if plan.scatter == "all_reduce":
-        notes.append("XLA:CPU with several processes: reduce-scatters run as all-reduces plus a "
-                     "slice (gloo's reduce-scatter returns wrong values, jax-ml/jax#40830)")
-    setting = {
-        "stage": zero.stage,
-        "offload": _offload_name(zero),
-        "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
-        "grad_accum": grad_accum,
-        "remat": remat,
-        "mesh": {"data": plan.n_data, "model": plan.n_model},
-        "target": target.name if target else None,
-    }
-    capacity = target.capacity_bytes if target else None
-    if host_apart:  # the compiler's own figure: it includes the backend's padding
-        host = int(mem.host_argument_size_in_bytes)
-    total = int(peak) - (0 if host_apart else host)
+    k = 4 + nbytes(zstep.abstract_state.opt_state, per_device=False) / max(1, n_params)
     return PlanReport(
         n_params=n_params,
         n_devices=plan.n_data * plan.n_model,
-        setting=setting,
-        per_device={
-            "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
-            "model_state_bytes": params + grads + optimizer,
-            "temp_bytes": int(mem.temp_size_in_bytes), "host_bytes": host,
-            "total_bytes": total, "capacity_bytes": capacity,
-        },
+        setting={"stage": zero.stage, "offload": _offload_name(zero),
+                 "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
+                 "grad_accum": grad_accum, "remat": remat,
+                 "mesh": {"data": plan.n_data, "model": plan.n_model},
+                 "target": target.name if target else None},
+        per_device=per_device,
         collectives={"all_gather_bytes": coll.all_gather,
                      "reduce_scatter_bytes": coll.reduce_scatter,
                      "all_reduce_bytes": coll.all_reduce,
                      "wire_bytes": coll.wire},
         formula=formula(slice_params, plan.n_data, stage=zero.stage,
-                        param_bytes=zero.gather.itemsize, grad_bytes=reduce.itemsize,
+                        param_bytes=zero.gather.itemsize, grad_bytes=zero.reduce.itemsize,
                         optimizer_bytes_per_param=k),
         replicated_leaves=[{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                            for leaf in plan.replicated],
-        notes=notes,
+        notes=_notes(plan),
         collectives_by_axis=coll.by_axis,
         device_kind=plan.mesh.devices.flat[0].device_kind,
-        fits_device=None if capacity is None else total <= capacity,
+        fits_device=None if capacity is None else per_device["total_bytes"] <= capacity,
         overlap={k: coll.overlap[k] for k in ("all_gather", "reduce_scatter", "all_reduce")
                  if k in coll.overlap},
     )

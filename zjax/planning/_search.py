@@ -20,10 +20,10 @@ import re
 import time
 from collections.abc import Callable, Sequence
 
-from zjax._planning import PlanReport, _size
 from zjax.config import Config
 from zjax.errors import ConfigError
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+from zjax.planning._report import PlanReport, _size
 
 __all__ = ["OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
 
@@ -126,6 +126,95 @@ def _variants(stage: int, grad_accum: int, model: int, *, offloads, prefetch,
     return out
 
 
+class _Search:
+    """The candidates compiled so far (each once), with a progress line per compile."""
+
+    def __init__(self, config: Config, compile_report, budget_bytes: int, space: int,
+                 progress: Callable[[str], None] | None):
+        self.config, self.compile_report, self.budget_bytes = config, compile_report, budget_bytes
+        self.space, self.progress = space, progress
+        self.seen: dict[Candidate, PlanReport | None] = {}
+        self.rows: list[tuple[Candidate, PlanReport]] = []  # every one built, in order
+
+    def evaluate(self, cand: Candidate) -> PlanReport | None:
+        """``cand``'s report, or None when it cannot be built (its build says why)."""
+        if cand not in self.seen:
+            start = time.perf_counter()
+            try:
+                self.seen[cand] = self.compile_report(cand.apply(self.config))
+                self.rows.append((cand, self.seen[cand]))
+                outcome = _outcome(self.seen[cand], self.budget_bytes)
+            except ConfigError as e:
+                self.seen[cand] = None
+                outcome = f"cannot be built ({str(e).splitlines()[0][:120]})"
+            if self.progress is not None:
+                self.progress(f"[{len(self.seen)}/{max(self.space, len(self.seen))}] "
+                              f"{cand.describe()}: {outcome} "
+                              f"({time.perf_counter() - start:.1f} s)")
+        return self.seen[cand]
+
+    def nothing_fits(self, leanest: list[tuple[Candidate, PlanReport]]) -> ConfigError:
+        c, r = min(leanest, key=lambda cr: cr[1].per_device["total_bytes"])
+        return ConfigError(
+            f"--budget: {_size(self.budget_bytes)} per device fits no configuration; the "
+            f"smallest needs {_size(r.per_device['total_bytes'])} (model {c.model}, stage "
+            f"{c.stage}, offload {c.offload}, prefetch {c.prefetch}, grad_accum "
+            f"{c.grad_accum}, remat {c.remat})")
+
+
+def _check_leanest(search: _Search, leans: list[Candidate]) -> None:
+    """Compile the leanest candidates first: if even they do not fit, nothing will."""
+    built = [(c, r) for c in leans if (r := search.evaluate(c)) is not None]
+    if built and not any(r.fits(search.budget_bytes) for _, r in built):
+        raise search.nothing_fits(built)
+
+
+def _best_first(search: _Search, groups: dict[tuple[int, int], list[int]], variants,
+                runners_up: int) -> list[tuple[Candidate, PlanReport]]:
+    """The fitting candidates of the ``runners_up + 1`` groups with the least wire bytes.
+
+    Best-first over (stage, grad_accum, model) groups, keyed by wire bytes. Only each
+    (stage, model)'s fewest micro-batches are compiled up front: more micro-batches never
+    communicate less (stages 2-3 gather and reduce per micro-batch), so a group's wire is a
+    lower bound for the next count's, which is compiled only when the walk reaches it.
+    ``groups``: ``(stage, model) -> micro-batch counts``, fewest first.
+    """
+    heap: list = []
+    order = itertools.count()  # ties never reach the entries' reports
+
+    def push(stage: int, m: int, accums: list[int], bound: int = 0, first=None) -> None:
+        if accums:  # key: least wire, fewer micro-batches, higher stage, narrower model
+            heapq.heappush(heap, ((bound, accums[0], -stage, m), next(order), stage, m, accums,
+                                  first))
+
+    for (stage, m), accums in groups.items():
+        push(stage, m, accums)
+    fits: list[tuple[Candidate, PlanReport]] = []
+    built = False
+    while heap and len(fits) <= runners_up:
+        key, _, stage, m, accums, first = heapq.heappop(heap)
+        group = variants(stage, accums[0], m)
+        if first is None:  # a lower bound so far: compile the group's first variant
+            first = search.evaluate(group[0])
+            if first is not None:
+                built = True
+                push(stage, m, accums, first.collectives["wire_bytes"], first)
+            else:
+                push(stage, m, accums[1:], key[0])
+            continue
+        push(stage, m, accums[1:], key[0])
+        for i, cand in enumerate(group):
+            r = first if i == 0 else search.evaluate(cand)
+            if r is not None and r.fits(search.budget_bytes):
+                fits.append((cand, r))
+                break
+    if not built and not fits:
+        raise ConfigError("--budget: no configuration in the search space could be built")
+    if not fits:
+        raise search.nothing_fits(search.rows)
+    return fits
+
+
 def autotune(
     config: Config,
     *,
@@ -163,100 +252,30 @@ def autotune(
         raise ConfigError(f"--budget: no model axis size in {tuple(model or ())} divides the "
                           f"{n_devices} devices")
     local = lambda m: config.data.batch_size // max(1, n_devices // m)
-    variants = functools.partial(_variants, offloads=offloads, prefetch=prefetch,
-                                 remat=remat if has_remat else (None,))
-    space = {c for m in sizes for stage in stages for ga in grad_accum if local(m) % ga == 0
+    accums = {m: [ga for ga in grad_accum if local(m) % ga == 0] for m in sizes}
+    if not accums[sizes[0]]:
+        raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
+                          f"local batch of {local(sizes[0])} (data.batch_size / devices)")
+    remat = remat if has_remat else (None,)
+    variants = functools.partial(_variants, offloads=offloads, prefetch=prefetch, remat=remat)
+    space = {c for m in sizes for stage in stages for ga in accums[m]
              for c in variants(stage, ga, m)}
-    rows: list[tuple[Candidate, PlanReport]] = []
-    seen: dict[Candidate, PlanReport | None] = {}
+    search = _Search(config, compile_report, budget_bytes, len(space), progress)
     if progress is not None:
         progress(f"searching {len(space)} candidates for {_size(budget_bytes)} per device, "
                  "least communication first (each one tried is compiled)")
-
-    def evaluate(cand: Candidate) -> PlanReport | None:
-        if cand not in seen:  # each candidate compiled once
-            start = time.perf_counter()
-            try:
-                seen[cand] = compile_report(cand.apply(config))
-                rows.append((cand, seen[cand]))
-                outcome = _outcome(seen[cand], budget_bytes)
-            except ConfigError as e:
-                seen[cand] = None  # not a valid combination (its build says why)
-                outcome = f"cannot be built ({str(e).splitlines()[0][:120]})"
-            if progress is not None:
-                progress(f"[{len(seen)}/{max(len(space), len(seen))}] {cand.describe()}: "
-                         f"{outcome} ({time.perf_counter() - start:.1f} s)")
-        return seen[cand]
-
-    # the leanest candidates first: if even they do not fit, nothing will. One per model axis
-    # size: a wider model axis splits the weights further but raises each device's share of
-    # the batch (fewer data replicas), so which is leanest depends on the model.
-    accums = [ga for ga in grad_accum if local(sizes[0]) % ga == 0]
-    if not accums:
-        raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
-                          f"local batch of {local(sizes[0])} (data.batch_size / devices)")
-    leans = []
-    for m in sizes:
-        lean = Candidate(max(stages), max(ga for ga in accums if local(m) % ga == 0),
-                         offloads[-1] if max(stages) else "none",
-                         min(prefetch) if max(stages) == 3 else None,
-                         (True if True in remat else None) if has_remat and max(stages) < 3
-                         else None, m)
-        if (r := evaluate(lean)) is not None:
-            leans.append((lean, r))
-    if leans and not any(r.fits(budget_bytes) for _, r in leans):
-        lean, r = min(leans, key=lambda cr: cr[1].per_device["total_bytes"])
-        raise ConfigError(
-            f"--budget: {_size(budget_bytes)} per device fits no configuration; the smallest "
-            f"needs {_size(r.per_device['total_bytes'])} (model {lean.model}, stage "
-            f"{lean.stage}, offload {lean.offload}, prefetch {lean.prefetch}, grad_accum "
-            f"{lean.grad_accum}, remat {lean.remat})")
-    # Best-first over (stage, grad_accum, model) groups, keyed by wire bytes. Only each
-    # (stage, model)'s fewest micro-batches are compiled up front: more micro-batches never
-    # communicate less (stages 2-3 gather and reduce per micro-batch), so a group's wire is a
-    # lower bound for the next count's, which is compiled only when the walk reaches it.
-    heap: list = []
-    order = itertools.count()  # ties never reach the entries' reports
-
-    def push(stage: int, m: int, accums: list[int], bound: int = 0) -> None:
-        if accums:  # key: least wire, fewer micro-batches, higher stage, narrower model
-            heapq.heappush(heap, ((bound, accums[0], -stage, m), next(order), stage, m, accums,
-                                  None))
-
-    for m in sizes:
-        for stage in stages:
-            push(stage, m, [ga for ga in grad_accum if local(m) % ga == 0])
-    fits: list[tuple[Candidate, PlanReport]] = []
-    built = False
-    while heap and len(fits) <= runners_up:
-        key, _, stage, m, accums, first = heapq.heappop(heap)
-        group = variants(stage, accums[0], m)
-        if first is None:  # a lower bound so far: compile the group's first variant
-            first = evaluate(group[0])
-            if first is not None:
-                built = True
-                wire = first.collectives["wire_bytes"]
-                heapq.heappush(heap, ((wire, *key[1:]), next(order), stage, m, accums, first))
-            else:
-                push(stage, m, accums[1:], key[0])
-            continue
-        push(stage, m, accums[1:], key[0])
-        for i, cand in enumerate(group):
-            r = first if i == 0 else evaluate(cand)
-            if r is not None and r.fits(budget_bytes):
-                fits.append((cand, r))
-                break
-    if not built and not fits:
-        raise ConfigError("--budget: no configuration in the search space could be built")
-    if not fits:
-        leanest = min(rows, key=lambda cr: cr[1].per_device["total_bytes"])
-        c, r = leanest
-        raise ConfigError(
-            f"--budget: {_size(budget_bytes)} per device fits no configuration; the smallest "
-            f"needs {_size(r.per_device['total_bytes'])} (model {c.model}, stage {c.stage}, "
-            f"offload {c.offload}, prefetch {c.prefetch}, grad_accum {c.grad_accum}, remat "
-            f"{c.remat})")
+    # One leanest candidate per model axis size: a wider model axis splits the weights further
+    # but raises each device's share of the batch (fewer data replicas), so which is leanest
+    # depends on the model.
+    top = max(stages)
+    _check_leanest(search, [
+        Candidate(top, max(accums[m]), offloads[-1] if top else "none",
+                  min(prefetch) if top == 3 else None,
+                  (True if True in remat else None) if top < 3 else None, m)
+        for m in sizes if accums[m]])
+    fits = _best_first(search, {(stage, m): accums[m] for m in sizes for stage in stages},
+                       variants, runners_up)
     best_cand, best = fits[0]
-    rest = sorted((cr for cr in rows if not cr[1].fits(budget_bytes)),
+    rest = sorted((cr for cr in search.rows if not cr[1].fits(budget_bytes)),
                   key=lambda cr: cr[1].per_device["total_bytes"])
     return TuneResult(best_cand.apply(config), best, fits + rest, budget_bytes)

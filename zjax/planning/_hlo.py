@@ -4,7 +4,7 @@ Loop bodies are weighted by their trip count, so a scan over L layers counts eac
 collective L times. Given the mesh's axis sizes, each collective is also attributed to the mesh
 axes its replica groups span (device ids in a jit-compiled SPMD program are positions in the
 mesh's row-major device order). The three backends' spellings are read alike
-(:mod:`zjax._hlo_text`): synchronous collectives (XLA:CPU, TPU), ``*-start``/``*-done`` pairs
+(``_hlo_text``): synchronous collectives (XLA:CPU, TPU), ``*-start``/``*-done`` pairs
 (GPU) and TPU's async collective fusions (counted once, at their start). TPU often writes a
 reduce-scatter as an all-reduce whose result is dynamic-sliced, and a small all-gather as an
 all-reduce of a zero-padded buffer: with ``decomposed=True`` both are counted as what they are,
@@ -19,9 +19,9 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from zjax._hlo_order import UnorderedPair, unordered_collectives
-from zjax._hlo_text import KINDS as _KINDS
-from zjax._hlo_text import (
+from zjax.planning._hlo_order import UnorderedPair, unordered_collectives
+from zjax.planning._hlo_text import KINDS as _KINDS
+from zjax.planning._hlo_text import (
     Instr,
     Module,
     axes_of,
@@ -240,6 +240,43 @@ def _ring_length(line: str) -> int:
     return len(pairs)
 
 
+def _bytes_and_overlap(instr: Instr, phase: str, instrs: list[Instr], site: int,
+                       users) -> tuple[int, bool]:
+    """A collective's tensor bytes, and whether compute is scheduled between its start and
+    its done (a synchronous one, or one never done in its computation: False)."""
+    nbytes = shape_bytes(instr.shape)
+    done = None
+    fused_async = instrs[site].name.startswith("async-collective-start")
+    if phase == "start" or fused_async:
+        done = _done_index(instrs, site, users)
+        if phase == "start" and done is not None:
+            nbytes = shape_bytes(instrs[done].shape)
+        elif phase == "start" and instr.opcode.removesuffix("-start") in _START_SHAPE_RESULT:
+            nbytes = shape_bytes(tuple_elements(instr.shape)[1])
+    stop = len(instrs) if done is None else done
+    overlapped = done is not None or phase == "start" or fused_async
+    return nbytes, overlapped and any(_is_compute(x) for x in instrs[site + 1:stop])
+
+
+def _decomposed(module, comp: str, instr: Instr, instrs: list[Instr], site: int, users,
+                defs: dict[str, Instr]) -> list[tuple[str, int, bool]]:
+    """``(kind, bytes, via all-reduce)`` per element of a TPU all-reduce: a reduce-scatter
+    where only dynamic slices use it, an all-gather where it sums a dynamic-update-sliced
+    unsigned buffer (zjax's gathers move uint bits), else an all-reduce."""
+    out = []
+    for k, (element, users_of_element) in enumerate(_elements(instr, instrs, users)):
+        kind, via = "all_reduce", False
+        if re.search(r"\[\d", element) and any(
+                _has_op(module, u, "dynamic-slice") for u in users_of_element):
+            kind, via = "reduce_scatter", True
+        elif element.startswith("u") and k < len(instr.operands) and _made_by(
+                _outside(instr.operands[k], comp, instrs[site], module), defs,
+                "dynamic-update-slice", module):
+            kind, via = "all_gather", True
+        out.append((kind, shape_bytes(element), via))
+    return out
+
+
 def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[CollectiveSite]:
     """Every collective of a compiled module with its bytes, weight and overlap.
 
@@ -267,19 +304,7 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
             if comp in callers:  # inside a fusion (TPU async collective): the fusion is the site
                 site_comp, site = callers[comp]
             instrs, users = module.comps[site_comp], users_of[site_comp]
-            nbytes = shape_bytes(instr.shape)
-            done = None
-            if phase == "start" or instrs[site].name.startswith("async-collective-start"):
-                done = _done_index(instrs, site, users)
-                if phase == "start" and done is not None:
-                    nbytes = shape_bytes(instrs[done].shape)
-                elif phase == "start" and instr.opcode.removesuffix("-start") in \
-                        _START_SHAPE_RESULT:
-                    nbytes = shape_bytes(tuple_elements(instr.shape)[1])
-            stop = len(instrs) if done is None else done
-            overlapped = done is not None or phase == "start" or \
-                instrs[site].name.startswith("async-collective-start")
-            overlapped = overlapped and any(_is_compute(x) for x in instrs[site + 1:stop])
+            nbytes, overlapped = _bytes_and_overlap(instr, phase, instrs, site, users)
             site_name = instrs[site].name
             if kind == "reduce_scatter":
                 nbytes *= group_size(instr.line)
@@ -296,18 +321,10 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
             # an all-reduce (a combined one: per tuple element) may be another collective
             if site_comp not in defs_of:
                 defs_of[site_comp] = {i.name: i for i in instrs}
-            defs = defs_of[site_comp]
-            for k, (element, users_of_element) in enumerate(_elements(instr, instrs, users)):
-                el_kind, via = "all_reduce", False
-                if re.search(r"\[\d", element) and any(
-                        _has_op(module, u, "dynamic-slice") for u in users_of_element):
-                    el_kind, via = "reduce_scatter", True
-                elif element.startswith("u") and k < len(instr.operands) and _made_by(
-                        _outside(instr.operands[k], comp, instrs[site], module), defs,
-                        "dynamic-update-slice", module):
-                    el_kind, via = "all_gather", True  # unsigned bits: zjax's gathers
-                sites.append(CollectiveSite(el_kind, shape_bytes(element), w, site_comp,
-                                            site_name, overlapped, via, instr.line))
+            sites += [CollectiveSite(el_kind, nbytes, w, site_comp, site_name, overlapped, via,
+                                     instr.line)
+                      for el_kind, nbytes, via in _decomposed(
+                          module, comp, instr, instrs, site, users, defs_of[site_comp])]
     return sites
 
 

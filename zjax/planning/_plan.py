@@ -20,25 +20,16 @@ from pathlib import Path
 import jax
 import yaml
 
-from zjax._autotune import TuneResult, parse_bytes
-from zjax._autotune import autotune as _autotune
-from zjax._planning import PlanReport, report
+from zjax._build import abstract_batch, build_step, config_keys
 from zjax.config import Config
 from zjax.errors import ConfigError
 from zjax.loop import resolve_loop
-from zjax.mesh import make_mesh
-from zjax.optim import make_optimizer
-from zjax.step import make_step
+from zjax.planning._report import PlanReport, report
+from zjax.planning._search import TuneResult, parse_bytes
+from zjax.planning._search import autotune as _autotune
 from zjax.targets import Target, target
 
 __all__ = ["autotune", "compile_report", "plan", "run_cli_json"]
-
-
-def _abstract_batch(loop, config: Config) -> jax.ShapeDtypeStruct:
-    if hasattr(loop, "abstract_batch"):
-        return loop.abstract_batch(config.data)
-    first = next(iter(loop.data(config.data, split="train", seed=0)))  # a user's loop
-    return jax.ShapeDtypeStruct((config.data.batch_size, *first.shape[1:]), first.dtype)
 
 
 def compile_report(config: Config, devices: list, *, target: Target | None = None
@@ -49,14 +40,10 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
     the report).
     """
     loop = resolve_loop(config.loop)
-    mesh = make_mesh(config.mesh, devices=devices)
-    tx = make_optimizer(config.optimizer, total_steps=config.train.steps)
-    zstep = make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
-                      micro_batches=config.train.grad_accum,
-                      skip_nonfinite=config.train.on_nonfinite == "skip")
-    batch = _abstract_batch(loop, config)
-    zstep.check_batch(batch.shape)
-    compiled = zstep.lower(batch).compile()
+    with config_keys():
+        zstep = build_step(config, devices, loop=loop)
+        batch = abstract_batch(config, loop=loop)
+        compiled = zstep.lower(batch).compile()
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
                   remat=getattr(config.model, "remat", None), target=target)
 
@@ -122,9 +109,9 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
         --budget B --devices N`` simulates more).
       target: search against an accelerator's compiler (see :func:`plan`).
       progress: called with a line per candidate compiled (``zjax plan --budget`` prints
-        them to stderr); see :func:`zjax._autotune.autotune`.
+        them to stderr); see :func:`zjax.planning._search.autotune`.
       **space: narrows the search (``stages``, ``offloads``, ``prefetch``, ``grad_accum``,
-        ``remat``; see :func:`zjax._autotune.autotune`).
+        ``remat``; see :func:`zjax.planning._search.autotune`).
     """
     if target is not None:
         t, devs = _target_devices(target, devices)

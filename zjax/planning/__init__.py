@@ -1,0 +1,51 @@
+"""Planning: what a configuration's compiled step needs, read off the compiler's own output.
+
+Not to be confused with :class:`zjax.partition.ShardPlan`, the per-leaf *placement* decided
+before anything compiles. This package compiles the step (ahead of time, from
+``ShapeDtypeStruct``s; for a compile-only accelerator target too) and reports:
+
+- :func:`plan` / :func:`compile_report` -> :class:`PlanReport`: per-device memory from
+  ``memory_analysis()``, collective bytes and overlap from the scheduled HLO, the ZeRO paper's
+  formula beside them (:func:`report`, :func:`formula`).
+- :func:`autotune` -> :class:`TuneResult`: the fitting configuration with the least
+  communication (:func:`search` is the search itself, given any ``compile_report``).
+- The HLO reader: :func:`collective_bytes`, :func:`collective_sites`,
+  :func:`unordered_collectives`, and the text helpers :func:`axes_of`, :func:`group_size`.
+"""
+
+from zjax.planning._hlo import (
+    CollectiveBytes,
+    CollectiveSite,
+    UnorderedPair,
+    collective_bytes,
+    collective_sites,
+    unordered_collectives,
+)
+from zjax.planning._hlo_text import axes_of, group_size
+from zjax.planning._plan import autotune, compile_report, plan, run_cli_json
+from zjax.planning._report import PlanReport, compiled_memory, formula, report
+from zjax.planning._search import Candidate, TuneResult, parse_bytes
+from zjax.planning._search import autotune as search
+
+__all__ = [
+    "Candidate",
+    "CollectiveBytes",
+    "CollectiveSite",
+    "PlanReport",
+    "TuneResult",
+    "UnorderedPair",
+    "autotune",
+    "axes_of",
+    "collective_bytes",
+    "collective_sites",
+    "compile_report",
+    "compiled_memory",
+    "formula",
+    "group_size",
+    "parse_bytes",
+    "plan",
+    "report",
+    "run_cli_json",
+    "search",
+    "unordered_collectives",
+]

@@ -1,0 +1,134 @@
+"""Loss and gradients per replica, inside ``shard_map`` over ``data`` and ``model``.
+
+At stage 3 params enter as shards and are gathered over ``data`` on use; gradients leave
+reduce-scattered (stage 2-3) or all-reduced over ``data``, in float32. Leaves split over
+``model`` stay split: the model computes on its tensor-parallel slices with Megatron's operators
+(:mod:`zjax.nn.tensor_parallel`), so the ZeRO collectives move ``1/model`` of each leaf. (A
+region manual over ``data`` only, with ``model`` left to GSPMD, is what one would like; XLA then
+all-gathers every weight over ``model`` at the region's entry, losing the split.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from zjax.errors import ArgumentError
+from zjax.mesh import DATA, MODEL
+from zjax.offload import to_device
+from zjax.partition.gather import reduce_scatter
+from zjax.partition.plan import ShardPlan
+from zjax.trainable import Trainable
+
+__all__ = ["accumulate", "loss_parts", "reduce_grads", "sharded_grads", "sharded_loss"]
+
+
+def loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
+    """``(loss_sum, count)`` or ``(loss_sum, count, {name: sum})`` -> the 3-tuple, float32."""
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise TypeError(
+            "a zjax loss returns (loss_sum, count) or (loss_sum, count, metric_sums), "
+            f"got {type(out).__name__}"
+        )
+    extra = dict(out[2]) if len(out) == 3 else {}
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return f32(out[0]), f32(out[1]), {k: f32(v) for k, v in extra.items()}
+
+
+def reduce_grads(grads: Any, plan: ShardPlan, *, reduced_in_backward: bool) -> Any:
+    """All-reduce / reduce-scatter the local grads over ``data``; results in float32.
+
+    ``reduced_in_backward``: stage 3's sharded leaves were reduce-scattered by the gather
+    primitive or the layer schedule already; they pass through.
+    """
+    rd = plan.reduce_dtype
+    out = []
+    for g, leaf in zip(jax.tree.leaves(grads), plan.leaves, strict=True):
+        if leaf.dim is not None and plan.zero.stage == 3 and reduced_in_backward:
+            pass
+        elif plan.params_on_host:  # a persistent leaf's local gradient, back from the host
+            g = lax.psum(to_device(g).astype(rd), DATA)
+        elif leaf.dim is not None and plan.zero.stage >= 2:
+            g = reduce_scatter(g.astype(rd), DATA, dim=leaf.dim, method=plan.scatter)
+        else:
+            g = lax.psum(g.astype(rd), DATA)
+        out.append(g.astype(jnp.float32))
+    return plan.tree(out)
+
+
+def accumulate(fn: Callable[[Any], Any], batch: jax.Array, micro_batches: int) -> Any:
+    """The sum of ``fn`` over ``micro_batches`` equal splits of ``batch``'s leading axis.
+
+    One micro-batch calls ``fn`` once; more run a ``lax.scan`` (cf. levanter's
+    ``grad_accum``), so only one micro-batch's activations are live at a time.
+    """
+    if micro_batches == 1:
+        return fn(batch)
+    n = batch.shape[0]
+    if n % micro_batches:
+        raise ArgumentError(
+            "micro_batches", f"{micro_batches} micro-batches do not divide the local batch of "
+            f"{n} (the global batch over the data axis)")
+    mbs = batch.reshape(micro_batches, n // micro_batches, *batch.shape[1:])
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, mbs[0]))
+    total, _ = lax.scan(lambda acc, mb: (jax.tree.map(jnp.add, acc, fn(mb)), None), zeros, mbs)
+    return total
+
+
+def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
+    """``(params, local batch) -> (grads, (loss_sum, count, extra))``, reduced over ``data``."""
+    reduce_each = plan.zero.stage >= 2  # sharded grads are reduced per micro-batch
+
+    def loss_and_aux(p, b):
+        loss_sum, count, extra = loss_parts(trainable.loss(p, b, plan))
+        return loss_sum, (loss_sum, count, extra)
+
+    grad_fn = jax.grad(loss_and_aux, has_aux=True)
+
+    def grads(params, batch):
+        def one(mb):
+            g, sums = grad_fn(params, mb)
+            if reduce_each:
+                g = reduce_grads(g, plan, reduced_in_backward=True)
+            else:
+                g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+            if plan.params_on_host and micro_batches > 1:
+                g = to_device(g)  # accumulated on the device: adds of host buffers do not lower
+            return g, sums
+
+        g, sums = accumulate(one, batch, micro_batches)
+        if not reduce_each:
+            g = reduce_grads(g, plan, reduced_in_backward=False)
+        return g, lax.psum(sums, DATA)
+
+    return grads
+
+
+def sharded_grads(trainable: Trainable, plan: ShardPlan, mesh: Mesh, *,
+                  micro_batches: int = 1) -> Callable:
+    """``(params, global batch) -> (grads, (loss_sum, count, extra))`` over ``mesh``.
+
+    Params and grads are laid out as ``plan`` says (``param_specs`` in, ``grad_specs`` out);
+    the sums are over the whole global batch.
+    """
+    return jax.shard_map(
+        _local_grads(trainable, plan, micro_batches), mesh=mesh,
+        in_specs=(plan.param_specs, P(DATA)), out_specs=(plan.grad_specs, P()),
+        axis_names={DATA, MODEL}, check_vma=False)
+
+
+def sharded_loss(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
+    """``(params, global batch) -> mean loss``: the same sharded forward, no gradients."""
+
+    def local_loss(params, batch):
+        loss_sum, count, _ = lax.psum(loss_parts(trainable.loss(params, batch, plan)), DATA)
+        return loss_sum / count
+
+    return jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs, P(DATA)),
+                         out_specs=P(), axis_names={DATA, MODEL}, check_vma=False)

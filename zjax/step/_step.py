@@ -1,0 +1,158 @@
+"""The train step: pjit outside, explicit ZeRO inside.
+
+1. ``jax.jit`` with in/out shardings from the :class:`~zjax.partition.ShardPlan`, state donated
+   (:mod:`zjax.step._state`).
+2. Inside, ``jax.shard_map`` manual over ``data`` and ``model`` runs loss and grads per replica
+   on its local batch, micro-batched for gradient accumulation (:mod:`zjax.step._grads`).
+3. The optax update runs outside the ``shard_map`` on sharded arrays, so global reductions
+   (``clip_by_global_norm``) see the whole tree; offloaded state comes to the device for it and
+   goes back (:mod:`zjax.step._update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zjax.errors import ArgumentError, ConfigError
+from zjax.mesh import DATA
+from zjax.offload import check_memory_kind
+from zjax.partition.config import ZeroConfig
+from zjax.partition.plan import ShardPlan, make_plan
+from zjax.step._grads import sharded_grads, sharded_loss
+from zjax.step._state import TrainState, make_init, state_layout
+from zjax.step._update import apply_update, host_update_errors, store
+from zjax.trainable import Trainable
+
+__all__ = ["ZeroStep", "make_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroStep:
+    """A compiled-on-demand ZeRO train step and everything needed to place its state.
+
+    Attributes:
+      plan: the per-leaf placement.
+      state_shardings: ``TrainState`` of ``NamedSharding`` (the jit's in/out shardings).
+      abstract_state: ``TrainState`` of ``ShapeDtypeStruct`` with those shardings.
+      batch_sharding: how the global batch is laid out (split over ``data``).
+      init: ``init(rng) -> TrainState``, created directly into its shards (``zero.Init``).
+      step: ``step(state, batch) -> (state, metrics)``; ``state`` is donated. The metrics:
+        ``loss``, ``grad_norm``, ``param_norm`` (of the new float32 params), ``finite`` (the
+        update's loss, gradients, new params and optimizer state are all finite), ``count``
+        and the loss's own.
+      evaluate: ``evaluate(params, batch) -> mean loss``, the same sharded forward, no update.
+    """
+
+    plan: ShardPlan
+    state_shardings: TrainState
+    abstract_state: TrainState
+    batch_sharding: NamedSharding
+    init: Callable[[jax.Array], TrainState]
+    step: Callable[[TrainState, Any], tuple[TrainState, dict]]
+    evaluate: Callable[[Any, Any], jax.Array]
+
+    def check_batch(self, shape) -> None:
+        """Raise ConfigError unless the data axis divides the global batch."""
+        _check_batch(shape, self.plan.n_data)
+
+    def put_batch(self, batch) -> jax.Array:
+        """Place a global (host) batch split over the ``data`` axis."""
+        self.check_batch(np.shape(batch))
+        return jax.device_put(batch, self.batch_sharding)
+
+    def lower(self, batch: jax.ShapeDtypeStruct):
+        """Lower the step from abstract values only (nothing is allocated)."""
+        self.check_batch(batch.shape)
+        batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=self.batch_sharding)
+        return self.step.lower(self.abstract_state, batch)
+
+
+def _check_batch(shape, n_data: int) -> None:
+    if not shape or shape[0] % n_data:
+        size = shape[0] if shape else shape
+        raise ArgumentError(
+            "batch", f"the global batch of {size} is not divisible by the data axis "
+            f"({n_data}); use a multiple of {n_data}")
+
+
+def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
+    zero = plan.zero
+    if zero.offload_param.enabled and zero.stage < 3 and not plan.has_master:
+        raise ConfigError(
+            f"zero.offload_param.device: host at stage {zero.stage} offloads the float32 master, "
+            f"but with zero.gather_dtype {zero.gather_dtype} the stored params are the master "
+            "(replicated, used whole by every step); use stage 3 or a 16-bit gather_dtype")
+    refused = plan.backend.no_host_update
+    if zero.offload_optimizer.update_on_host and refused:
+        raise ConfigError(
+            f"zero.offload_optimizer.update_on: host cannot compile on {plan.backend.platform}: "
+            f"{refused.reason} ({refused.link}); use update_on: device (the optimizer state "
+            "still lives in host memory between steps)")
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, key)
+        if section.enabled:
+            check_memory_kind(mesh, section.memory_kind, key=f"zero.{key}.pin_memory")
+
+
+def make_step(
+    trainable: Trainable,
+    tx: optax.GradientTransformation,
+    *,
+    zero: ZeroConfig,
+    mesh: Mesh,
+    micro_batches: int = 1,
+    skip_nonfinite: bool = False,
+) -> ZeroStep:
+    """Build the sharded init and train step for ``trainable`` under ``zero`` on ``mesh``.
+
+    Args:
+      trainable: the model (:func:`zjax.from_nnx` / :func:`zjax.from_pytree`).
+      tx: the optax optimizer; it updates float32 master params.
+      zero: the ZeRO config section.
+      mesh: a ``(data, model)`` mesh.
+      micro_batches: gradient accumulation steps per optimizer step (the local batch is split
+        into this many micro-batches).
+      skip_nonfinite: drop an update whose loss, gradients or new params are not finite (the
+        state stays as it was; the metric ``finite`` is False). Without it the update is
+        applied and ``finite`` reports it.
+
+    Returns:
+      A :class:`ZeroStep`.
+    """
+    if micro_batches < 1:
+        raise ArgumentError("micro_batches", f"must be >= 1, got {micro_batches}")
+    plan = make_plan(jax.eval_shape(trainable.init, jax.random.key(0)), zero, mesh,
+                     stacked=trainable.stacked, logical_axes=trainable.logical_axes)
+    _check_offload(plan, mesh)
+    init = make_init(trainable.init, tx, plan)
+    layout = state_layout(plan, tx, init)
+    shardings, batch_sharding = layout.shardings, NamedSharding(mesh, P(DATA))
+    grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
+
+    def step_fn(state: TrainState, batch):
+        _check_batch(batch.shape, plan.n_data)
+        grads, (loss_sum, count, extra) = grads_fn(state.params, batch)
+        with host_update_errors(plan):
+            updated = apply_update(tx, grads, count, loss_sum, state.opt_state,
+                                   state.master if plan.has_master else state.params,
+                                   plan=plan, skip_nonfinite=skip_nonfinite)
+        metrics = {"loss": loss_sum / count, "grad_norm": updated.grad_norm,
+                   "param_norm": updated.param_norm, "finite": updated.finite, "count": count,
+                   **{k: v / count for k, v in extra.items()}}
+        return store(state.step, updated, layout, plan), metrics
+
+    evaluate = jax.jit(sharded_loss(trainable, plan, mesh),
+                       in_shardings=(shardings.params, batch_sharding))
+    step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, None), donate_argnums=0,
+                   compiler_options=dict(plan.backend.compiler_options))
+    return ZeroStep(plan, shardings, layout.abstract, batch_sharding,
+                    jax.jit(init, out_shardings=shardings), step, evaluate)
