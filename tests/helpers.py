@@ -79,6 +79,20 @@ def adam_moments(opt_state):
     raise AssertionError("no Adam state found")
 
 
+def train_steps(trainable, zero, batches, *, mesh=None, micro_batches=1):
+    """``(zstep, state, losses)`` of ``make_tx()`` steps of ``trainable`` over ``batches``."""
+    import zjax
+
+    zstep = zjax.make_step(trainable, make_tx(), zero=zero, mesh=mesh or zjax.make_mesh(),
+                           micro_batches=micro_batches)
+    state = zstep.init(jax.random.key(0))
+    losses = []
+    for b in batches:
+        state, metrics = zstep.step(state, zstep.put_batch(b))
+        losses.append(float(metrics["loss"]))
+    return zstep, state, losses
+
+
 def assert_matches_reference(losses, state, reference) -> None:
     """A sharded run's losses, params and Adam moments against ``reference_run``'s (FP32)."""
     ref_params, ref_opt, ref_losses = reference

@@ -1,4 +1,4 @@
-"""Small models shared by the tests: the reference GPT (NNX) and a Linen LM."""
+"""Small models shared by the tests: the reference GPT and Llama (NNX) and a Linen LM."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 import zjax
-from zjax.models import GPT, GPTConfig, lm_loss
+from zjax.models import GPT, GPTConfig, Llama, LlamaConfig, lm_loss
 
 TINY = GPTConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, d_ff=64, max_seq_len=16,
                  tie_embeddings=True)
@@ -22,6 +22,22 @@ def gpt_trainable(cfg: GPTConfig = TINY) -> zjax.Trainable:
 def gpt_reference_loss(cfg: GPTConfig = TINY):
     """``loss(params, batch)`` on the plain (unsharded) model, params as a pure dict."""
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    return lambda params, batch: lm_loss(nnx.merge(graphdef, params), batch)
+
+
+# grouped-query attention (2 query heads per key/value head), untied head; model = 1, 2 divide
+# the key/value heads; d_ff 96 divides by 8 and 2
+TINY_LLAMA = LlamaConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                         d_ff=96, max_seq_len=16)
+
+
+def llama_trainable(cfg: LlamaConfig = TINY_LLAMA) -> zjax.Trainable:
+    return zjax.from_nnx(lambda rngs: Llama(cfg, rngs=rngs), lm_loss)
+
+
+def llama_reference_loss(cfg: LlamaConfig = TINY_LLAMA):
+    """``loss(params, batch)`` on the plain (unsharded) Llama, params as a pure dict."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
     return lambda params, batch: lm_loss(nnx.merge(graphdef, params), batch)
 
 

@@ -102,7 +102,7 @@ def test_config_is_at_the_bottom_of_the_import_graph():
     heavy = [m for m in loaded if m.split(".")[0] in ("orbax", "grain", "flax")]
     assert heavy == []
     engine = {"zjax.step", "zjax.trainer", "zjax.loop", "zjax.checkpoint", "zjax.data",
-              "zjax.models.gpt", "zjax.trainable"}
+              "zjax.models.gpt", "zjax.models.llama", "zjax.trainable"}
     assert engine.isdisjoint(loaded), engine & set(loaded)
     assert "zjax.config._gin" in loaded and "zjax.models._gpt_config" in loaded
 

@@ -13,21 +13,11 @@ from helpers import (
     assert_trees_close,
     make_tx,
     reference_run,
+    train_steps,
 )
 from models import gpt_reference_loss, gpt_trainable, linen_trainable, token_batches
 
 import zjax
-
-
-def run_zjax(trainable, zero, batches, *, micro_batches=1):
-    zstep = zjax.make_step(trainable, make_tx(), zero=zero, mesh=zjax.make_mesh(),
-                           micro_batches=micro_batches)
-    state = zstep.init(jax.random.key(0))
-    losses = []
-    for b in batches:
-        state, metrics = zstep.step(state, jax.device_put(b, zstep.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    return zstep, state, losses
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +40,7 @@ def test_gpt_matches_single_device(gpt_reference, stage, prefetch, threshold):
     zero = zjax.ZeroConfig(stage=stage, prefetch_layers=prefetch,
                            param_persistence_threshold=threshold,
                            gather_dtype="float32", reduce_dtype="float32")
-    zstep, state, losses = run_zjax(gpt_trainable(), zero, batches)
+    zstep, state, losses = train_steps(gpt_trainable(), zero, batches)
     assert (len(zstep.plan.replicated) > 0) == (threshold > 0 or stage == 0)
     assert_matches_reference(losses, state, reference)
 
@@ -60,7 +50,7 @@ def test_gpt_matches_single_device(gpt_reference, stage, prefetch, threshold):
 def test_grad_accumulation_matches(gpt_reference, stage):
     batches, (ref_params, _, ref_losses) = gpt_reference
     zero = zjax.ZeroConfig(stage=stage, gather_dtype="float32", param_persistence_threshold=100)
-    _, state, losses = run_zjax(gpt_trainable(), zero, batches, micro_batches=2)
+    _, state, losses = train_steps(gpt_trainable(), zero, batches, micro_batches=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(state.params, ref_params, **FP32, what="params")
 
@@ -73,7 +63,7 @@ def test_bf16_gather_losses_within_one_percent(stage):
     _, _, ref_losses = reference_run(trainable.init, gpt_reference_loss(), make_tx(), batches)
     zero = zjax.ZeroConfig(stage=stage, gather_dtype="bfloat16", reduce_dtype="bfloat16",
                            param_persistence_threshold=100)
-    zstep, state, losses = run_zjax(trainable, zero, batches)
+    zstep, state, losses = train_steps(trainable, zero, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=0.01)
     assert losses[-1] < losses[0] * 0.9, "bf16 training did not learn"
     if stage < 3:  # working copy in bf16, float32 master sharded like the optimizer state
@@ -92,7 +82,7 @@ def test_linen_model_through_pytree_api(stage):
     batches = token_batches(5, seed=2)
     ref_params, ref_opt, ref_losses = reference_run(init, loss, make_tx(), batches)
     zero = zjax.ZeroConfig(stage=stage, gather_dtype="float32", param_persistence_threshold=100)
-    zstep, state, losses = run_zjax(trainable, zero, batches)
+    zstep, state, losses = train_steps(trainable, zero, batches)
     if stage == 3:
         assert zstep.plan.leaves_by_path["embed/embedding"].dim is not None
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

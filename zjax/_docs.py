@@ -64,13 +64,19 @@ def _rows(prefix: str, cls: type) -> list[str]:
 
 def config_reference() -> str:
     """A markdown table per config section: key, type, default, meaning."""
+    from zjax._loop_name import BUILTIN_LOOPS
     from zjax.config import section_types
 
     sections = section_types()
-    lines = [BEGIN, "", "`loop` (top level): `lm` (the built-in GPT loop) or "
-             "`package.module:Name` (your `zjax.Loop`).", ""]
+    lines = [BEGIN, "", "`loop` (top level): `lm` (the built-in GPT loop), `llama` (the "
+             "built-in Llama loop) or `package.module:Name` (your `zjax.Loop`).", ""]
     for name, cls in sections.items():
         lines += [f"**`{name}`** ({cls.__name__})", "", "| key | type | default | meaning |",
                   "|---|---|---|---|", *_rows(name, cls), ""]
+    for loop, (_, cls) in BUILTIN_LOOPS.items():
+        if cls is not sections["model"]:  # the model sections of the other built-in loops
+            lines += [f"**`model`** with `loop: {loop}` ({cls.__name__})", "",
+                      "| key | type | default | meaning |", "|---|---|---|---|",
+                      *_rows("model", cls), ""]
     lines.append(END)
     return "\n".join(lines)

@@ -15,11 +15,15 @@ from typing import Any
 from zjax._schema import short
 from zjax.errors import ConfigError, did_you_mean, first_line
 from zjax.models._gpt_config import GPTConfig
+from zjax.models._llama_config import LlamaConfig
 
 __all__ = ["BUILTIN_LOOPS", "find_loop", "model_config_of"]
 
 # name -> (where the loop is, its model_config): the model config without importing the loop
-BUILTIN_LOOPS: dict[str, tuple[str, type]] = {"lm": ("zjax.loop:LanguageModel", GPTConfig)}
+BUILTIN_LOOPS: dict[str, tuple[str, type]] = {
+    "lm": ("zjax.loop:LanguageModel", GPTConfig),
+    "llama": ("zjax.loop:LlamaLanguageModel", LlamaConfig),
+}
 NEEDS = "it needs model_config (a dataclass), trainable() and data()"
 
 

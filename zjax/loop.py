@@ -21,9 +21,10 @@ from zjax._schema import short
 from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
 from zjax.errors import ConfigError, first_line
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
+from zjax.models.llama import Llama, LlamaConfig
 from zjax.trainable import Trainable, from_nnx
 
-__all__ = ["LanguageModel", "Loop", "resolve_loop"]
+__all__ = ["LanguageModel", "LlamaLanguageModel", "Loop", "resolve_loop"]
 
 
 @runtime_checkable
@@ -81,6 +82,15 @@ class LanguageModel:
         return window_batches(self.tokens(data).split(split), global_batch=data.batch_size,
                               seq_len=data.seq_len, seed=seed, process_index=process_index,
                               process_count=process_count, split=split)
+
+
+class LlamaLanguageModel(LanguageModel):
+    """The built-in ``loop: llama``: the reference Llama on the same data as ``lm``."""
+
+    model_config = LlamaConfig
+
+    def trainable(self, model: LlamaConfig) -> Trainable:
+        return from_nnx(lambda rngs: Llama(model, rngs=rngs), lm_loss)
 
 
 def resolve_loop(name: str) -> Loop:

@@ -1,7 +1,7 @@
 """Reference models used by configs, tests and benchmarks.
 
-``GPTConfig`` loads without Flax (a config validates without the model); ``GPT`` and
-``lm_loss`` load on first use (PEP 562).
+``GPTConfig`` and ``LlamaConfig`` load without Flax (a config validates without the model);
+``GPT``, ``Llama`` and ``lm_loss`` load on first use (PEP 562).
 """
 
 from __future__ import annotations
@@ -10,17 +10,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from zjax.models._gpt_config import GPTConfig
+from zjax.models._llama_config import LlamaConfig
 
-__all__ = ["GPT", "GPTConfig", "lm_loss"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "lm_loss"]
+
+_LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.models.llama"}
 
 
 def __getattr__(name: str) -> Any:
-    if name not in ("GPT", "lm_loss"):
+    if name not in _LAZY:
         raise AttributeError(f"module 'zjax.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module("zjax.models.gpt"), name)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 
 
 if TYPE_CHECKING:
     from zjax.models.gpt import GPT, lm_loss
+    from zjax.models.llama import Llama

@@ -19,28 +19,10 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 from zjax.models._gpt_config import GPTConfig
+from zjax.models._layers import RMSNorm, param
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
-
-
-
-
-def _param(rngs: nnx.Rngs, shape, std: float, axes: tuple[str | None, ...]) -> nnx.Param:
-    # logical axis names only: zjax places the weights, so Flax must not shard them eagerly
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
-                     out_sharding=axes, eager_sharding=False)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, d: int):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=("embed",),
-                               eager_sharding=False)
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Block(nnx.Module):
@@ -56,13 +38,13 @@ class Block(nnx.Module):
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
         self.n_heads = cfg.n_heads
         self.ln1 = RMSNorm(d)
-        self.wq = _param(rngs, (d, d), 0.02, ("embed", "heads"))
-        self.wk = _param(rngs, (d, d), 0.02, ("embed", "heads"))
-        self.wv = _param(rngs, (d, d), 0.02, ("embed", "heads"))
-        self.wo = _param(rngs, (d, d), out_std, ("heads", "embed"))
+        self.wq = param(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wk = param(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wv = param(rngs, (d, d), 0.02, ("embed", "heads"))
+        self.wo = param(rngs, (d, d), out_std, ("heads", "embed"))
         self.ln2 = RMSNorm(d)
-        self.w_up = _param(rngs, (d, ff), 0.02, ("embed", "mlp"))
-        self.w_down = _param(rngs, (ff, d), out_std, ("mlp", "embed"))
+        self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
+        self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
 
     def __call__(self, x):
         b, t, d = x.shape
@@ -91,13 +73,13 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
-        self.pos = _param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01, (None, "embed"))
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
+        self.pos = param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01, (None, "embed"))
         self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs,
                             remat=cfg.remat)
         self.ln_f = RMSNorm(cfg.d_model)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""

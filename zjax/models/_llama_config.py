@@ -1,0 +1,73 @@
+"""The reference Llama's ``model`` config section (the built-in ``llama`` loop), in a module
+that imports nothing heavy (no Flax): a config is read and validated without the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zjax._schema import positive, validate
+from zjax.errors import ConfigError
+
+__all__ = ["LlamaConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shape of a Llama-family decoder (Llama 2/3 layout).
+
+    Attributes:
+      vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
+      d_model: width of the residual stream (Hugging Face's ``hidden_size``).
+      n_layers: decoder layers (one ``Stack``).
+      n_heads: query heads (must divide ``d_model``; ``mesh.model`` must divide them).
+      n_kv_heads: key/value heads, grouped-query attention (must divide ``n_heads``;
+        ``mesh.model`` must divide them); empty for ``n_heads`` (multi-head attention).
+      d_ff: SwiGLU hidden width (``intermediate_size``); empty for Llama 2's rule: 8/3 x
+        d_model rounded up to a multiple of 256 (11008 at d_model 4096; ``mesh.model`` must
+        divide it).
+      max_seq_len: longest sequence (rotary positions have no table; this bounds the data).
+      rope_theta: rotary embedding base (10000 in Llama 2, 500000 in Llama 3).
+      norm_eps: RMSNorm epsilon (``rms_norm_eps``).
+      tie_embeddings: reuse the token embedding as the output projection (untied in Llama).
+      remat: recompute each layer in the backward pass (ZeRO stages 0-2; the stage-3 schedule
+        always keeps only the layer inputs).
+    """
+
+    vocab_size: int = positive(256)
+    d_model: int = positive(128)
+    n_layers: int = positive(4)
+    n_heads: int = positive(4)
+    n_kv_heads: int | None = positive(None, none_means="n_heads")
+    d_ff: int | None = positive(None, none_means="8/3 x d_model, rounded up to 256")
+    max_seq_len: int = positive(256)
+    rope_theta: float = positive(10000.0)
+    norm_eps: float = positive(1e-5)
+    tie_embeddings: bool = False
+    remat: bool = True
+
+    def __post_init__(self):
+        validate(self, "model")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"model.n_kv_heads: {self.kv_heads} does not divide "
+                              f"model.n_heads {self.n_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.n_heads: a head of {self.head_dim} dimensions (d_model / "
+                              "n_heads) is odd; rotary embeddings rotate pairs")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        hidden = 8 * self.d_model // 3
+        return (hidden + 255) // 256 * 256

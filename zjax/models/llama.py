@@ -1,0 +1,107 @@
+"""A reference Llama-family decoder in Flax NNX: RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU MLP, untied head; the layers in a ``Stack``.
+
+The layout and conventions are Hugging Face's ``LlamaForCausalLM``: rotary embeddings rotate
+the two halves of each head (``rotate_half``), query head ``j`` reads key/value head
+``j // (n_heads / n_kv_heads)``. Weights are stored ``[in, out]`` (the transpose of PyTorch's
+``nn.Linear``). Normalisation statistics, rotary angles, softmax and logits are float32; the
+matmuls run in whatever dtype the weights arrive in (``zero.gather_dtype``).
+
+Tensor parallelism as in the GPT (Megatron's layout): query and key/value heads and the MLP
+hidden units split over ``model``, so ``mesh.model`` must divide ``n_kv_heads`` (and with it
+``n_heads``) and ``d_ff``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zjax.errors import ArgumentError
+from zjax.models._layers import RMSNorm, param
+from zjax.models._llama_config import LlamaConfig
+from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
+
+__all__ = ["Llama", "LlamaConfig", "rotary"]
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of ``x`` ``[B, T, heads, head_dim]`` at positions 0..T-1."""
+    t, hd = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class LlamaBlock(nnx.Module):
+    """Pre-norm grouped-query attention and SwiGLU MLP, no biases."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        d, hd, ff = cfg.d_model, cfg.head_dim, cfg.ff
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.n_kv_heads, self.head_dim, self.theta = cfg.kv_heads, hd, cfg.rope_theta
+        self.ln1 = RMSNorm(d, cfg.norm_eps)
+        self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
+        self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
+        self.wv = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
+        self.wo = param(rngs, (cfg.n_heads * hd, d), out_std, ("heads", "embed"))
+        self.ln2 = RMSNorm(d, cfg.norm_eps)
+        self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
+        self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
+        self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
+
+    def _attention(self, y):
+        b, t, _ = y.shape
+        hd = self.head_dim
+        wq, wk = self.wq[...], self.wk[...]
+        h, kv = wq.shape[-1] // hd, wk.shape[-1] // hd  # this device's heads
+        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta)
+        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta)
+        v = (y @ self.wv[...]).reshape(b, t, kv, hd)
+        q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped by their key/value head
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(y.dtype)
+        return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h * hd)
+
+    def __call__(self, x):
+        m = model_axis_size()
+        if self.n_kv_heads % m:
+            raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
+                                f"{self.n_kv_heads} key/value heads (n_kv_heads), which it "
+                                "splits")
+        y = column_parallel_input(self.ln1(x))
+        x = x + row_parallel_output(self._attention(y) @ self.wo[...])
+        y = column_parallel_input(self.ln2(x))
+        gated = jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])
+        return x + row_parallel_output(gated @ self.w_down[...])
+
+
+class Llama(nnx.Module):
+    """Token embedding, a ``Stack`` of decoder layers, final norm, LM head."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
+        self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r), cfg.n_layers, rngs=rngs,
+                            remat=cfg.remat)
+        self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ArgumentError("tokens", f"a sequence of {t} tokens exceeds the model's "
+                                f"max_seq_len {self.cfg.max_seq_len}")
+        embed = self.embed[...]
+        h = self.ln_f(self.blocks(jnp.take(embed, tokens, axis=0)))
+        head = embed.T if self.cfg.tie_embeddings else self.head[...]
+        return (h @ head).astype(jnp.float32)
