@@ -34,9 +34,9 @@ SETTINGS = {
 
 
 @functools.cache
-def _compiled(name: str, *overrides: str):
-    """(zstep, compiled, report) of the tiny GPT's step compiled for ``name``."""
-    config = zjax.load_config("configs/tiny.yaml", [*BASE, *overrides])
+def _compiled(name: str, *overrides: str, file: str = "configs/tiny.yaml"):
+    """(zstep, compiled, report) of the tiny GPT's (or ``file``'s) step compiled for ``name``."""
+    config = zjax.load_config(file, [*BASE, *overrides])
     zstep = zjax.build_step(config, None if name == "cpu" else target(name))
     compiled = zstep.lower(zjax.abstract_batch(config)).compile()
     return zstep, compiled, report(zstep, compiled,
@@ -122,6 +122,40 @@ def test_stage3_moves_two_gathers_and_one_reduce_scatter_per_parameter(name, pre
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", [(8, 1), (4, 2)])
+@pytest.mark.parametrize("name", ["cpu", GPU, TPU])
+def test_llama_stage3_compiles_plans_and_moves_two_gathers_per_parameter(name, mesh):
+    """The Llama (grouped-query attention, rotary, SwiGLU) on all three compilers, with and
+    without tensor parallelism: plan memory is the compiler's, gathers 2 x Psi (+ the drain,
+    - the head),
+    reduce-scatters Psi (bf16 on accelerators), overlapped on GPU and TPU (at d_model 512)."""
+    zstep, compiled, planned = _compiled(
+        name, "zero.prefetch_layers=1", "zero.reduce_dtype=bfloat16", f"mesh.data={mesh[0]}",
+        f"mesh.model={mesh[1]}", file="configs/llama-tiny.yaml")
+    assert planned.per_device["temp_bytes"] == compiled.memory_analysis().temp_size_in_bytes
+    coll = collective_bytes(compiled.as_text(), decomposed=name == TPU,
+                            mesh_axes=dict(zstep.plan.mesh.shape))
+    # per device: 1/model of each split leaf moves over data
+    psi = sum(leaf.size // (mesh[1] if leaf.model_dim is not None else 1)
+              for leaf in zstep.plan.leaves if leaf.dim is not None)
+    layer = sum(leaf.size // leaf.shape[0] // (mesh[1] if leaf.model_dim is not None else 1)
+                for leaf in zstep.plan.leaves if leaf.dim is not None and leaf.stacked)
+    # the untied head is used last in the forward and first in the backward: the compilers
+    # keep its one gather (the re-gather would follow it at once), so it moves once
+    head = zstep.plan.leaves_by_path["head"].size
+    over_data = coll.by_axis["data"]
+    reduced = 4 if name == "cpu" else 2
+    assert over_data["all_gather"] == pytest.approx((2 * psi + layer - head) * 2, rel=0.02)
+    assert over_data["reduce_scatter"] == pytest.approx(psi * reduced, rel=0.02)
+    if name != "cpu" and mesh == (8, 1):  # layers big enough to overlap (as for the GPT)
+        *_, wide = _compiled(name, "zero.prefetch_layers=1", "model.d_model=512",
+                             "model.d_ff=1376", "model.n_layers=4",
+                             file="configs/llama-tiny.yaml")
+        assert wide.overlap["all_gather"] >= 0.85, wide.overlap
+        assert wide.overlap["reduce_scatter"] >= 0.9, wide.overlap
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cpu", GPU, TPU])
 def test_stage2_reduce_scatters_grads_and_gathers_the_working_copy(name):
     zstep, compiled, _ = _compiled(name, "zero.stage=2")
@@ -196,6 +230,18 @@ def test_plan_cli_with_a_target_and_a_bad_one():
     bad = _cli("plan", "--target", "v9z:2x2")
     assert bad.returncode == 2 and "zjax: error: --target: 'v9z:2x2'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_step_over_the_chip_memory_does_not_fit():
+    """libtpu refuses to compile a program over its HBM (RESOURCE_EXHAUSTED): the plan says
+    it does not fit, with the compiler's figures, instead of a traceback (the autotuner then
+    counts the candidate as one that cannot be built)."""
+    config = zjax.load_config("configs/tiny.yaml", [
+        "model.n_layers=2", "model.max_seq_len=32768", "data.seq_len=32768",
+        "data.batch_size=64"])
+    with pytest.raises(zjax.ConfigError, match=r"^--target v5p:2x2x2: does not fit: .*HLO "
+                                               r"temporaries \(\d.*exceeds available HBM"):
+        zjax.plan(config, target=TPU)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import yaml
 
 from zjax._build import abstract_batch, build_step, config_keys
 from zjax.config import Config
-from zjax.errors import ConfigError
+from zjax.errors import ConfigError, first_line
 from zjax.loop import resolve_loop
 from zjax.planning._report import PlanReport, report
 from zjax.planning._search import TuneResult, parse_bytes
@@ -43,7 +43,20 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
     with config_keys():
         zstep = build_step(config, devices, loop=loop)
         batch = abstract_batch(config, loop=loop)
-        compiled = zstep.lower(batch).compile()
+        lowered = zstep.lower(batch)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if not str(e).startswith("RESOURCE_EXHAUSTED"):
+            raise
+        # libtpu refuses a program over its HBM instead of reporting it: the answer to
+        # "does it fit" is no, said as an error naming the target and the figures
+        where = f"--target {target.name}" if target else "the step"
+        raise ConfigError(
+            f"{where}: does not fit: "
+            f"{first_line(e).removeprefix('RESOURCE_EXHAUSTED: ').rstrip('.')}; "
+            "use more devices, a smaller data.batch_size or data.seq_len, gradient "
+            "accumulation (train.grad_accum) or offload (zero.offload_*)") from None
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
                   remat=getattr(config.model, "remat", None), target=target)
 
