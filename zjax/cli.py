@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate N CPU devices (default 8 when only a CPU is present)")
     t.add_argument("--run-dir", default=None,
                    help="write config.yaml, metrics.jsonl and TensorBoard events here")
+    t.add_argument("--deepspeed", default=None, metavar="DS_CONFIG",
+                   help="a DeepSpeed ds_config.json, applied under CONFIG's overrides")
     t.add_argument("--coordinator", default=None,
                    help="multi-process: HOST:PORT of process 0 (else ZJAX_COORDINATOR)")
     t.add_argument("--num-processes", type=int, default=None, help="multi-process: P")
@@ -88,12 +90,24 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="write loss and throughput PNGs of a run")
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR)")
+    _config_parser(sub)
+    return p
+
+
+def _config_parser(sub) -> None:
+    """``zjax config show`` and ``zjax config from-deepspeed``."""
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="action", required=True)
     show = csub.add_parser("show", help="print the resolved config as YAML")
     show.add_argument("config", nargs="?")
     show.add_argument("overrides", nargs="*")
-    return p
+    ds = csub.add_parser("from-deepspeed", help="a DeepSpeed ds_config.json as a zjax config")
+    ds.add_argument("ds_config")
+    ds.add_argument("config", nargs="?", help="zjax config the DeepSpeed keys apply to")
+    ds.add_argument("overrides", nargs="*")
+    ds.add_argument("--devices", type=_count, default=8,
+                    help="devices of the run (DeepSpeed's batch sizes are per GPU; default 8)")
+    ds.add_argument("-o", "--output", default=None, help="write the YAML here (not stdout)")
 
 
 def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -170,10 +184,50 @@ def _train(args) -> int:
                                                num_processes=args.num_processes,
                                                process_id=args.process_id),
                timeout_s=config.mesh.init_timeout_s)
+    if args.deepspeed:  # its batch sizes are per GPU: known once every process has joined
+        import jax
+
+        config, ignored = _with_deepspeed(args.deepspeed, path, overrides, jax.device_count())
+        for line in ignored:
+            logging.getLogger("zjax").info("%s", line)
 
     result = train(None, config, run_dir=args.run_dir)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     logging.getLogger("zjax").info("done: loss %.4f -> %.4f", first, last)
+    return 0
+
+
+def _with_deepspeed(ds_path: str, path: str | None, overrides: list[str], n_devices: int):
+    """``path`` + ``overrides`` with a DeepSpeed config's keys beneath the overrides, and a
+    line for each DeepSpeed key ignored (with its reason)."""
+    from zjax.config import load_config
+    from zjax.config._deepspeed import from_deepspeed, read_deepspeed
+
+    mesh = load_config(path, overrides).mesh
+    n_data = mesh.data if mesh.model == -1 else n_devices // mesh.model
+    ds = from_deepspeed(read_deepspeed(ds_path), n_data=n_data)
+    return load_config(path, [*ds.overrides, *overrides]), [
+        f"deepspeed {key}: ignored: {why}" for key, why in ds.ignored]
+
+
+def _config_from_deepspeed(args) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    path, overrides = _split(args.config, args.overrides)
+    config, ignored = _with_deepspeed(args.ds_config, path, overrides, args.devices)
+    for line in ignored:  # stdout is the YAML
+        print(line, file=sys.stderr)
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    if args.output is None:
+        print(text, end="")
+        return 0
+    from zjax._rundir import _atomic_write
+
+    if Path(args.output).exists():
+        raise ConfigError(f"-o: {args.output!r} already exists; zjax does not replace it")
+    _atomic_write(Path(args.output), text)
     return 0
 
 
@@ -324,6 +378,8 @@ def _main(argv: list[str] | None) -> int:
             return _plan(args)
         if args.command == "launch":
             return _launch(args)
+        if args.action == "from-deepspeed":
+            return _config_from_deepspeed(args)
         return _config_show(args)
     except Preempted as e:
         print(f"zjax: {e}", file=sys.stderr)

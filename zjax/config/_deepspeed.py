@@ -1,0 +1,337 @@
+"""A DeepSpeed ``ds_config.json`` read as zjax config overrides.
+
+Every key is mapped to a zjax key, or ignored with the reason (it has no meaning under XLA, or
+zjax always does it), or refused with a ConfigError naming it (an unknown key, a feature zjax
+does not have, an impossible value). Hugging Face Trainer's ``"auto"`` values keep zjax's
+defaults. DeepSpeed's JSON may carry ``//`` comments (as in its documentation); they are
+dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from zjax.errors import ConfigError, did_you_mean
+
+__all__ = ["DeepSpeedImport", "from_deepspeed", "read_deepspeed"]
+
+_ALWAYS = "zjax always does this"
+# zero_optimization keys with no zjax knob: why
+_ZERO_IGNORED = {
+    "contiguous_gradients": f"{_ALWAYS} (XLA allocates gradients in its own buffers)",
+    "overlap_comm": f"{_ALWAYS} (the schedule prefetches; the compiler overlaps collectives)",
+    "reduce_scatter": f"{_ALWAYS} (gradients are reduce-scattered from stage 2)",
+    "allgather_partitions": f"{_ALWAYS} (one all-gather per layer or leaf)",
+    "allgather_bucket_size": "XLA sizes its collectives; zjax moves a layer at a time",
+    "reduce_bucket_size": "XLA sizes its collectives; zjax reduce-scatters a layer at a time",
+    "round_robin_gradients": "no CPU-offload gradient copy loop to reorder under XLA",
+    "sub_group_size": "the optax update runs on the whole sharded tree in one program",
+    "stage3_max_reuse_distance": "each layer is gathered for its use and again for the "
+                                 "backward; XLA frees a gathered layer after its last use",
+    "stage3_gather_16bit_weights_on_model_save": "`zjax export` always writes gathered weights",
+    "stage3_gather_fp16_weights_on_model_save": "`zjax export` always writes gathered weights",
+    "gather_16bit_weights_on_model_save": "`zjax export` always writes gathered weights",
+    "elastic_checkpoint": "zjax checkpoints restore on any device count",
+    "ignore_unused_parameters": "a leaf the loss does not use gets a zero gradient",
+    "log_trace_cache_warnings": "zjax traces the loss once; nothing is cached per module",
+    "memory_efficient_linear": "XLA fuses the linear layers",
+    "legacy_stage1": "one stage-1 implementation",
+    "cpu_offload": "use offload_optimizer",
+}
+_OFFLOAD_IGNORED = {
+    "buffer_count": "no staging buffers: JAX moves arrays by memory kind",
+    "buffer_size": "no staging buffers: JAX moves arrays by memory kind",
+    "max_in_cpu": "every offloaded leaf lives in host memory",
+    "fast_init": "optimizer state is created in its place (sharded, in host memory)",
+    "pipeline_read": "NVMe only", "pipeline_write": "NVMe only", "pipeline": "NVMe only",
+    "nvme_path": "NVMe only", "ratio": "the whole optimizer state is offloaded",
+}
+_TOP_IGNORED = {
+    "wall_clock_breakdown": "zjax logs step time and tokens/s",
+    "zero_allow_untested_optimizer": "any optax optimizer is allowed",
+    "prescale_gradients": "zjax divides the gradient sums by the global token count",
+    "gradient_predivide_factor": "zjax divides the gradient sums by the global token count",
+    "memory_breakdown": "`zjax plan` reports the compiled step's memory",
+    "dump_state": "`zjax config show` prints the resolved config",
+    "flops_profiler": "not in zjax", "comms_logger": "`zjax plan` reports collective bytes",
+    "tensorboard": "set logging.tensorboard", "wandb": "not in zjax",
+    "csv_monitor": "metrics.jsonl", "checkpoint": "set checkpoint.*",
+    "activation_checkpointing": "stage 3 always recomputes each layer; model.remat for 0-2",
+    "aio": "NVMe only", "data_types": "set zero.reduce_dtype",
+    "seq_parallel_communication_data_type": "no sequence parallelism",
+}
+_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float32": "float32",
+           "float16": "float16", "bfloat16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedImport:
+    """What a DeepSpeed config became.
+
+    Attributes:
+      overrides: zjax ``key=value`` overrides, in the order they were read.
+      ignored: ``(DeepSpeed key, reason)`` of each key with no zjax meaning.
+    """
+
+    overrides: tuple[str, ...]
+    ignored: tuple[tuple[str, str], ...]
+
+
+def _strip_comments(text: str) -> str:
+    """Drop ``//`` comments outside strings."""
+    return re.sub(r'("(?:\\.|[^"\\])*")|//[^\n]*', lambda m: m.group(1) or "", text)
+
+
+def read_deepspeed(path: str | os.PathLike) -> dict:
+    """The JSON object of a DeepSpeed config file (``//`` comments allowed)."""
+    path = Path(path)
+    try:
+        data = json.loads(_strip_comments(path.read_text()))
+    except OSError as e:
+        raise ConfigError(f"--deepspeed: cannot read {str(path)!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed: {str(path)!r} is not valid JSON at line {e.lineno}, "
+                          f"column {e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed: {str(path)!r} holds a {type(data).__name__}, "
+                          "expected a JSON object")
+    return data
+
+
+class _Reader:
+    def __init__(self):
+        self.out: dict[str, Any] = {}
+        self.ignored: list[tuple[str, str]] = []
+
+    def set(self, key: str, value: Any) -> None:
+        self.out[key] = value
+
+    def ignore(self, key: str, why: str) -> None:
+        self.ignored.append((key, why))
+
+    def unknown(self, key: str, known) -> ConfigError:
+        name = key.rsplit(".", 1)[-1]
+        return ConfigError(f"deepspeed {key}: unknown key{did_you_mean(name, known)}; zjax "
+                           "maps every DeepSpeed key it knows (see README, From DeepSpeed)")
+
+
+def _auto(r: _Reader, key: str, value: Any) -> bool:
+    if value == "auto":
+        r.ignore(key, '"auto": zjax\'s default is kept')
+        return True
+    return False
+
+
+def _number(key: str, value: Any, kind=float) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"deepspeed {key}: expected a number, got {value!r}")
+    return kind(value)
+
+
+def _offload(r: _Reader, section: str, d: dict) -> None:
+    zkey = f"zero.{section}"
+    for key, value in d.items():
+        where = f"zero_optimization.{section}.{key}"
+        if key == "device":
+            device = {"cpu": "host", "none": "none"}.get(str(value), str(value))
+            r.set(f"{zkey}.device", device)  # nvme: zjax's own error says it is not yet there
+        elif key == "pin_memory":
+            r.set(f"{zkey}.pin_memory", bool(value))
+        elif key in _OFFLOAD_IGNORED:
+            r.ignore(where, _OFFLOAD_IGNORED[key])
+        else:
+            raise r.unknown(where, ["device", "pin_memory", *_OFFLOAD_IGNORED])
+
+
+def _zero(r: _Reader, d: dict, *, gather_bytes: int) -> None:
+    direct = {"stage": ("zero.stage", int),
+              "stage3_param_persistence_threshold": ("zero.param_persistence_threshold", int),
+              "stage3_max_live_parameters": ("zero.max_live_parameters", int)}
+    for key, value in d.items():
+        where = f"zero_optimization.{key}"
+        if _auto(r, where, value):
+            continue
+        if key in direct:
+            zkey, kind = direct[key]
+            r.set(zkey, _number(where, value, kind))
+        elif key == "stage3_prefetch_bucket_size":  # DeepSpeed counts elements, zjax bytes
+            r.set("zero.prefetch_bucket_size", _number(where, value, int) * gather_bytes)
+            r.set("zero.prefetch_layers", None)  # the bucket decides the depth
+        elif key in ("offload_optimizer", "offload_param"):
+            if not isinstance(value, dict):
+                raise ConfigError(f"deepspeed {where}: expected an object, got {value!r}")
+            _offload(r, key, value)
+        elif key in _ZERO_IGNORED:
+            r.ignore(where, _ZERO_IGNORED[key])
+        elif key in ("zero_hpz_partition_size", "mics_shard_size") and value in (1, -1):
+            r.ignore(where, "the default (no secondary partition)")
+        elif key in ("zero_quantized_weights", "zero_quantized_gradients") and not value:
+            r.ignore(where, "off")
+        elif key in ("zero_hpz_partition_size", "mics_shard_size", "zero_quantized_weights",
+                     "zero_quantized_gradients"):
+            raise ConfigError(f"deepspeed {where}: {value!r}: hierarchical partitioning and "
+                              "quantized collectives (ZeRO++, MiCS) are not in zjax yet")
+        else:
+            raise r.unknown(where, [*direct, "stage3_prefetch_bucket_size", "offload_optimizer",
+                                    "offload_param", *_ZERO_IGNORED])
+
+
+def _optimizer(r: _Reader, d: dict) -> None:
+    kind = str(d.get("type", "")).lower()
+    params = d.get("params", {}) or {}
+    if kind not in ("adam", "adamw"):
+        raise ConfigError(f"deepspeed optimizer.type: {d.get('type')!r} is not mapped; zjax "
+                          "builds Adam, AdamW or SGD (optimizer.name); use Adam or AdamW")
+    decoupled = kind == "adamw" or params.get("adam_w_mode", True)  # DeepSpeed's default
+    decay = params.get("weight_decay", 0.0)
+    if not decoupled and decay not in (0, "auto"):
+        raise ConfigError("deepspeed optimizer.params.adam_w_mode: false with weight_decay "
+                          f"{decay}: L2-regularised Adam is not in zjax; use AdamW")
+    r.set("optimizer.name", "adamw" if decoupled else "adam")
+    for key, value in params.items():
+        where = f"optimizer.params.{key}"
+        if _auto(r, where, value):
+            continue
+        if key == "lr":
+            r.set("optimizer.lr", _number(where, value))
+        elif key == "betas":
+            if not isinstance(value, list | tuple) or len(value) != 2:
+                raise ConfigError(f"deepspeed {where}: expected [beta1, beta2], got {value!r}")
+            r.set("optimizer.b1", _number(where, value[0]))
+            r.set("optimizer.b2", _number(where, value[1]))
+        elif key == "eps":
+            r.set("optimizer.eps", _number(where, value))
+        elif key == "weight_decay":
+            r.set("optimizer.weight_decay", _number(where, value))
+        elif key in ("adam_w_mode", "torch_adam", "fused", "bias_correction", "amsgrad"):
+            if key == "amsgrad" and value:
+                raise ConfigError(f"deepspeed {where}: true: AMSGrad is not in zjax")
+            r.ignore(where, "optax's Adam/AdamW with bias correction")
+        else:
+            raise r.unknown(where, ["lr", "betas", "eps", "weight_decay", "adam_w_mode"])
+
+
+def _scheduler(r: _Reader, d: dict) -> None:
+    kind = d.get("type")
+    params = d.get("params", {}) or {}
+    known = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+    if kind not in known:
+        raise ConfigError(f"deepspeed scheduler.type: {kind!r} is not mapped"
+                          f"{did_you_mean(str(kind), known)}; zjax warms up linearly, then "
+                          f"keeps the rate or decays it by a cosine: use one of {known}")
+    r.set("optimizer.schedule", "constant" if kind == "WarmupLR" else "cosine")
+    if kind == "WarmupDecayLR":
+        r.ignore("scheduler.type", "WarmupDecayLR decays linearly to 0; zjax's cosine decays to "
+                 "lr/10 at the last step")
+    for key, value in params.items():
+        where = f"scheduler.params.{key}"
+        if _auto(r, where, value):
+            continue
+        if key == "warmup_num_steps":
+            r.set("optimizer.warmup_steps", _number(where, value, int))
+        elif key in ("warmup_max_lr",):
+            r.set("optimizer.lr", _number(where, value))
+        elif key == "total_num_steps":
+            r.set("train.steps", _number(where, value, int))
+        elif key in ("warmup_min_lr", "warmup_min_ratio") and _number(where, value) == 0:
+            r.ignore(where, "0: zjax warms up from 0")
+        elif key == "cos_min_ratio" and _number(where, value) == 0.1:
+            r.ignore(where, "0.1: zjax's cosine ends at lr/10")
+        elif key in ("warmup_type", "last_batch_iteration"):
+            r.ignore(where, "zjax warms up linearly from step 0")
+        elif key in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio"):
+            raise ConfigError(f"deepspeed {where}: {value!r}: zjax warms up from 0 and its "
+                              "cosine ends at lr/10; remove the key or use those values")
+        else:
+            raise r.unknown(where, ["warmup_num_steps", "warmup_max_lr", "total_num_steps",
+                                    "warmup_min_lr", "cos_min_ratio", "warmup_type"])
+
+
+def _batch(r: _Reader, ds: dict, n_data: int) -> None:
+    """DeepSpeed's train_batch_size = micro batch per GPU x accumulation steps x data ranks;
+    zjax's data.batch_size is the global batch of one optimizer step."""
+    vals = {k: ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                   "gradient_accumulation_steps")}
+    for k, v in vals.items():
+        if v == "auto":
+            r.ignore(k, '"auto": zjax\'s default is kept')
+            vals[k] = None
+        elif v is not None:
+            vals[k] = _number(k, v, int)
+    total, micro, gas = vals.values()
+    if total is None and micro is not None:
+        total = micro * (gas or 1) * n_data
+    if gas is None and total is not None and micro is not None:
+        if total % (micro * n_data):
+            raise ConfigError(f"deepspeed train_batch_size: {total} is not a multiple of "
+                              f"train_micro_batch_size_per_gpu {micro} x {n_data} data ranks")
+        gas = total // (micro * n_data)
+    if None not in (total, micro, gas) and total != micro * gas * n_data:
+        raise ConfigError(f"deepspeed train_batch_size: {total} != "
+                          f"train_micro_batch_size_per_gpu {micro} x "
+                          f"gradient_accumulation_steps {gas} x {n_data} data ranks")
+    if total is not None:
+        r.set("data.batch_size", total)
+    if gas is not None:
+        r.set("train.grad_accum", gas)
+
+
+def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
+    """Map a DeepSpeed config (the JSON object) to zjax overrides.
+
+    Args:
+      ds: the parsed ``ds_config.json``.
+      n_data: data-parallel ranks (devices / ``mesh.model``): DeepSpeed's batch sizes are per
+        GPU, zjax's ``data.batch_size`` is global.
+
+    Raises:
+      ConfigError: naming the DeepSpeed key that is unknown, not supported or impossible.
+    """
+    r = _Reader()
+    precision = {k: bool((ds.get(k) or {}).get("enabled")) for k in ("bf16", "fp16")}
+    if precision["bf16"] and precision["fp16"]:
+        raise ConfigError("deepspeed bf16.enabled and fp16.enabled: both true; choose one")
+    gather = "bfloat16" if precision["bf16"] else "float16" if precision["fp16"] else "float32"
+    r.set("zero.gather_dtype", gather)
+    if precision["fp16"]:
+        r.ignore("fp16", "float16 gathers with a float32 master; zjax has no loss scaling "
+                 "(bf16 is the safer choice)")
+    for key, value in ds.items():
+        if key in ("bf16", "fp16", "train_batch_size", "train_micro_batch_size_per_gpu",
+                   "gradient_accumulation_steps"):
+            continue
+        if key == "zero_optimization":
+            _zero(r, value, gather_bytes=2 if gather != "float32" else 4)
+        elif key == "optimizer":
+            _optimizer(r, value)
+        elif key == "scheduler":
+            _scheduler(r, value)
+        elif key == "gradient_clipping":
+            if not _auto(r, key, value):
+                clip = _number(key, value)
+                r.set("optimizer.clip_norm", clip if clip > 0 else None)
+        elif key == "steps_per_print":
+            if not _auto(r, key, value):
+                r.set("train.log_every", _number(key, value, int))
+        elif key == "communication_data_type":
+            if value not in _DTYPES:
+                raise ConfigError(f"deepspeed {key}: {value!r}; expected one of "
+                                  f"{', '.join(_DTYPES)}")
+            r.set("zero.reduce_dtype", _DTYPES[value])
+        elif key in ("amp", "elasticity", "sparse_attention") and (value or {}).get("enabled"):
+            raise ConfigError(f"deepspeed {key}: enabled, which zjax does not have")
+        elif key in _TOP_IGNORED or key in ("amp", "elasticity", "sparse_attention"):
+            r.ignore(key, _TOP_IGNORED.get(key) or "not enabled")
+        else:
+            raise r.unknown(key, ["zero_optimization", "optimizer", "scheduler", "bf16", "fp16",
+                                  "train_batch_size", "train_micro_batch_size_per_gpu",
+                                  "gradient_accumulation_steps", "gradient_clipping",
+                                  "steps_per_print", *_TOP_IGNORED])
+    _batch(r, ds, n_data)
+    overrides = tuple(f"{k}={json.dumps(v)}" for k, v in r.out.items())
+    return DeepSpeedImport(overrides, tuple(r.ignored))
