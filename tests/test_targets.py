@@ -17,6 +17,7 @@ from helpers import cli_env, run_zjax
 
 import zjax
 from zjax._backend import backend
+from zjax._flops import peak_flops
 from zjax.planning import collective_bytes, report
 from zjax.targets import target
 
@@ -252,3 +253,20 @@ def test_cli_simulates_cpu_devices_with_the_compiler_plugins_installed():
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["n_devices"] == 8 and out["device_kind"] == "cpu"
+
+
+def test_model_flops_and_the_peak_of_every_targets_chip():
+    """Every target's chip has a bf16 peak (the device_kind strings match the table), and the
+    plan's model FLOPs are 6N + 12 L d T per token (PaLM's MFU numerator)."""
+    for name in ("h100:8", "h200:8", TPU, "v5e:2x2", "v6e:2x4", "v4:2x2x1"):
+        assert peak_flops(target(name).device_kind), name
+    config = zjax.load_config("configs/tiny.yaml", BASE)
+    report = zjax.plan(config, target=GPU)
+    m = config.model
+    per_token = 6 * report.n_params + 12 * m.n_layers * m.d_model * config.data.seq_len
+    assert report.flops["per_token"] == per_token
+    assert report.flops["per_step"] == per_token * config.data.batch_size * config.data.seq_len
+    assert report.flops["step_s_at_peak"] == pytest.approx(
+        report.flops["per_step"] / (989.4e12 * 8))
+    assert "model FLOPs per step" in report.table()
+    assert peak_flops("cpu") is None  # simulated devices: no MFU

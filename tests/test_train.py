@@ -60,6 +60,12 @@ def test_run_directory_holds_config_metrics_tensorboard(tiny_run):
     # share: the logged rates, over the logged intervals, account for every token trained
     trained = sum(r["tokens_per_s"] * 10 * r["step_time_s"] for r in rows)
     assert trained == pytest.approx(60 * 16 * 128, rel=1e-6)
+    # model FLOPs per second: the plan's FLOPs per token at the measured rate; no MFU on
+    # simulated CPU devices (no peak to divide by)
+    planned = json.loads((run_dir / "plan.json").read_text())
+    assert row["model_flops_per_s"] == pytest.approx(
+        row["tokens_per_s"] * planned["flops"]["per_token"])
+    assert "mfu" not in row and planned["flops"]["peak_per_device"] is None
     assert any((run_dir / "tensorboard").iterdir())
     # the compiled step's plan report, beside the metrics it explains
     planned = json.loads((run_dir / "plan.json").read_text())

@@ -22,7 +22,7 @@ from zjax.targets import Target
 if TYPE_CHECKING:
     from zjax.config import Config
 
-__all__ = ["CONFIG_KEYS", "abstract_batch", "build_step", "config_keys"]
+__all__ = ["CONFIG_KEYS", "abstract_batch", "build_step", "config_keys", "flops_shape"]
 
 # the engine's argument -> the config key it is built from (errors name the key)
 CONFIG_KEYS = {
@@ -75,3 +75,14 @@ def abstract_batch(config: Config, *, loop: Loop | None = None) -> jax.ShapeDtyp
         return loop.abstract_batch(config.data)
     first = next(iter(loop.data(config.data, split="train", seed=0)))
     return jax.ShapeDtypeStruct((config.data.batch_size, *first.shape[1:]), first.dtype)
+
+
+def flops_shape(config: Config) -> dict:
+    """``tokens_per_step`` and ``model_shape`` of :func:`zjax.planning.report` (model FLOPs):
+    the global batch's tokens, and the transformer's depth, width and sequence length when
+    the model section names them (a user's model may not: then 6N only)."""
+    model = config.model
+    shape = {"n_layers": getattr(model, "n_layers", None),
+             "d_model": getattr(model, "d_model", None), "seq_len": config.data.seq_len}
+    return {"tokens_per_step": config.data.batch_size * config.data.seq_len,
+            "model_shape": shape if None not in shape.values() else {}}

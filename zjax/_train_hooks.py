@@ -76,12 +76,16 @@ class MetricsLog:
       memory: the compiled step's memory figures, added to each metrics row.
       watch: the non-finite watch (read up to the logged step; its skip count is logged).
       info: prints (process 0; a no-op elsewhere).
+      flops: the plan report's ``flops``: each row gets ``model_flops_per_s``, and ``mfu``
+        when the chip's peak is known (over ``n_devices``).
     """
 
     def __init__(self, writer: MetricsWriter, *, schedule: Callable, tokens_per_step: int,
-                 memory: dict, watch: FiniteWatch, info: Callable):
+                 memory: dict, watch: FiniteWatch, info: Callable, flops: dict | None = None,
+                 n_devices: int = 1):
         self.writer, self.schedule, self.tokens = writer, schedule, tokens_per_step
         self.memory, self.watch, self.info = memory, watch, info
+        self.flops, self.n_devices = flops or {}, n_devices
         self.history: list[dict] = []
         self._t0, self._done, self._paused = time.perf_counter(), 0, 0.0
 
@@ -100,6 +104,11 @@ class MetricsLog:
         dt = time.perf_counter() - self._t0 - self._paused
         s.row.update(row, lr=float(self.schedule(s.step - 1)),
                      tokens_per_s=self._done * self.tokens / dt, step_time_s=dt / self._done)
+        if self.flops.get("per_token"):  # model FLOPs utilisation (zjax._flops)
+            s.row["model_flops_per_s"] = s.row["tokens_per_s"] * self.flops["per_token"]
+            if self.flops.get("peak_per_device"):
+                s.row["mfu"] = s.row["model_flops_per_s"] / (
+                    self.flops["peak_per_device"] * self.n_devices)
         if self.watch.policy == "skip":
             s.row["skipped_steps"] = self.watch.skipped
         s.row.update(self.memory)

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zjax._build import build_step, config_keys
+from zjax._build import build_step, config_keys, flops_shape
 from zjax._hooks import Hook, run_hooks, training_steps
 from zjax._metrics import MetricsWriter
 from zjax._nonfinite import FiniteWatch
@@ -181,7 +181,8 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
           PreemptionGuard() as guard):
         log = MetricsLog(writer, schedule=make_schedule(config.optimizer, total_steps=steps),
                          tokens_per_step=config.data.batch_size * config.data.seq_len,
-                         memory=memory, watch=watch, info=info)
+                         memory=memory, watch=watch, info=info, flops=planned.flops,
+                         n_devices=planned.n_devices)
         hooks = [Hook(log.count), Hook(lambda s: (watch.add(s.step, s.metrics), watch.poll()))]
         if checkpoints is not None:
             hooks.append(Hook(checkpoints, every=config.checkpoint.every))
@@ -233,7 +234,7 @@ def _memory_row(zstep: ZeroStep, compiled, config: Config, info) -> tuple[dict, 
     memory = {f"memory_{k}": v for k, v in compiled_memory(compiled).items()}
     memory["state_bytes"] = nbytes(zstep.abstract_state)
     planned = report(zstep, compiled, grad_accum=config.train.grad_accum,
-                     remat=getattr(config.model, "remat", None))
+                     remat=getattr(config.model, "remat", None), **flops_shape(config))
     info("%s", planned.table())
     # memory_analysis() does not tell host from device bytes on CPU: the plan counts by kind
     memory["state_host_bytes"] = planned.per_device["host_bytes"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import yaml
 
-from zjax._build import abstract_batch, build_step, config_keys
+from zjax._build import abstract_batch, build_step, config_keys, flops_shape
 from zjax.config import Config
 from zjax.errors import ConfigError, first_line
 from zjax.loop import resolve_loop
@@ -58,7 +58,8 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
             "use more devices, a smaller data.batch_size or data.seq_len, gradient "
             "accumulation (train.grad_accum) or offload (zero.offload_*)") from None
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
-                  remat=getattr(config.model, "remat", None), target=target)
+                  remat=getattr(config.model, "remat", None), target=target,
+                  **flops_shape(config))
 
 
 def _target_devices(name: str, devices: int | None) -> tuple[Target, list]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zjax._flops import flops_per_token, peak_flops
 from zjax.partition import nbytes
 from zjax.planning._hlo import collective_bytes
 from zjax.step import ZeroStep
@@ -53,6 +54,10 @@ class PlanReport:
       overlap: per collective kind, the fraction of its bytes with compute scheduled between
         its start and its done, loops weighted by trip count (0 where the backend runs it
         synchronously).
+      flops: ``per_token`` (model FLOPs to train on one token, :func:`zjax._flops
+        .flops_per_token`), ``per_step`` (times the tokens of a step), ``peak_per_device``
+        (the chip's bf16 peak, None when unknown) and ``step_s_at_peak`` (the step's model
+        FLOPs at that peak on every device: the time an MFU of 100% would take).
     """
 
     n_params: int
@@ -67,6 +72,7 @@ class PlanReport:
     device_kind: str = ""
     fits_device: bool | None = None
     overlap: dict[str, float] = dataclasses.field(default_factory=dict)
+    flops: dict[str, float | None] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,6 +112,12 @@ class PlanReport:
                          f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
         lines.append("  collectives per step: " + ", ".join(
             f"{k.removesuffix('_bytes').replace('_', '-')} {_size(v)}" for k, v in c.items()))
+        if self.flops.get("per_step"):
+            f_ = self.flops
+            at_peak = (f", {f_['step_s_at_peak'] * 1e3:.1f} ms at the chips' bf16 peak"
+                       if f_.get("step_s_at_peak") else "")
+            lines.append(f"  model FLOPs per step: {f_['per_step'] / 1e12:.3g} TFLOP "
+                         f"({f_['per_token'] / 1e9:.3g} GFLOP per token){at_peak}")
         if self.overlap:
             lines.append("  overlapped with compute: " + ", ".join(
                 f"{k.replace('_', '-')} {v:.0%}" for k, v in self.overlap.items()))
@@ -197,10 +209,13 @@ def _notes(plan) -> list[str]:
 
 
 def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
-           remat: bool | None = None, target: Target | None = None) -> PlanReport:
+           remat: bool | None = None, target: Target | None = None,
+           tokens_per_step: int | None = None, model_shape: dict | None = None) -> PlanReport:
     """The :class:`PlanReport` of ``zstep`` from its compiled step (``lower(b).compile()``).
 
     ``target``: the compile-only target compiled for (name and device memory).
+    ``tokens_per_step`` and ``model_shape`` (``n_layers``, ``d_model``, ``seq_len`` of a
+    transformer) give the model FLOPs (:mod:`zjax._flops`).
     """
     plan, zero = zstep.plan, zstep.plan.zero
     n_params = sum(leaf.size for leaf in plan.leaves)
@@ -240,7 +255,17 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         fits_device=None if capacity is None else per_device["total_bytes"] <= capacity,
         overlap={k: coll.overlap[k] for k in ("all_gather", "reduce_scatter", "all_reduce")
                  if k in coll.overlap},
+        flops=_flops(n_params, plan, tokens_per_step, model_shape or {}),
     )
+
+
+def _flops(n_params: int, plan, tokens: int | None, shape: dict) -> dict:
+    per_token = flops_per_token(n_params, **shape)
+    peak = peak_flops(plan.mesh.devices.flat[0].device_kind)
+    per_step = per_token * tokens if tokens else None
+    n = plan.n_data * plan.n_model
+    return {"per_token": per_token, "per_step": per_step, "peak_per_device": peak,
+            "step_s_at_peak": per_step / (peak * n) if per_step and peak else None}
 
 
 def _offload_name(zero) -> str:

@@ -1,0 +1,41 @@
+"""Model FLOPs per token and the chips' bf16 peak: the figures of model FLOPs utilisation.
+
+MFU (PaLM, appendix B) counts the FLOPs the model needs, not those the program runs: remat's
+recomputation and ZeRO's collectives are not in it, so it compares setups fairly.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "peak_flops"]
+
+# dense bf16 peak per chip, FLOP/s, from the vendors' datasheets (GPUs: SXM, no sparsity).
+# Keys are JAX's device_kind strings; "TPU v5" is v5p, "TPU v5 lite" v5e, "TPU v6 lite" v6e.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.4e12,
+    "NVIDIA H200 141GB HBM3e": 989.4e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v6 lite": 918e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """The bf16 peak of one ``device_kind`` chip, or None when zjax does not know it."""
+    return PEAK_BF16_FLOPS.get(device_kind)
+
+
+def flops_per_token(n_params: int, *, n_layers: int | None = None, d_model: int | None = None,
+                    seq_len: int | None = None) -> float:
+    """Model FLOPs to train on one token: ``6 N`` (forward and backward of every parameter's
+    matmul) plus, for a transformer whose shape is given, ``12 L d T`` for attention's scores
+    and weighted sum over ``T`` positions (PaLM's ``12 L H Q T``, ``H Q = d``).
+
+    ``N`` counts every parameter, the embedding table included (for a tied embedding it is
+    the output projection too).
+    """
+    attention = 12 * n_layers * d_model * seq_len if None not in (n_layers, d_model,
+                                                                  seq_len) else 0
+    return 6.0 * n_params + attention
