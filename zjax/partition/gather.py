@@ -184,7 +184,6 @@ def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: s
             for part, v, d in zip(jnp.split(mine, sizes), values, dims, strict=True)]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Comm:
     """How ZeRO moves parameters: one record for every gather and reduce-scatter.
