@@ -20,12 +20,17 @@ class DataConfig:
       path: a text file, directory or glob (byte-level), or a ``.npy`` token array; empty for
         the ``.py`` files of Python's standard library.
       eval_fraction: the tail of the token stream held out for evaluation.
+      tokenizer: a Hugging Face ``tokenizer.json``: a text ``path`` is tokenized with it as
+        it is read (instead of byte-level), and ``model.vocab_size`` must cover its
+        vocabulary; for large corpora tokenize once with ``zjax tokenize`` and train on the
+        ``.npy``. Empty for byte-level text.
     """
 
     batch_size: int = positive(16)
     seq_len: int = positive(128)
     path: str | None = None
     eval_fraction: float = interval(0, 1, default=0.05)
+    tokenizer: str | None = None
 
     def __post_init__(self):
         validate(self, "data")

@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR)")
     _config_parser(sub)
+    tk = sub.add_parser("tokenize", help="text files to a .npy of token ids (data.path)")
+    tk.add_argument("inputs", nargs="+", help="text files, directories or globs")
+    tk.add_argument("-o", "--output", required=True, help="the .npy to write")
+    tk.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
     return p
 
 
@@ -187,47 +191,15 @@ def _train(args) -> int:
     if args.deepspeed:  # its batch sizes are per GPU: known once every process has joined
         import jax
 
-        config, ignored = _with_deepspeed(args.deepspeed, path, overrides, jax.device_count())
+        from zjax._cli_tools import with_deepspeed
+
+        config, ignored = with_deepspeed(args.deepspeed, path, overrides, jax.device_count())
         for line in ignored:
             logging.getLogger("zjax").info("%s", line)
 
     result = train(None, config, run_dir=args.run_dir)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     logging.getLogger("zjax").info("done: loss %.4f -> %.4f", first, last)
-    return 0
-
-
-def _with_deepspeed(ds_path: str, path: str | None, overrides: list[str], n_devices: int):
-    """``path`` + ``overrides`` with a DeepSpeed config's keys beneath the overrides, and a
-    line for each DeepSpeed key ignored (with its reason)."""
-    from zjax.config import load_config
-    from zjax.config._deepspeed import from_deepspeed, read_deepspeed
-
-    mesh = load_config(path, overrides).mesh
-    n_data = mesh.data if mesh.model == -1 else n_devices // mesh.model
-    ds = from_deepspeed(read_deepspeed(ds_path), n_data=n_data)
-    return load_config(path, [*ds.overrides, *overrides]), [
-        f"deepspeed {key}: ignored: {why}" for key, why in ds.ignored]
-
-
-def _config_from_deepspeed(args) -> int:
-    from pathlib import Path
-
-    import yaml
-
-    path, overrides = _split(args.config, args.overrides)
-    config, ignored = _with_deepspeed(args.ds_config, path, overrides, args.devices)
-    for line in ignored:  # stdout is the YAML
-        print(line, file=sys.stderr)
-    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
-    if args.output is None:
-        print(text, end="")
-        return 0
-    from zjax._rundir import _atomic_write
-
-    if Path(args.output).exists():
-        raise ConfigError(f"-o: {args.output!r} already exists; zjax does not replace it")
-    _atomic_write(Path(args.output), text)
     return 0
 
 
@@ -378,8 +350,15 @@ def _main(argv: list[str] | None) -> int:
             return _plan(args)
         if args.command == "launch":
             return _launch(args)
+        if args.command == "tokenize":
+            from zjax._cli_tools import tokenize
+
+            return tokenize(args)
         if args.action == "from-deepspeed":
-            return _config_from_deepspeed(args)
+            from zjax._cli_tools import config_from_deepspeed
+
+            return config_from_deepspeed(args.ds_config, *_split(args.config, args.overrides),
+                                         devices=args.devices, output=args.output)
         return _config_show(args)
     except Preempted as e:
         print(f"zjax: {e}", file=sys.stderr)

@@ -8,7 +8,10 @@ continues from the exact next batch.
 Sources (``data.path``):
 - None: the ``.py`` files of Python's standard library, byte-level (every machine has them);
 - a text file, a directory (all files under it) or a glob: byte-level;
-- a ``.npy`` file: a flat array of token ids (memory-mapped, never read whole).
+- a ``.npy`` file: a flat array of token ids (memory-mapped, never read whole; ``zjax
+  tokenize`` writes one).
+
+Text is byte-level unless ``data.tokenizer`` names a ``tokenizer.json`` (:mod:`zjax.tokenize`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,10 @@ import numpy as np
 from zjax._data_config import DataConfig
 from zjax.errors import ConfigError
 
-__all__ = ["BYTE_VOCAB", "DataConfig", "Tokens", "load_tokens", "stdlib_files", "window_batches"]
+__all__ = ["BYTE_VOCAB", "DataConfig", "Tokens", "load_tokens", "stdlib_files", "text_files",
+           "window_batches"]
 
 BYTE_VOCAB = 256
-
-
 
 
 def stdlib_files() -> list[Path]:
@@ -37,18 +39,19 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def _text_files(path: str) -> list[Path]:
+def text_files(path: str, *, key: str = "data.path") -> list[Path]:
+    """The files of a text file, a directory (all files under it) or a glob, sorted."""
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
         if not files:
-            raise ConfigError(f"data.path: directory {path!r} holds no file")
+            raise ConfigError(f"{key}: directory {path!r} holds no file")
         return files
     if p.is_file():
         return [p]
     files = sorted(Path(f) for f in glob.glob(os.fspath(path), recursive=True) if Path(f).is_file())
     if not files:
-        raise ConfigError(f"data.path: {path!r} does not exist and matches no file as a glob")
+        raise ConfigError(f"{key}: {path!r} does not exist and matches no file as a glob")
     return files
 
 
@@ -75,8 +78,23 @@ class Tokens:
 
 
 def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
-                max_bytes: int | None = 64 * 2**20) -> Tokens:
-    """Read the token stream of ``data.path`` (see the module docstring for the sources)."""
+                max_bytes: int | None = 64 * 2**20, tokenizer: str | None = None) -> Tokens:
+    """Read the token stream of ``data.path`` (see the module docstring for the sources).
+
+    ``tokenizer``: a ``tokenizer.json`` that text sources are encoded with (byte-level
+    without); the stream's vocabulary is then the tokenizer's.
+    """
+    tokens = _load_tokens(path, eval_fraction=eval_fraction, max_bytes=max_bytes,
+                          tokenizer=tokenizer)
+    if tokenizer is not None:
+        from zjax.tokenize import load_tokenizer
+
+        tokens.vocab_size = max(tokens.vocab_size, load_tokenizer(tokenizer).get_vocab_size())
+    return tokens
+
+
+def _load_tokens(path: str | None, *, eval_fraction: float, max_bytes: int | None,
+                 tokenizer: str | None) -> Tokens:
     if path is not None and str(path).endswith(".npy") and Path(path).is_file():
         try:
             arr = np.load(path, mmap_mode="r")
@@ -93,7 +111,7 @@ def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
             raise ConfigError(f"data.path: {path!r} is empty")
         _check_ids(arr, str(path))
         return Tokens(arr, eval_fraction=eval_fraction, source=str(path))
-    files = stdlib_files() if path is None else _text_files(path)
+    files = stdlib_files() if path is None else text_files(path)
     chunks, total = [], 0
     for f in files:
         try:
@@ -107,6 +125,12 @@ def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
     if total == 0:
         raise ConfigError(f"data.path: {path!r} holds no data (all files are empty)")
     source = "the Python standard library" if path is None else str(path)
+    if tokenizer is not None:
+        from zjax.tokenize import load_tokenizer
+
+        text = b"\n".join(chunks).decode("utf-8", errors="replace")
+        ids = load_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids
+        return Tokens(np.asarray(ids, np.int32), eval_fraction=eval_fraction, source=source)
     tokens = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
     return Tokens(tokens, eval_fraction=eval_fraction, source=source)
 

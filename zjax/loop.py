@@ -56,9 +56,10 @@ class LanguageModel:
         self._tokens: dict[tuple, Tokens] = {}
 
     def tokens(self, data: DataConfig) -> Tokens:
-        key = (data.path, data.eval_fraction)
+        key = (data.path, data.eval_fraction, data.tokenizer)
         if key not in self._tokens:
-            self._tokens[key] = load_tokens(data.path, eval_fraction=data.eval_fraction)
+            self._tokens[key] = load_tokens(data.path, eval_fraction=data.eval_fraction,
+                                            tokenizer=data.tokenizer)
         return self._tokens[key]
 
     def trainable(self, model: GPTConfig) -> Trainable:

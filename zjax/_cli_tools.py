@@ -1,0 +1,70 @@
+"""The CLI's converters: ``zjax tokenize`` and ``zjax config from-deepspeed`` (and the DeepSpeed
+config under ``zjax train --deepspeed``). Separate from :mod:`zjax.cli` to keep it small; they
+read their inputs and compile nothing."""
+
+from __future__ import annotations
+
+import sys
+
+from zjax.errors import ConfigError
+
+__all__ = ["config_from_deepspeed", "tokenize", "with_deepspeed"]
+
+
+def with_deepspeed(ds_path: str, path: str | None, overrides: list[str], n_devices: int):
+    """``path`` + ``overrides`` with a DeepSpeed config's keys beneath the overrides, and a
+    line for each DeepSpeed key ignored (with its reason)."""
+    from zjax.config import load_config
+    from zjax.config._deepspeed import from_deepspeed, read_deepspeed
+
+    mesh = load_config(path, overrides).mesh
+    n_data = mesh.data if mesh.model == -1 else n_devices // mesh.model
+    ds = from_deepspeed(read_deepspeed(ds_path), n_data=n_data)
+    return load_config(path, [*ds.overrides, *overrides]), [
+        f"deepspeed {key}: ignored: {why}" for key, why in ds.ignored]
+
+
+def config_from_deepspeed(ds_path: str, path: str | None, overrides: list[str], *,
+                          devices: int, output: str | None) -> int:
+    """``zjax config from-deepspeed``: the resolved config as YAML (stdout or ``output``)."""
+    from pathlib import Path
+
+    import yaml
+
+    config, ignored = with_deepspeed(ds_path, path, overrides, devices)
+    for line in ignored:  # stdout is the YAML
+        print(line, file=sys.stderr)
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    if output is None:
+        print(text, end="")
+        return 0
+    from zjax._rundir import _atomic_write
+
+    if Path(output).exists():
+        raise ConfigError(f"-o: {output!r} already exists; zjax does not replace it")
+    _atomic_write(Path(output), text)
+    return 0
+
+
+def tokenize(args) -> int:
+    """``zjax tokenize``: the inputs' token ids into one memory-mappable ``.npy``."""
+    from zjax.data import text_files
+    from zjax.tokenize import tokenize_files
+
+    files = [f for item in args.inputs for f in text_files(item, key="tokenize")]
+    bar = None
+    if sys.stderr.isatty():
+        from rich.progress import Progress
+
+        bar = Progress(transient=True)
+        task = bar.add_task("tokenize", total=len(files))
+        bar.start()
+    try:
+        done = tokenize_files(files, args.output, tokenizer_path=args.tokenizer,
+                              progress=None if bar is None else lambda n: bar.advance(task, n))
+    finally:
+        if bar is not None:
+            bar.stop()
+    print(f"zjax tokenize: {done['tokens']:,} tokens of {done['files']} files -> "
+          f"{args.output} ({done['dtype']}, vocabulary {done['vocab_size']:,})")
+    return 0
