@@ -80,6 +80,10 @@ def test_optimizer_scheduler_precision_and_hf_auto_values():
     assert (config.zero.gather_dtype, config.zero.reduce_dtype) == ("bfloat16", "bfloat16")
     assert config.train.log_every == 5 and config.data.batch_size == 16  # "auto": tiny's
     assert "train_micro_batch_size_per_gpu" in dict(imported.ignored)
+    config, _ = _config({"bf16": {"enabled": "auto"}})  # HF decides: tiny.yaml's bf16 kept
+    assert config.zero.gather_dtype == "bfloat16"
+    config, _ = _config({"zero_optimization": {"stage": 2}})  # no bf16/fp16: fp32 training
+    assert config.zero.gather_dtype == "float32"
 
 
 @pytest.mark.parametrize(("ds", "match"), [

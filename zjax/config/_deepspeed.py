@@ -293,11 +293,15 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
       ConfigError: naming the DeepSpeed key that is unknown, not supported or impossible.
     """
     r = _Reader()
-    precision = {k: bool((ds.get(k) or {}).get("enabled")) for k in ("bf16", "fp16")}
+    enabled = {k: (ds.get(k) or {}).get("enabled", False) for k in ("bf16", "fp16")}
+    precision = {k: v is True for k, v in enabled.items()}
     if precision["bf16"] and precision["fp16"]:
         raise ConfigError("deepspeed bf16.enabled and fp16.enabled: both true; choose one")
     gather = "bfloat16" if precision["bf16"] else "float16" if precision["fp16"] else "float32"
-    r.set("zero.gather_dtype", gather)
+    if "auto" in enabled.values():  # HF Trainer decides: zjax's gather dtype is kept
+        r.ignore("bf16/fp16.enabled", '"auto": zjax\'s zero.gather_dtype is kept')
+    else:
+        r.set("zero.gather_dtype", gather)
     if precision["fp16"]:
         r.ignore("fp16", "float16 gathers with a float32 master; zjax has no loss scaling "
                  "(bf16 is the safer choice)")
