@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["RMSNorm", "param"]
+from zjax.errors import ArgumentError
+
+__all__ = ["RMSNorm", "check_length", "param"]
 
 
 def param(rngs: nnx.Rngs, shape, std: float, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -28,3 +30,12 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def check_length(tokens: jax.Array, max_seq_len: int) -> int:
+    """The sequence length of ``tokens`` ``[B, T]``, refused above ``max_seq_len``."""
+    t = tokens.shape[1]
+    if t > max_seq_len:
+        raise ArgumentError("tokens", f"a sequence of {t} tokens exceeds the model's "
+                            f"max_seq_len {max_seq_len}")
+    return t

@@ -19,7 +19,7 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 from zjax.models._gpt_config import GPTConfig
-from zjax.models._layers import RMSNorm, param
+from zjax.models._layers import RMSNorm, check_length, param
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
@@ -83,10 +83,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
-        t = tokens.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ArgumentError("tokens", f"a sequence of {t} tokens exceeds the model's "
-                                f"max_seq_len {self.cfg.max_seq_len}")
+        t = check_length(tokens, self.cfg.max_seq_len)
         embed = self.embed[...]
         h = jnp.take(embed, tokens, axis=0) + self.pos[...][:t].astype(embed.dtype)
         h = self.ln_f(self.blocks(h))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zjax.errors import ArgumentError
-from zjax.models._layers import RMSNorm, param
+from zjax.models._layers import RMSNorm, check_length, param
 from zjax.models._llama_config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
@@ -97,10 +97,7 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
-        t = tokens.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ArgumentError("tokens", f"a sequence of {t} tokens exceeds the model's "
-                                f"max_seq_len {self.cfg.max_seq_len}")
+        check_length(tokens, self.cfg.max_seq_len)
         embed = self.embed[...]
         h = self.ln_f(self.blocks(jnp.take(embed, tokens, axis=0)))
         head = embed.T if self.cfg.tie_embeddings else self.head[...]
