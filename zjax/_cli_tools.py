@@ -1,6 +1,6 @@
-"""The CLI's converters: ``zjax tokenize`` and ``zjax config from-deepspeed`` (and the DeepSpeed
-config under ``zjax train --deepspeed``). Separate from :mod:`zjax.cli` to keep it small; they
-read their inputs and compile nothing."""
+"""The CLI's tools: ``zjax tokenize``, ``zjax import-hf``, ``zjax sample`` and ``zjax config
+from-deepspeed`` (and the DeepSpeed config under ``zjax train --deepspeed``). Separate from
+:mod:`zjax.cli` to keep it small."""
 
 from __future__ import annotations
 
@@ -8,7 +8,34 @@ import sys
 
 from zjax.errors import ConfigError
 
-__all__ = ["config_from_deepspeed", "tokenize", "with_deepspeed"]
+__all__ = ["config_from_deepspeed", "run_tool", "tokenize", "tool_parsers", "with_deepspeed"]
+
+
+def tool_parsers(sub) -> None:
+    """The subcommands ``tokenize``, ``import-hf`` and ``sample``."""
+    tk = sub.add_parser("tokenize", help="text files to a .npy of token ids (data.path)")
+    tk.add_argument("inputs", nargs="+", help="text files, directories or globs")
+    tk.add_argument("-o", "--output", required=True, help="the .npy to write")
+    tk.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    im = sub.add_parser("import-hf", help="a Hugging Face Llama (config.json, safetensors) "
+                        "as a directory to train from (OUT/zjax.yaml)")
+    im.add_argument("hf_dir", help="config.json and *.safetensors (PyTorch layout, the Hub's)")
+    im.add_argument("out", help="a new directory")
+    im.add_argument("--dtype", default="float32", help="stored dtype: float32 or bfloat16")
+
+
+def run_tool(args) -> int:
+    """Run the tool subcommand ``args.command``."""
+    if args.command == "tokenize":
+        return tokenize(args)
+    if args.command == "import-hf":
+        from zjax.hf import import_hf
+
+        out = import_hf(args.hf_dir, args.out, dtype=args.dtype)
+        print(f"zjax import-hf: {args.hf_dir} -> {out}; train with: zjax train "
+              f"{out / 'zjax.yaml'}")
+        return 0
+    raise AssertionError(args.command)
 
 
 def with_deepspeed(ds_path: str, path: str | None, overrides: list[str], n_devices: int):

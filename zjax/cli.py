@@ -42,6 +42,22 @@ def _count(text: str) -> int:
     return n
 
 
+def _size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count."""
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30}
+    number = text.rstrip("KMGiBb").strip()
+    unit = text[len(number):].strip().upper()
+    try:
+        n = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, or bytes)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zjax", description="ZeRO-3 training for JAX/Flax.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -84,17 +100,19 @@ def _parser() -> argparse.ArgumentParser:
     pn.add_argument("--write", default=None, help="with --budget: save the chosen config here")
     ex = sub.add_parser("export", help="write a run's params, unsharded, for programs without zjax")
     ex.add_argument("run_dir")
-    ex.add_argument("out", help="new directory (orbax) or file (safetensors)")
+    ex.add_argument("out", help="new directory (orbax, hf) or file (safetensors)")
     ex.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
-    ex.add_argument("--format", default="orbax", help="orbax or safetensors")
+    ex.add_argument("--format", default="orbax", help="orbax, safetensors, or hf (Hugging "
+                    "Face LlamaForCausalLM: safetensors, config.json, tokenizer)")
+    ex.add_argument("--max-shard-size", type=_size, default=None,
+                    help="hf: largest weights file, e.g. 5GB (the default), 500MB")
     pl = sub.add_parser("plot", help="write loss and throughput PNGs of a run")
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR)")
     _config_parser(sub)
-    tk = sub.add_parser("tokenize", help="text files to a .npy of token ids (data.path)")
-    tk.add_argument("inputs", nargs="+", help="text files, directories or globs")
-    tk.add_argument("-o", "--output", required=True, help="the .npy to write")
-    tk.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    from zjax._cli_tools import tool_parsers
+
+    tool_parsers(sub)
     return p
 
 
@@ -271,7 +289,8 @@ def _export(args) -> int:
     _cpu_unless_accelerator()  # the export reads to host memory: no device needed
     from zjax.export import export
 
-    print(export(args.run_dir, args.out, dtype=args.dtype, format=args.format))
+    print(export(args.run_dir, args.out, dtype=args.dtype, format=args.format,
+                 max_shard_bytes=args.max_shard_size))
     return 0
 
 
@@ -350,10 +369,10 @@ def _main(argv: list[str] | None) -> int:
             return _plan(args)
         if args.command == "launch":
             return _launch(args)
-        if args.command == "tokenize":
-            from zjax._cli_tools import tokenize
+        if args.command in ("tokenize", "import-hf", "sample"):
+            from zjax._cli_tools import run_tool
 
-            return tokenize(args)
+            return run_tool(args)
         if args.action == "from-deepspeed":
             from zjax._cli_tools import config_from_deepspeed
 

@@ -148,7 +148,7 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
     restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
     start, meta = 0, {}
     if restored is None:
-        state = zstep.init(jax.random.key(config.train.seed))
+        state = _initial_state(zstep, config, info)
     else:
         start, state, data_state, meta = restored
         info("resuming from the checkpoint at step %d", start)
@@ -199,6 +199,18 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
         if checkpoints is not None:  # under the guard: a signal now cannot cut the last commit
             checkpoints.committed()
     return TrainResult(state, log.history, zstep)
+
+
+def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
+    """A random init, or the weights ``train.init_from`` names read into their shards."""
+    if config.train.init_from is None:
+        return zstep.init(jax.random.key(config.train.seed))
+    from zjax.hf._import import initial_params
+
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
+                          zstep.abstract_state.params, zstep.params_shardings)
+    info("initial params from %s", config.train.init_from)
+    return zstep.from_params(initial_params(config.train.init_from, target, config.model))
 
 
 def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:

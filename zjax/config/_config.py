@@ -87,6 +87,10 @@ class TrainConfig:
         update and go on).
       max_skips: with ``on_nonfinite: skip``, stop after more than this many skipped steps in
         a row.
+      init_from: start from these weights instead of a random init (a fine-tune): a Hugging
+        Face Llama directory (``config.json``, ``*.safetensors``), a ``zjax import-hf``
+        directory, or a params export (``zjax export --format orbax``). Each device reads only
+        its own shards. The optimizer state starts fresh; a resumed run ignores it.
     """
 
     steps: int = positive(300)
@@ -97,6 +101,7 @@ class TrainConfig:
     grad_accum: int = positive(1)
     on_nonfinite: str = choices("stop", "skip", default="stop")
     max_skips: int = non_negative(10)
+    init_from: str | None = None
 
     def __post_init__(self):
         validate(self, "train")

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from zjax.offload import on_host
 from zjax.partition.plan import ShardPlan
 
-__all__ = ["StateLayout", "TrainState", "cast_tree", "make_init", "state_layout"]
+__all__ = ["StateLayout", "TrainState", "cast_tree", "make_init", "state_from", "state_layout"]
 
 
 class TrainState(NamedTuple):
@@ -63,17 +63,25 @@ def _stored_dtypes(plan: ShardPlan) -> Any:
     return plan.tree(plan.stored_param_dtype(leaf) for leaf in plan.leaves)
 
 
-def make_init(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
-              plan: ShardPlan) -> Callable[[jax.Array], TrainState]:
-    """``init(rng) -> TrainState``: float32 master params, the stored copy, the optax state."""
+def state_from(tx: optax.GradientTransformation, plan: ShardPlan
+               ) -> Callable[[Any], TrainState]:
+    """``from_params(master) -> TrainState`` at step 0: the stored copy of the float32
+    ``master`` params and a fresh optax state."""
     stored = _stored_dtypes(plan)
 
-    def init(rng: jax.Array) -> TrainState:
-        master = init_params(rng)
+    def from_params(master: Any) -> TrainState:
+        master = jax.tree.map(lambda x: x.astype(jnp.float32), master)
         return TrainState(jnp.zeros((), jnp.int32), cast_tree(master, stored),
                           master if plan.has_master else None, tx.init(master))
 
-    return init
+    return from_params
+
+
+def make_init(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
+              plan: ShardPlan) -> Callable[[jax.Array], TrainState]:
+    """``init(rng) -> TrainState``: float32 master params, the stored copy, the optax state."""
+    from_params = state_from(tx, plan)
+    return lambda rng: from_params(init_params(rng))
 
 
 def state_layout(plan: ShardPlan, tx: optax.GradientTransformation,

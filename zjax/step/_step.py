@@ -27,7 +27,7 @@ from zjax.offload import check_memory_kind
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.step._grads import sharded_grads, sharded_loss
-from zjax.step._state import TrainState, make_init, state_layout
+from zjax.step._state import TrainState, make_init, state_from, state_layout
 from zjax.step._update import apply_update, host_update_errors, store
 from zjax.trainable import Trainable
 
@@ -49,6 +49,10 @@ class ZeroStep:
         update's loss, gradients, new params and optimizer state are all finite), ``count``
         and the loss's own.
       evaluate: ``evaluate(params, batch) -> mean loss``, the same sharded forward, no update.
+      from_params: ``from_params(params) -> TrainState`` at step 0 from given params (a
+        fine-tune's start), placed as :attr:`params_shardings` says; they are donated.
+      params_shardings: where :attr:`from_params` takes its params: float32 shards placed as
+        the master copy (split over ``data`` from stage 1).
     """
 
     plan: ShardPlan
@@ -58,6 +62,8 @@ class ZeroStep:
     init: Callable[[jax.Array], TrainState]
     step: Callable[[TrainState, Any], tuple[TrainState, dict]]
     evaluate: Callable[[Any, Any], jax.Array]
+    from_params: Callable[[Any], TrainState]
+    params_shardings: Any
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
@@ -154,5 +160,9 @@ def make_step(
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0,
                    compiler_options=dict(plan.backend.compiler_options))
+    params_shardings = plan.shardings(plan.state_specs)
+    from_params = jax.jit(state_from(tx, plan), in_shardings=(params_shardings,),
+                          out_shardings=shardings, donate_argnums=0)
     return ZeroStep(plan, shardings, layout.abstract, batch_sharding,
-                    jax.jit(init, out_shardings=shardings), step, evaluate)
+                    jax.jit(init, out_shardings=shardings), step, evaluate, from_params,
+                    params_shardings)

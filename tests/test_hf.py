@@ -1,0 +1,215 @@
+"""Hugging Face weights in and out: zjax's Llama against transformers' own on the same
+weights (fp32 logits, atol 1e-5), the start of a stage-3 fine-tune from the files (read into
+shards), the export that transformers loads back, and the errors for files that do not fit.
+
+The Hugging Face side is transformers 4.57's ``FlaxLlamaForCausalLM`` (no torch, nothing
+downloaded); the files are PyTorch-layout, as on the Hub (tests/hf_models.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import run_zjax
+from hf_models import TINY_HF, hf_logits, hf_model, pt_layout, write_hf
+
+import zjax
+from zjax.config import load_config
+from zjax.errors import CheckpointError, ConfigError
+from zjax.export import export
+from zjax.hf import HFCheckpoint, SafetensorsDir, import_hf
+from zjax.hf._load import leaf_shape
+from zjax.models import Llama, LlamaConfig
+
+ATOL = 1e-5  # fp32 logits of O(1): the same math in another op order
+TOKENS = np.random.default_rng(1).integers(0, TINY_HF["vocab_size"], (2, 24))
+
+
+def _nested(leaves) -> dict:
+    out: dict = {}
+    for keys, x in leaves:
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = x
+    return out
+
+
+def _zjax_logits(cfg: LlamaConfig, params, tokens=TOKENS) -> np.ndarray:
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    return np.asarray(nnx.merge(graphdef, jax.device_get(params))(tokens))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hf_model()
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_imported_llama_has_transformers_logits(tmp_path, model, shards):
+    directory = write_hf(tmp_path / "hf", model, shards=shards)
+    source = HFCheckpoint(directory)
+    got = _zjax_logits(source.config, _nested(source.host_leaves()))
+    np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=ATOL, rtol=0)
+
+
+def test_test_files_are_what_transformers_reads(tmp_path, model):
+    """transformers' own PyTorch->Flax converter reads the test's files back to the same
+    model: the files follow Hugging Face's layout, not just zjax's reading of it."""
+    from transformers import FlaxLlamaForCausalLM
+
+    directory = write_hf(tmp_path / "hf", model)
+    again = FlaxLlamaForCausalLM.from_pretrained(directory)
+    np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
+
+
+def test_tied_embeddings_read_the_embedding_as_head(tmp_path, model):
+    # transformers' Flax Llama cannot tie; an untied one whose head is the embedding is the
+    # same function, and its file (tied, no lm_head) is what a tied checkpoint holds
+    tied = hf_model()
+    tied.params["lm_head"]["kernel"] = tied.params["model"]["embed_tokens"]["embedding"].T
+    tied.config.tie_word_embeddings = True
+    source = HFCheckpoint(write_hf(tmp_path / "hf", tied))
+    assert source.config.tie_embeddings and "head" not in _nested(source.host_leaves())
+    got = _zjax_logits(source.config, _nested(source.host_leaves()))
+    np.testing.assert_allclose(got, hf_logits(tied, TOKENS), atol=ATOL, rtol=0)
+
+
+def test_leaf_shapes_are_the_models():
+    cfg = LlamaConfig(vocab_size=50, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, d_ff=40)
+    params = jax.eval_shape(lambda: nnx.state(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    real = {tuple(str(k.key) for k in path): x.shape
+            for path, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
+    from zjax.hf._llama import leaves
+
+    assert {leaf.keys: leaf_shape(leaf, cfg) for leaf in leaves(cfg)} == real
+
+
+def test_stage3_start_reads_each_shard_from_the_files(tmp_path, model):
+    from zjax._build import build_step
+
+    directory = write_hf(tmp_path / "hf", model, shards=2)
+    config = load_config(None, ["loop=llama", f"train.init_from={directory}", "zero.stage=3",
+                                *_model_overrides()])
+    zstep = build_step(config)
+    from zjax.hf import initial_params
+
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
+                          zstep.abstract_state.params, zstep.params_shardings)
+    params = initial_params(directory, target, config.model)
+    wq = params["blocks"]["layers"]["wq"]
+    assert {s.data.size for s in wq.addressable_shards} == {wq.size // 8}  # split over data
+    state = zstep.from_params(params)
+    expected = _nested(HFCheckpoint(directory).host_leaves())
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), expected)
+    assert int(state.step) == 0
+
+
+def _model_overrides() -> list[str]:
+    return ["model.vocab_size=256", "model.d_model=64", "model.n_layers=3", "model.n_heads=4",
+            "model.n_kv_heads=2", "model.d_ff=80", "model.max_seq_len=64",
+            "model.norm_eps=1e-5", "data.seq_len=32", "data.batch_size=8"]
+
+
+def test_init_from_refuses_another_shape(tmp_path, model):
+    directory = write_hf(tmp_path / "hf", model)
+    overrides = [o if not o.startswith("model.d_ff") else "model.d_ff=96"
+                 for o in _model_overrides()]
+    config = load_config(None, ["loop=llama", f"train.init_from={directory}", "train.steps=1",
+                                *overrides])
+    with pytest.raises(ConfigError, match=r"model.d_ff: 96, but the weights .* have 80"):
+        zjax.train(None, config)
+
+
+@pytest.mark.slow
+def test_import_finetune_export_round_trip(tmp_path, model):
+    """import-hf -> a stage-3 fine-tune of a few steps -> export --format hf, which
+    transformers loads with the fine-tuned model's logits; a sharded export holds the same
+    tensors in several files."""
+    out = import_hf(write_hf(tmp_path / "hf", model), tmp_path / "imported")
+    config = load_config(out / "zjax.yaml", [
+        "train.steps=4", "zero.stage=3", "data.seq_len=32", "data.batch_size=8",
+        "train.eval_every=0", "train.log_every=1", "logging.progress=false"])
+    result = zjax.train(None, config, run_dir=tmp_path / "run")
+    losses = [row["loss"] for row in result.history]
+    assert losses[-1] < losses[0] - 0.05, losses
+    tuned = _zjax_logits(config.model, result.state.params)
+    assert np.abs(tuned - hf_logits(model, TOKENS)).max() > 1e-3  # it did train
+
+    from transformers import FlaxLlamaForCausalLM
+
+    single = export(tmp_path / "run", tmp_path / "hf_out", dtype="float32", format="hf")
+    assert json.loads((single / "config.json").read_text())["num_key_value_heads"] == 2
+    reloaded = FlaxLlamaForCausalLM.from_pretrained(single)
+    np.testing.assert_allclose(hf_logits(reloaded, TOKENS), tuned, atol=ATOL, rtol=0)
+
+    sharded = export(tmp_path / "run", tmp_path / "hf_sharded", dtype="float32",
+                     format="hf", max_shard_bytes=200_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    one, many = SafetensorsDir(single), SafetensorsDir(sharded)
+    assert sorted(one.names()) == sorted(many.names()) == sorted(pt_layout(model.params))
+    for name in one.names():
+        np.testing.assert_array_equal(one.array(name), many.array(name))
+
+
+def _corrupt(directory: Path, change) -> Path:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t.pop("model.layers.2.mlp.up_proj.weight"),
+     r"tensor 'model.layers.2.mlp.up_proj.weight' is missing"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((64, 60),
+                                                                            np.float32)}),
+     r"'model.layers.0.self_attn.q_proj.weight' has shape \[64, 60\]; config.json implies "
+     r"\[64, 64\]"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}),
+     r"no place for, e.g. 'model.layers.0.self_attn.q_proj.bias'"),
+])
+def test_files_that_do_not_fit_are_named(tmp_path, model, change, message):
+    directory = _corrupt(write_hf(tmp_path / "hf", model), change)
+    with pytest.raises(CheckpointError, match=message):
+        HFCheckpoint(directory)
+
+
+def test_unsupported_config_and_truncated_file_are_named(tmp_path, model):
+    directory = write_hf(tmp_path / "hf", model)
+    config = json.loads((directory / "config.json").read_text())
+    scaled = {**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    (directory / "config.json").write_text(json.dumps(scaled))
+    with pytest.raises(CheckpointError, match=r"rope_scaling = .*llama3.* not supported"):
+        HFCheckpoint(directory)
+    (directory / "config.json").write_text(json.dumps(config))
+    path = directory / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .* does not fit "
+                       r"its offsets .*truncated or damaged"):
+        HFCheckpoint(directory)
+
+
+def test_cli_import_hf_errors_exit_2_and_write_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = run_zjax("import-hf", str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert "no config.json" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_hf_refuses_a_gpt_run(tmp_path):
+    run = tmp_path / "run"
+    zjax.train("lm", {"train": {"steps": 1, "eval_every": 0}, "logging": {"progress": False},
+                      "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
+                      "data": {"seq_len": 16, "batch_size": 8}}, run_dir=run)
+    with pytest.raises(ConfigError, match=r"--format: hf needs a run of loop: llama"):
+        export(run, tmp_path / "out", format="hf")
+    assert not (tmp_path / "out").exists()

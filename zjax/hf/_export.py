@@ -1,0 +1,121 @@
+"""``zjax export RUN_DIR OUT --format hf``: a directory ``transformers`` loads as a Llama.
+
+PyTorch-layout safetensors (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and
+``model.safetensors.index.json`` above the shard size, as ``save_pretrained`` writes them),
+``config.json``, and the run's tokenizer files. Each zjax leaf is read once (one leaf in host
+memory) and written as its layers' tensors; files are filled in that order, which safetensors
+and the index allow (a reader looks tensors up by name).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from zjax.errors import CheckpointError, ConfigError
+from zjax.hf._import import TOKENIZER_FILES
+from zjax.hf._llama import Leaf, hf_config, leaves
+from zjax.hf._load import hf_shape
+from zjax.hf._safetensors import INDEX, write_safetensors
+from zjax.models import LlamaConfig
+
+__all__ = ["DEFAULT_SHARD_BYTES", "hf_writer"]
+
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default, "5GB"
+
+
+def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Callable:
+    """``write(out, state_dir, stored_leaves, dtype)`` for the run in ``run_dir``.
+
+    Raises:
+      ConfigError: the run is not of the reference Llama (``loop: llama``).
+    """
+    from zjax.config import load_config
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"export --format hf: {run_dir} has no config.yaml (the run's "
+                              "config, which says the model's shape)")
+    config = load_config(path)
+    if not isinstance(config.model, LlamaConfig):
+        raise ConfigError(f"--format: hf needs a run of loop: llama (the Hugging Face "
+                          f"LlamaForCausalLM layout); {path} says loop: {config.loop}")
+    tokenizer = config.data.tokenizer
+
+    def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:
+        work = out.parent.resolve() / f".{out.name}.zjax-export"
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            work.mkdir()
+            _write_weights(work, state_dir, dict(stored), config.model, target,
+                           max_shard_bytes)
+            (work / "config.json").write_text(
+                json.dumps(hf_config(config.model, dtype=target.name), indent=2))
+            if tokenizer:
+                _copy_tokenizer(Path(tokenizer), work)
+            work.rename(out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    return write
+
+
+def _write_weights(work: Path, state_dir: Path, stored: dict, cfg: LlamaConfig,
+                   target: np.dtype, max_shard_bytes: int) -> None:
+    from zjax._export_io import read_leaf
+
+    missing = [leaf.keys for leaf in leaves(cfg) if leaf.keys not in stored]
+    if missing:
+        raise CheckpointError(f"export --format hf: the checkpoint has no param "
+                              f"{'/'.join(missing[0])} (not the run's Llama?)")
+    plan = [(leaf, name, hf_shape(leaf, stored[leaf.keys]))
+            for leaf in leaves(cfg) for name in leaf.names(cfg.n_layers)]
+    files, size = [[]], 0
+    for item in plan:
+        nbytes = int(np.prod(item[2], dtype=np.int64)) * target.itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += nbytes
+
+    def values() -> Iterator[np.ndarray]:
+        for leaf in leaves(cfg):
+            array = read_leaf(state_dir, leaf.keys, stored[leaf.keys], target)
+            for one in (array if leaf.stacked else [array]):
+                yield _hf_tensor(leaf, one)
+            del array
+
+    stream = values()
+    names = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    for name, items in zip(names, files, strict=True):
+        write_safetensors(work / name, [(n, shape, target) for _, n, shape in items],
+                          functools.partial(itertools.islice, stream, len(items)),
+                          metadata={"format": "pt"})
+    if len(files) > 1:
+        total = sum(int(np.prod(s, dtype=np.int64)) for _, _, s in plan) * target.itemsize
+        weight_map = {n: name for name, items in zip(names, files, strict=True)
+                      for _, n, _ in items}
+        (work / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": weight_map}, indent=2))
+
+
+def _hf_tensor(leaf: Leaf, value: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(value.T if leaf.transpose else value)
+
+
+def _copy_tokenizer(tokenizer: Path, work: Path) -> None:
+    if not tokenizer.is_file():
+        raise CheckpointError(f"export --format hf: the run's data.tokenizer {tokenizer} is "
+                              "gone; the export would have no tokenizer")
+    shutil.copyfile(tokenizer, work / "tokenizer.json")
+    for name in TOKENIZER_FILES[1:]:  # what import-hf kept beside it
+        if (tokenizer.parent / name).is_file():
+            shutil.copyfile(tokenizer.parent / name, work / name)

@@ -1,0 +1,156 @@
+"""``zjax import-hf`` and ``train.init_from``: a run that starts from given weights.
+
+``import_hf`` converts a Hugging Face Llama directory, one leaf at a time, into a directory a
+run starts from: ``params/`` (an Orbax checkpoint of zjax's params tree, as ``zjax export``
+writes), ``zjax.yaml`` (``loop: llama``, the ``model`` section read from ``config.json``,
+``train.init_from``, and ``data.tokenizer`` when the model came with a ``tokenizer.json``), and
+the Hugging Face ``config.json`` and tokenizer files, kept for ``zjax export --format hf``.
+
+``initial_params`` reads either kind of source (a Hugging Face directory or a params export)
+straight into the shards a step's ``from_params`` takes: no device ever holds a whole leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+
+from zjax.errors import CheckpointError, ConfigError
+from zjax.hf._load import HFCheckpoint, is_hf_dir
+
+__all__ = ["TOKENIZER_FILES", "import_hf", "initial_params"]
+
+log = logging.getLogger("zjax")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# fields of the model section that must agree with the weights (max_seq_len and remat need not)
+_MATCH = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "ff", "rope_theta",
+          "norm_eps", "tie_embeddings")
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
+    """Convert the Hugging Face Llama in ``hf_dir`` into a new directory ``out`` to train from.
+
+    Args:
+      hf_dir: ``config.json`` and PyTorch-layout safetensors (one file or an indexed set).
+      out: a new directory (never replaced); it appears whole or not at all.
+      dtype: the params' stored dtype (``float32``, as the master copy, or ``bfloat16``).
+
+    Returns:
+      ``out``; train with ``zjax train OUT/zjax.yaml``.
+    """
+    from zjax._export_io import check_out, write_orbax_leaves
+    from zjax.partition.config import resolve_dtype
+
+    target = resolve_dtype(dtype, key="--dtype")
+    source = HFCheckpoint(hf_dir)  # every tensor checked before anything is written
+    out = Path(out).resolve()
+    check_out(out)
+    work = out.with_name(f".{out.name}.zjax-import")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        work.mkdir()
+        write_orbax_leaves(work / "params", source.host_leaves(dtype=target))
+        for name in ("config.json", *TOKENIZER_FILES):
+            if (source.directory / name).is_file():
+                shutil.copyfile(source.directory / name, work / name)
+        (work / "zjax.yaml").write_text(_run_config(source, out))
+        work.rename(out)
+    except OSError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"import-hf: cannot write {str(out)!r}: {e}") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("imported %s (%d layers) into %s", hf_dir, source.config.n_layers, out)
+    return out
+
+
+def _run_config(source: HFCheckpoint, out: Path) -> str:
+    model = dataclasses.asdict(source.config)
+    model["max_seq_len"] = min(model["max_seq_len"], 2048)  # bounds the data, not the weights
+    config: dict[str, Any] = {"loop": "llama", "model": model,
+                              "train": {"init_from": str(out)}}
+    from zjax.data import DataConfig
+
+    data: dict[str, Any] = {}
+    if model["max_seq_len"] < DataConfig().seq_len:  # the default would not fit
+        data["seq_len"] = model["max_seq_len"]
+    if (source.directory / "tokenizer.json").is_file():
+        data["tokenizer"] = str(out / "tokenizer.json")
+    if data:
+        config["data"] = data
+    head = (f"# zjax import-hf {source.directory}: train with `zjax train {out / 'zjax.yaml'}`"
+            " (data.path, optimizer.*, zero.* as for any run)\n")
+    return head + yaml.safe_dump(config, sort_keys=False)
+
+
+def initial_params(path: str | Path, target: Any, model: Any) -> Any:
+    """The params at ``path`` as global arrays shaped and placed as ``target`` says.
+
+    Args:
+      path: a Hugging Face Llama directory, a ``zjax import-hf`` directory, or a params
+        export (``zjax export --format orbax``).
+      target: a params-shaped tree of ``ShapeDtypeStruct`` with shardings (what a step's
+        ``from_params`` takes).
+      model: the run's ``model`` section; a Hugging Face config must agree with it.
+
+    Raises:
+      ConfigError: ``path`` is none of these, or its weights are not the model's.
+    """
+    p = Path(path)
+    if is_hf_dir(p) and not (p / "params").is_dir():
+        source = HFCheckpoint(p, max_seq_len=getattr(model, "max_seq_len", None))
+        _check_model(source, model)
+        return source.params(jax.tree.map(lambda a: a.sharding, target))
+    if (p / "params").is_dir():
+        p = p / "params"
+    if not (p / "_METADATA").is_file():
+        raise ConfigError(
+            f"train.init_from: {str(path)!r} is neither a Hugging Face model directory "
+            "(config.json and *.safetensors) nor a params export (zjax import-hf, zjax export "
+            "--format orbax)")
+    return _restore(p.resolve(), target)
+
+
+def _check_model(source: HFCheckpoint, model: Any) -> None:
+    from zjax.models import LlamaConfig
+
+    if not isinstance(model, LlamaConfig):
+        raise ConfigError(f"train.init_from: {source.directory} holds a Llama; train it with "
+                          "loop: llama")
+    for key in _MATCH:
+        want, got = getattr(source.config, key), getattr(model, key)
+        if want != got:
+            name = "n_kv_heads" if key == "kv_heads" else "d_ff" if key == "ff" else key
+            raise ConfigError(f"model.{name}: {got!r}, but the weights in train.init_from "
+                              f"({source.directory}) have {want!r} (its config.json); "
+                              f"set model.{name}: {want!r}")
+
+
+def _restore(path: Path, target: Any) -> Any:
+    """Orbax reads each device's slice of each leaf (cast to float32) into ``target``."""
+    import orbax.checkpoint as ocp
+
+    stored = ocp.StandardCheckpointer().metadata(path).item_metadata
+    have = {jax.tree_util.keystr(k): tuple(m.shape)
+            for k, m in jax.tree_util.tree_flatten_with_path(dict(stored))[0]}
+    want = {jax.tree_util.keystr(k): a.shape
+            for k, a in jax.tree_util.tree_flatten_with_path(target)[0]}
+    for key in sorted(set(want) ^ set(have))[:1]:
+        owner = "the model" if key in want else "the export"
+        raise ConfigError(f"train.init_from: {path}: only {owner} has the param {key}; is it "
+                          "an export of this model?")
+    for key, shape in want.items():
+        if have[key] != tuple(shape):
+            raise ConfigError(f"train.init_from: {path}: param {key} is {list(have[key])} "
+                              f"there, {list(shape)} in the model (model.* differs)")
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32,
+                                                         sharding=a.sharding), target)
+    return ocp.StandardCheckpointer().restore(path, target)

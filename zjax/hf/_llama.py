@@ -1,0 +1,128 @@
+"""Hugging Face ``LlamaForCausalLM`` <-> zjax's reference Llama: config keys and tensor names.
+
+The tensors are in PyTorch's layout, as on the Hub: ``nn.Linear`` weights are ``[out, in]``
+(zjax stores ``[in, out]``: transposed), embeddings and norm weights as they are, and each
+layer's tensors are separate (``model.layers.{i}...``) where zjax stacks them on a leading
+layer axis (one ``Stack``). The names:
+
+=====================================  ===========================================  =========
+zjax leaf                              Hugging Face tensor                          transpose
+=====================================  ===========================================  =========
+``embed`` [V, D]                       ``model.embed_tokens.weight``                no
+``blocks/layers/ln1/scale`` [L, D]     ``model.layers.{i}.input_layernorm.weight``  no
+``blocks/layers/wq`` [L, D, H*hd]      ``model.layers.{i}.self_attn.q_proj.weight`` yes
+``blocks/layers/wk``, ``wv``, ``wo``   ``...self_attn.k_proj``, ``v_proj``, ``o_proj`` yes
+``blocks/layers/ln2/scale``            ``...post_attention_layernorm.weight``       no
+``blocks/layers/w_gate``, ``w_up``,    ``...mlp.gate_proj``, ``up_proj``,           yes
+``w_down``                             ``down_proj``
+``ln_f/scale`` [D]                     ``model.norm.weight``                        no
+``head`` [D, V] (untied only)          ``lm_head.weight``                           yes
+=====================================  ===========================================  =========
+
+Both use the same rotary convention (``rotate_half``: Hugging Face's conversion of Meta's
+weights already permuted q and k for it), so no weight is permuted here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zjax.errors import CheckpointError
+from zjax.models import LlamaConfig
+
+__all__ = ["LEAVES", "Leaf", "hf_config", "leaves", "llama_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One zjax params leaf and the Hugging Face tensor(s) it is made of."""
+
+    keys: tuple[str, ...]
+    hf: str  # with ``{i}`` for the layer when stacked
+    transpose: bool
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf
+
+    def names(self, n_layers: int) -> list[str]:
+        return [self.hf.format(i=i) for i in range(n_layers)] if self.stacked else [self.hf]
+
+
+_L = ("blocks", "layers")
+LEAVES = (
+    Leaf(("embed",), "model.embed_tokens.weight", False),
+    Leaf((*_L, "ln1", "scale"), "model.layers.{i}.input_layernorm.weight", False),
+    Leaf((*_L, "wq"), "model.layers.{i}.self_attn.q_proj.weight", True),
+    Leaf((*_L, "wk"), "model.layers.{i}.self_attn.k_proj.weight", True),
+    Leaf((*_L, "wv"), "model.layers.{i}.self_attn.v_proj.weight", True),
+    Leaf((*_L, "wo"), "model.layers.{i}.self_attn.o_proj.weight", True),
+    Leaf((*_L, "ln2", "scale"), "model.layers.{i}.post_attention_layernorm.weight", False),
+    Leaf((*_L, "w_gate"), "model.layers.{i}.mlp.gate_proj.weight", True),
+    Leaf((*_L, "w_up"), "model.layers.{i}.mlp.up_proj.weight", True),
+    Leaf((*_L, "w_down"), "model.layers.{i}.mlp.down_proj.weight", True),
+    Leaf(("ln_f", "scale"), "model.norm.weight", False),
+    Leaf(("head",), "lm_head.weight", True),
+)
+
+# config.json keys whose value zjax's Llama has no way to honour: (key, accepted values)
+_FIXED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
+          "rope_scaling": (None,), "pretraining_tp": (1, None)}
+
+
+def llama_config(hf: dict[str, Any], *, source: str, max_seq_len: int | None = None
+                 ) -> LlamaConfig:
+    """The ``model`` section for a Hugging Face Llama ``config.json`` (as a dict).
+
+    Raises:
+      CheckpointError: not a Llama config, or one using a feature zjax's Llama lacks (naming
+        the key, its value and what zjax supports).
+    """
+    arch = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
+        raise CheckpointError(
+            f"{source}: model_type {hf.get('model_type')!r} (architectures {arch}); zjax reads "
+            "Llama-family checkpoints: model_type 'llama', LlamaForCausalLM")
+    for key, ok in _FIXED.items():
+        if hf.get(key) not in ok:
+            raise CheckpointError(f"{source}: {key} = {hf.get(key)!r} is not supported by zjax's "
+                                  f"Llama (it supports {' or '.join(map(repr, ok))})")
+    try:
+        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        if hf.get("head_dim") not in (None, d // heads):
+            raise CheckpointError(f"{source}: head_dim = {hf['head_dim']} differs from "
+                                  f"hidden_size / num_attention_heads = {d // heads}; zjax's "
+                                  "Llama supports only that")
+        return LlamaConfig(
+            vocab_size=int(hf["vocab_size"]), d_model=d,
+            n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            d_ff=int(hf["intermediate_size"]),
+            max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise CheckpointError(f"{source}: no {e.args[0]!r}; a Llama config.json has it") from None
+    except ValueError as e:  # LlamaConfig's own check, or a value that is not a number
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def hf_config(cfg: LlamaConfig, *, dtype: str) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of ``cfg`` with weights stored in ``dtype``."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ff, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+    }
+
+
+def leaves(cfg: LlamaConfig) -> list[Leaf]:
+    """The leaves of ``cfg``'s params (no ``head`` when the embeddings are tied)."""
+    return [leaf for leaf in LEAVES if not (leaf.keys == ("head",) and cfg.tie_embeddings)]
