@@ -18,6 +18,7 @@ from helpers import run_zjax
 from hf_models import TINY_HF, hf_logits, hf_model, pt_layout, write_hf
 
 import zjax
+from zjax._export_io import nested
 from zjax.config import load_config
 from zjax.errors import CheckpointError, ConfigError
 from zjax.export import export
@@ -27,16 +28,6 @@ from zjax.models import Llama, LlamaConfig
 
 ATOL = 1e-5  # fp32 logits of O(1): the same math in another op order
 TOKENS = np.random.default_rng(1).integers(0, TINY_HF["vocab_size"], (2, 24))
-
-
-def _nested(leaves) -> dict:
-    out: dict = {}
-    for keys, x in leaves:
-        node = out
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = x
-    return out
 
 
 def _zjax_logits(cfg: LlamaConfig, params, tokens=TOKENS) -> np.ndarray:
@@ -53,7 +44,7 @@ def model():
 def test_imported_llama_has_transformers_logits(tmp_path, model, shards):
     directory = write_hf(tmp_path / "hf", model, shards=shards)
     source = HFCheckpoint(directory)
-    got = _zjax_logits(source.config, _nested(source.host_leaves()))
+    got = _zjax_logits(source.config, nested(source.host_leaves()))
     np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=ATOL, rtol=0)
 
 
@@ -74,8 +65,8 @@ def test_tied_embeddings_read_the_embedding_as_head(tmp_path, model):
     tied.params["lm_head"]["kernel"] = tied.params["model"]["embed_tokens"]["embedding"].T
     tied.config.tie_word_embeddings = True
     source = HFCheckpoint(write_hf(tmp_path / "hf", tied))
-    assert source.config.tie_embeddings and "head" not in _nested(source.host_leaves())
-    got = _zjax_logits(source.config, _nested(source.host_leaves()))
+    assert source.config.tie_embeddings and "head" not in nested(source.host_leaves())
+    got = _zjax_logits(source.config, nested(source.host_leaves()))
     np.testing.assert_allclose(got, hf_logits(tied, TOKENS), atol=ATOL, rtol=0)
 
 
@@ -104,7 +95,7 @@ def test_stage3_start_reads_each_shard_from_the_files(tmp_path, model):
     wq = params["blocks"]["layers"]["wq"]
     assert {s.data.size for s in wq.addressable_shards} == {wq.size // 8}  # split over data
     state = zstep.from_params(params)
-    expected = _nested(HFCheckpoint(directory).host_leaves())
+    expected = nested(HFCheckpoint(directory).host_leaves())
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), expected)
     assert int(state.step) == 0
 

@@ -22,6 +22,15 @@ def tool_parsers(sub) -> None:
     im.add_argument("hf_dir", help="config.json and *.safetensors (PyTorch layout, the Hub's)")
     im.add_argument("out", help="a new directory")
     im.add_argument("--dtype", default="float32", help="stored dtype: float32 or bfloat16")
+    sa = sub.add_parser("sample", help="generate text from a run's newest checkpoint, an "
+                        "import-hf directory or a Hugging Face Llama (KV cache)")
+    sa.add_argument("source", help="RUN_DIR, an import-hf OUT, or a Hugging Face directory")
+    sa.add_argument("--prompt", required=True, help="the text to continue")
+    sa.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
+    sa.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    sa.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]")
+    sa.add_argument("--seed", type=int, default=0, help="RNG seed of the draws")
+    sa.add_argument("-n", "--num-samples", type=int, default=1, help="continuations")
 
 
 def run_tool(args) -> int:
@@ -35,7 +44,30 @@ def run_tool(args) -> int:
         print(f"zjax import-hf: {args.hf_dir} -> {out}; train with: zjax train "
               f"{out / 'zjax.yaml'}")
         return 0
-    raise AssertionError(args.command)
+    return sample(args)
+
+
+def sample(args) -> int:
+    """``zjax sample``: print the prompt and each continuation."""
+    checks = [("--max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"),
+              ("--temperature", args.temperature >= 0, "a number >= 0 (0: greedy)"),
+              ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
+              ("--num-samples", args.num_samples >= 1, "an integer >= 1")]
+    for flag, ok, expected in checks:
+        if not ok:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            raise ConfigError(f"{flag}: {value!r}; expected {expected}")
+    from zjax.sample import load_sampler
+
+    sampler = load_sampler(args.source)
+    texts = sampler(args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    n=args.num_samples)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1}")
+        print(args.prompt + text)
+    return 0
 
 
 def with_deepspeed(ds_path: str, path: str | None, overrides: list[str], n_devices: int):

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -17,7 +18,7 @@ from orbax.checkpoint import v1 as ocp_v1
 from zjax._digest import array_digest, recorded_digests
 from zjax.errors import CheckpointError, DamagedCheckpoint, first_line, is_damage
 
-__all__ = ["check_out", "read_leaf", "write_orbax_leaves"]
+__all__ = ["check_out", "nested", "read_leaf", "write_orbax_leaves"]
 
 _CHUNK_BYTES = 16 << 20  # per stored chunk of an exported leaf
 
@@ -120,3 +121,14 @@ def _orbax_context() -> ocp_v1.Context:
         storage_options=opts.ArrayOptions.Saving.StorageOptions(chunk_byte_size=_CHUNK_BYTES))
     return ocp_v1.Context(memory_options=opts.MemoryOptions(deepcopy_host_arrays=False),
                           array_options=opts.ArrayOptions(saving=saving))
+
+
+def nested(leaves: Iterable[tuple[tuple[str, ...], Any]]) -> dict:
+    """The nested dict whose leaves are ``(keys, value)``."""
+    out: dict = {}
+    for keys, value in leaves:
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return out

@@ -372,6 +372,8 @@ def _main(argv: list[str] | None) -> int:
         if args.command in ("tokenize", "import-hf", "sample"):
             from zjax._cli_tools import run_tool
 
+            _cpu_unless_accelerator()
+
             return run_tool(args)
         if args.action == "from-deepspeed":
             from zjax._cli_tools import config_from_deepspeed

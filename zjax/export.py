@@ -17,13 +17,15 @@ damaged checkpoints aside), the export moves and changes nothing in the run dire
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zjax._export_io import check_out, read_leaf, write_orbax_leaves
+from zjax._export_io import check_out, nested, read_leaf, write_orbax_leaves
 from zjax.errors import (
     CheckpointError,
     ConfigError,
@@ -34,13 +36,14 @@ from zjax.errors import (
 )
 from zjax.partition.config import resolve_dtype
 
-__all__ = ["FORMATS", "export"]
+__all__ = ["FORMATS", "export", "newest_intact", "read_params"]
+T = TypeVar("T")
 
 log = logging.getLogger("zjax")
 FORMATS = ("orbax", "safetensors", "hf")
 
 
-def _state_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+def _state_dirs(run_dir: Path, *, what: str) -> list[tuple[int, Path]]:
     """The run's committed checkpoints as ``(step, state directory)``, newest first."""
     ckpt = run_dir / "checkpoints"
     steps = sorted((int(p.name) for p in ckpt.iterdir() if p.name.isdigit()), reverse=True) \
@@ -49,7 +52,7 @@ def _state_dirs(run_dir: Path) -> list[tuple[int, Path]]:
              if (ckpt / str(step) / "commit_success.txt").exists()
              or (ckpt / str(step) / "state" / "_METADATA").exists()]
     if not found:
-        raise CheckpointError(f"export: {str(run_dir)!r} holds no checkpoint (looked in {ckpt})")
+        raise CheckpointError(f"{what}: {str(run_dir)!r} holds no checkpoint (looked in {ckpt})")
     return found
 
 
@@ -105,32 +108,51 @@ def export(run_dir: str | Path, out: str | Path, *, dtype: str = "bfloat16",
 
         writers["hf"] = hf_writer(Path(run_dir), max_shard_bytes=max_shard_bytes
                                   or DEFAULT_SHARD_BYTES)
+
+    def write(step: int, state_dir: Path, leaves) -> Path:
+        log.info("exporting %d params leaves of step %d in %s as %s", len(leaves), step,
+                 target.name, format)
+        try:
+            writers[format](out, state_dir, leaves, target)
+        except DamagedCheckpoint:  # the input side (an OSError too): fall back
+            raise
+        except OSError as e:  # the output side: a full disk, a vanished directory
+            raise CheckpointError(f"export: cannot write {str(out)!r}: {e}") from None
+        return out
+
+    return newest_intact(run_dir, write, what="export", nothing="nothing written")
+
+
+def newest_intact(run_dir: str | Path, use: Callable[[int, Path, list], T], *,
+                  what: str, nothing: str) -> T:
+    """``use(step, state_dir, params leaves)`` on the newest checkpoint of ``run_dir`` it
+    reads without :class:`DamagedCheckpoint`, warning of each damaged one (left as it is)."""
     # Orbax reads a checkpoint's metadata only through an absolute path (a relative one
     # reads as no metadata at all)
-    candidates = _state_dirs(Path(run_dir).resolve())
+    candidates = _state_dirs(Path(run_dir).resolve(), what=what)
     damaged = []
     for i, (step, state_dir) in enumerate(candidates):
         try:
-            leaves = _param_leaves(state_dir)
-            log.info("exporting %d params leaves of step %d in %s as %s", len(leaves), step,
-                     target.name, format)
-            write = writers[format]
-            try:
-                write(out, state_dir, leaves, target)
-            except DamagedCheckpoint:  # the input side (an OSError too): fall back
-                raise
-            except OSError as e:  # the output side: a full disk, a vanished directory
-                raise CheckpointError(f"export: cannot write {str(out)!r}: {e}") from None
-            return out
+            return use(step, state_dir, _param_leaves(state_dir))
         except DamagedCheckpoint as e:
             damaged.append(f"step {step}: {e}")
             older = (f"falling back to step {candidates[i + 1][0]}" if i + 1 < len(candidates)
                      else "no older checkpoint")
-            log.warning("export: checkpoint at step %d in %s is damaged (%s); %s (the run "
-                        "directory is left as it is)", step, state_dir.parent.parent, e, older)
+            log.warning("%s: checkpoint at step %d in %s is damaged (%s); %s (the run "
+                        "directory is left as it is)", what, step, state_dir.parent.parent, e,
+                        older)
     raise CheckpointError(
-        f"export: no intact checkpoint in {str(Path(run_dir))!r}: all {len(damaged)} are "
-        f"damaged (newest, {damaged[0]}); nothing written")
+        f"{what}: no intact checkpoint in {str(Path(run_dir))!r}: all {len(damaged)} are "
+        f"damaged (newest, {damaged[0]}); {nothing}")
+
+
+def read_params(run_dir: str | Path, *, dtype=np.float32) -> tuple[int, dict]:
+    """``(step, params)`` of ``run_dir``'s newest intact checkpoint, as host numpy arrays."""
+    def read(step: int, state_dir: Path, leaves) -> tuple[int, dict]:
+        return step, nested((keys, read_leaf(state_dir, keys, shape, np.dtype(dtype)))
+                            for keys, shape in leaves)
+
+    return newest_intact(run_dir, read, what="sample", nothing="nothing to load")
 
 
 def _write_orbax(out: Path, state_dir: Path, leaves, target: np.dtype) -> None:

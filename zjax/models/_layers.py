@@ -1,6 +1,9 @@
-"""Pieces the reference models share: logical-axis params and RMSNorm."""
+"""Pieces the reference models share: logical-axis params, RMSNorm, the causal mask and the
+key/value cache of decoding."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,7 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 
-__all__ = ["RMSNorm", "check_length", "param"]
+__all__ = ["KVCache", "RMSNorm", "causal_mask", "check_length", "param"]
 
 
 def param(rngs: nnx.Rngs, shape, std: float, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -39,3 +42,28 @@ def check_length(tokens: jax.Array, max_seq_len: int) -> int:
         raise ArgumentError("tokens", f"a sequence of {t} tokens exceeds the model's "
                             f"max_seq_len {max_seq_len}")
     return t
+
+
+def causal_mask(t: int, s: int, start=0) -> jax.Array:
+    """``[t, s]``: query ``i`` (at position ``start + i``) sees keys ``0..start + i``."""
+    return (start + jnp.arange(t))[:, None] >= jnp.arange(s)[None, :]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of the positions decoded so far, ``[B, S, heads, head_dim]`` per layer
+    (a leading layer axis for a ``Stack``'s; ``Stack.decode`` scans over it)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, n_layers: int, batch: int, length: int, heads: int, head_dim: int,
+              dtype=jnp.float32) -> KVCache:
+        shape = (n_layers, batch, length, heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def write(self, k: jax.Array, v: jax.Array, start) -> KVCache:
+        """This layer's cache with ``k``, ``v`` ``[B, T, ...]`` written at ``start``."""
+        put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
+            old, new.astype(old.dtype), start, axis=1)
+        return KVCache(put(self.k, k), put(self.v, v))

@@ -19,7 +19,7 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 from zjax.models._gpt_config import GPTConfig
-from zjax.models._layers import RMSNorm, check_length, param
+from zjax.models._layers import KVCache, RMSNorm, causal_mask, check_length, param
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
@@ -46,7 +46,9 @@ class Block(nnx.Module):
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
 
-    def __call__(self, x):
+    def __call__(self, x, cache: KVCache | None = None, start=0):
+        """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
+        positions ``start``.. and ``(y, cache)`` comes back."""
         b, t, d = x.shape
         hd = d // self.n_heads
         m = model_axis_size()
@@ -59,13 +61,17 @@ class Block(nnx.Module):
         q = (y @ wq).reshape(b, t, h, hd)
         k = (y @ self.wk[...]).reshape(b, t, h, hd)
         v = (y @ self.wv[...]).reshape(b, t, h, hd)
+        if cache is not None:  # keys and values of the earlier positions, these written in
+            cache = cache.write(k, v, start)
+            k, v = cache.k, cache.v
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((t, t), bool))
+        causal = causal_mask(t, k.shape[1], start)
         probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
         att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * hd)
         x = x + row_parallel_output(att @ self.wo[...])
         y = column_parallel_input(self.ln2(x))
-        return x + row_parallel_output(jax.nn.gelu(y @ self.w_up[...]) @ self.w_down[...])
+        x = x + row_parallel_output(jax.nn.gelu(y @ self.w_up[...]) @ self.w_down[...])
+        return x if cache is None else (x, cache)
 
 
 class GPT(nnx.Module):
@@ -83,12 +89,32 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
-        t = check_length(tokens, self.cfg.max_seq_len)
+        check_length(tokens, self.cfg.max_seq_len)
+        return self._logits(self.blocks(self._embed(tokens, 0)))
+
+    def _embed(self, tokens, start):
         embed = self.embed[...]
-        h = jnp.take(embed, tokens, axis=0) + self.pos[...][:t].astype(embed.dtype)
-        h = self.ln_f(self.blocks(h))
-        head = embed.T if self.cfg.tie_embeddings else self.head[...]
-        return (h @ head).astype(jnp.float32)
+        t = tokens.shape[1]
+        pos = self.pos[...][start:start + t] if isinstance(start, int) else \
+            jax.lax.dynamic_slice_in_dim(self.pos[...], start, t)
+        return jnp.take(embed, tokens, axis=0) + pos.astype(embed.dtype)
+
+    def _logits(self, h):
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        return (self.ln_f(h) @ head).astype(jnp.float32)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> KVCache:
+        """An empty key/value cache for ``batch`` sequences of up to ``length`` tokens
+        (at most ``max_seq_len``: the position table's size)."""
+        cfg = self.cfg
+        return KVCache.zeros(cfg.n_layers, batch, length, cfg.n_heads,
+                             cfg.d_model // cfg.n_heads, dtype)
+
+    def decode(self, tokens: jax.Array, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
+        """Logits of ``tokens`` ``[B, T]`` at positions ``start``.., attending to the
+        ``cache``'s earlier positions: a prompt (``start`` 0), then one token at a time."""
+        h, cache = self.blocks.decode(self._embed(tokens, start), cache, start)
+        return self._logits(h), cache
 
 
 def lm_loss(model: GPT, batch: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -21,18 +21,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zjax.errors import ArgumentError
-from zjax.models._layers import RMSNorm, check_length, param
+from zjax.models._layers import KVCache, RMSNorm, causal_mask, check_length, param
 from zjax.models._llama_config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = ["Llama", "LlamaConfig", "rotary"]
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding of ``x`` ``[B, T, heads, head_dim]`` at positions 0..T-1."""
+def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0) -> jax.Array:
+    """Rotary position embedding of ``x`` ``[B, T, heads, head_dim]`` at positions
+    ``start``..``start``+T-1."""
     t, hd = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    positions = start + jnp.arange(t, dtype=jnp.float32)
+    angles = positions[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], axis=-1)
@@ -56,31 +58,38 @@ class LlamaBlock(nnx.Module):
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
 
-    def _attention(self, y):
+    def _attention(self, y, cache: KVCache | None = None, start=0):
         b, t, _ = y.shape
         hd = self.head_dim
         wq, wk = self.wq[...], self.wk[...]
         h, kv = wq.shape[-1] // hd, wk.shape[-1] // hd  # this device's heads
-        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta)
-        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta)
+        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta, start)
+        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta, start)
         v = (y @ self.wv[...]).reshape(b, t, kv, hd)
+        if cache is not None:  # keys and values of the earlier positions, these written in
+            cache = cache.write(k, v, start)
+            k, v = cache.k, cache.v
         q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped by their key/value head
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(y.dtype)
-        return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h * hd)
+        probs = jax.nn.softmax(jnp.where(causal_mask(t, k.shape[1], start), scores, -1e30),
+                               axis=-1).astype(y.dtype)
+        return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h * hd), cache
 
-    def __call__(self, x):
+    def __call__(self, x, cache: KVCache | None = None, start=0):
+        """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
+        positions ``start``.. and ``(y, cache)`` comes back."""
         m = model_axis_size()
         if self.n_kv_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
                                 f"{self.n_kv_heads} key/value heads (n_kv_heads), which it "
                                 "splits")
         y = column_parallel_input(self.ln1(x))
-        x = x + row_parallel_output(self._attention(y) @ self.wo[...])
+        att, new_cache = self._attention(y, cache, start)
+        x = x + row_parallel_output(att @ self.wo[...])
         y = column_parallel_input(self.ln2(x))
         gated = jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])
-        return x + row_parallel_output(gated @ self.w_down[...])
+        x = x + row_parallel_output(gated @ self.w_down[...])
+        return x if cache is None else (x, new_cache)
 
 
 class Llama(nnx.Module):
@@ -98,7 +107,19 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
         check_length(tokens, self.cfg.max_seq_len)
-        embed = self.embed[...]
-        h = self.ln_f(self.blocks(jnp.take(embed, tokens, axis=0)))
-        head = embed.T if self.cfg.tie_embeddings else self.head[...]
-        return (h @ head).astype(jnp.float32)
+        return self._logits(self.blocks(jnp.take(self.embed[...], tokens, axis=0)))
+
+    def _logits(self, h):
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        return (self.ln_f(h) @ head).astype(jnp.float32)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> KVCache:
+        """An empty key/value cache for ``batch`` sequences of up to ``length`` tokens."""
+        cfg = self.cfg
+        return KVCache.zeros(cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim, dtype)
+
+    def decode(self, tokens: jax.Array, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
+        """Logits of ``tokens`` ``[B, T]`` at positions ``start``.., attending to the
+        ``cache``'s earlier positions: a prompt (``start`` 0), then one token at a time."""
+        h, cache = self.blocks.decode(jnp.take(self.embed[...], tokens, axis=0), cache, start)
+        return self._logits(h), cache

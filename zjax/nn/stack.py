@@ -10,6 +10,7 @@ function to the scheduled layer scan. Params cross that boundary as pure dicts
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 from flax import nnx
@@ -59,6 +60,18 @@ class Stack(nnx.Module):
         if self.remat:
             body = jax.checkpoint(body)
         return lax.scan(body, x, params)[0]
+
+    def decode(self, x: jax.Array, cache: Any, start) -> tuple[jax.Array, Any]:
+        """Decoding with a cache (inference, no ZeRO): each layer's block is called as
+        ``block(h, layer_cache, start) -> (h, layer_cache)``, ``cache`` having a leading
+        layer axis."""
+        graphdef, state = nnx.split(self.layers)
+
+        def body(h, layer):
+            layer_params, layer_cache = layer
+            return nnx.merge(graphdef, layer_params)(h, layer_cache, start)
+
+        return lax.scan(body, x, (nnx.to_pure_dict(state), cache))
 
 
 def iter_stacks(model: nnx.Module) -> Iterator[tuple[str, Stack]]:
