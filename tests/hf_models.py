@@ -1,6 +1,7 @@
-"""Tiny random Hugging Face Llamas written as the Hub has them (PyTorch-layout safetensors),
-with nothing downloaded and no torch: transformers 4.57's ``FlaxLlamaForCausalLM`` makes the
-weights, and :func:`pt_layout` renames them by Hugging Face's own PyTorch <-> Flax rules
+"""Tiny random Hugging Face Llamas and GPT-2s written as the Hub has them (PyTorch-layout
+safetensors), with nothing downloaded and no torch: transformers 4.57's
+``FlaxLlamaForCausalLM`` / ``FlaxGPT2LMHeadModel`` make the weights, and :func:`pt_layout`
+renames them by Hugging Face's own PyTorch <-> Flax rules
 (``kernel`` [in, out] -> ``weight`` [out, in], ``embedding`` -> ``weight``, norms as they are).
 ``FlaxLlamaForCausalLM.from_pretrained`` reads such a file back through transformers' own
 converter (tests/test_hf.py checks it does, with equal logits), so the files are what a Hub
@@ -31,30 +32,54 @@ def hf_model(seed: int = 0, **changes):
     model = FlaxLlamaForCausalLM(config, seed=seed, dtype=jnp.float32)
     rng = np.random.default_rng(seed)
 
-    def jitter(path, x):
-        name = jax.tree_util.keystr(path)
-        return 1 + 0.1 * rng.standard_normal(x.shape).astype(np.float32) \
-            if "norm" in name else np.asarray(x)
-
-    model.params = jax.tree_util.tree_map_with_path(jitter, model.params)
+    model.params = _jitter(model.params, rng)
     return model
 
 
+def _jitter(params, rng):
+    """Norm scales near 1 and biases near 0 but random: a misplaced one cannot hide behind
+    the init's all-ones or all-zeros."""
+    def one(path, x):
+        name = jax.tree_util.keystr(path)
+        noise = 0.1 * rng.standard_normal(x.shape).astype(np.float32)
+        if "norm" in name or ("ln_" in name and "scale" in name):
+            return 1 + noise
+        return noise if "bias" in name else np.asarray(x)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def hf_gpt2(seed: int = 0, **changes):
+    """A float32 ``FlaxGPT2LMHeadModel`` with random weights, norms and biases."""
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(**{**TINY_GPT2, **changes})
+    model = FlaxGPT2LMHeadModel(config, seed=seed, dtype=jnp.float32)
+    model.params = _jitter(model.params, np.random.default_rng(seed))
+    return model
+
+
+TINY_GPT2 = dict(vocab_size=256, n_embd=64, n_layer=3, n_head=4, n_positions=64)
+
+
 def pt_layout(flax_params: dict) -> dict[str, np.ndarray]:
-    """Hugging Face Flax params -> PyTorch ``state_dict`` names and layouts."""
+    """Hugging Face Flax params -> PyTorch ``state_dict`` names and layouts (GPT-2's Flax
+    ``Conv1D`` keeps its kernel ``[out, in]``, so the same transpose gives PyTorch's
+    ``[in, out]``)."""
     out = {}
     for path, x in jax.tree_util.tree_flatten_with_path(flax_params)[0]:
         keys = [str(k.key) for k in path]
         x = np.asarray(x, np.float32)
         if keys[-1] == "kernel":
             x = x.T
-        if keys[-1] in ("kernel", "embedding"):
+        if keys[-1] in ("kernel", "embedding", "scale"):
             keys[-1] = "weight"
         out[".".join(keys)] = np.ascontiguousarray(x)
     return out
 
 
-def write_hf(directory: Path, model, *, shards: int = 1, dtype=np.float32) -> Path:
+def write_hf(directory: Path, model, *, shards: int = 1, dtype=np.float32,
+             strip: str = "") -> Path:
     """``config.json`` and PyTorch-layout safetensors of ``model`` (``shards`` files with an
     index when above 1), as ``save_pretrained`` of a PyTorch model writes them."""
     from safetensors.numpy import save_file
@@ -64,6 +89,8 @@ def write_hf(directory: Path, model, *, shards: int = 1, dtype=np.float32) -> Pa
     tensors = {k: v.astype(dtype) for k, v in pt_layout(model.params).items()}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    if strip:  # as the original `gpt2` on the Hub, saved from GPT2Model
+        tensors = {k.removeprefix(strip): v for k, v in tensors.items()}
     if shards == 1:
         save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
         return directory

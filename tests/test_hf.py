@@ -1,5 +1,5 @@
-"""Hugging Face weights in and out: zjax's Llama against transformers' own on the same
-weights (fp32 logits, atol 1e-5), the start of a stage-3 fine-tune from the files (read into
+"""Hugging Face weights in and out: zjax's Llama and GPT-2 against transformers' own on the
+same weights (fp32 logits, atol 1e-5), the start of a stage-3 fine-tune from the files (read into
 shards), the export that transformers loads back, and the errors for files that do not fit.
 
 The Hugging Face side is transformers 4.57's ``FlaxLlamaForCausalLM`` (no torch, nothing
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import run_zjax
-from hf_models import TINY_HF, hf_logits, hf_model, pt_layout, write_hf
+from hf_models import TINY_HF, hf_gpt2, hf_logits, hf_model, pt_layout, write_hf
 
 import zjax
 from zjax._export_io import nested
@@ -23,8 +23,7 @@ from zjax.config import load_config
 from zjax.errors import CheckpointError, ConfigError
 from zjax.export import export
 from zjax.hf import HFCheckpoint, SafetensorsDir, import_hf
-from zjax.hf._load import leaf_shape
-from zjax.models import Llama, LlamaConfig
+from zjax.models import GPT, Llama, LlamaConfig
 
 ATOL = 1e-5  # fp32 logits of O(1): the same math in another op order
 TOKENS = np.random.default_rng(1).integers(0, TINY_HF["vocab_size"], (2, 24))
@@ -70,14 +69,45 @@ def test_tied_embeddings_read_the_embedding_as_head(tmp_path, model):
     np.testing.assert_allclose(got, hf_logits(tied, TOKENS), atol=ATOL, rtol=0)
 
 
-def test_leaf_shapes_are_the_models():
-    cfg = LlamaConfig(vocab_size=50, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, d_ff=40)
-    params = jax.eval_shape(lambda: nnx.state(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-    real = {tuple(str(k.key) for k in path): x.shape
-            for path, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
-    from zjax.hf._llama import leaves
+def _gpt2_logits(cfg, params, tokens=TOKENS) -> np.ndarray:
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    return np.asarray(nnx.merge(graphdef, jax.device_get(params))(tokens))
 
-    assert {leaf.keys: leaf_shape(leaf, cfg) for leaf in leaves(cfg)} == real
+
+@pytest.mark.parametrize("strip", ["", "transformer."])
+def test_imported_gpt2_has_transformers_logits(tmp_path, strip):
+    """GPT-2: fused q/k/v, Conv1D [in, out], LayerNorm and biases, tied head; also the
+    original Hub layout without the ``transformer.`` prefix."""
+    from transformers import FlaxGPT2LMHeadModel
+
+    gpt2 = hf_gpt2()
+    directory = write_hf(tmp_path / "hf", gpt2, strip=strip, shards=2)
+    source = HFCheckpoint(directory)
+    assert source.layout.loop == "lm" and source.config.bias
+    got = _gpt2_logits(source.config, nested(source.host_leaves()))
+    np.testing.assert_allclose(got, hf_logits(gpt2, TOKENS), atol=ATOL, rtol=0)
+    if not strip:  # the test's file is what transformers itself reads as this model
+        single = write_hf(tmp_path / "one", gpt2)
+        again = FlaxGPT2LMHeadModel.from_pretrained(single)
+        np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(gpt2, TOKENS))
+
+
+@pytest.mark.slow
+def test_gpt2_finetune_exports_what_transformers_loads(tmp_path):
+    from transformers import FlaxGPT2LMHeadModel
+
+    gpt2 = hf_gpt2()
+    out = import_hf(write_hf(tmp_path / "hf", gpt2), tmp_path / "imported")
+    config = load_config(out / "zjax.yaml", [
+        "train.steps=3", "zero.stage=3", "data.seq_len=32", "data.batch_size=8",
+        "train.eval_every=0", "logging.progress=false", "mesh.data=4", "mesh.model=2"])
+    assert config.loop == "lm" and config.model.norm == "layer"
+    result = zjax.train(None, config, run_dir=tmp_path / "run")
+    tuned = _gpt2_logits(config.model, result.state.params)
+    assert np.abs(tuned - hf_logits(gpt2, TOKENS)).max() > 1e-3  # it did train
+    exported = export(tmp_path / "run", tmp_path / "hf_out", dtype="float32", format="hf")
+    reloaded = FlaxGPT2LMHeadModel.from_pretrained(exported)
+    np.testing.assert_allclose(hf_logits(reloaded, TOKENS), tuned, atol=ATOL, rtol=0)
 
 
 def test_stage3_start_reads_each_shard_from_the_files(tmp_path, model):
@@ -165,7 +195,8 @@ def _corrupt(directory: Path, change) -> Path:
      r"'model.layers.0.self_attn.q_proj.weight' has shape \[64, 60\]; config.json implies "
      r"\[64, 64\]"),
     (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}),
-     r"no place for, e.g. 'model.layers.0.self_attn.q_proj.bias'"),
+     r"no place for, e.g. 'model.layers.0.self_attn.q_proj.bias' \(another architecture, "
+     r"or a feature zjax lacks\)"),
 ])
 def test_files_that_do_not_fit_are_named(tmp_path, model, change, message):
     directory = _corrupt(write_hf(tmp_path / "hf", model), change)
@@ -196,11 +227,13 @@ def test_cli_import_hf_errors_exit_2_and_write_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_hf_refuses_a_gpt_run(tmp_path):
+def test_export_hf_refuses_a_gpt_without_gpt2s_layout(tmp_path):
     run = tmp_path / "run"
     zjax.train("lm", {"train": {"steps": 1, "eval_every": 0}, "logging": {"progress": False},
                       "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
                       "data": {"seq_len": 16, "batch_size": 8}}, run_dir=run)
-    with pytest.raises(ConfigError, match=r"--format: hf needs a run of loop: llama"):
+    with pytest.raises(ConfigError, match=r"--format: hf writes the reference GPT as "
+                       r"GPT2LMHeadModel, which needs model.norm: layer.*the run has "
+                       r"model.norm: 'rms', model.bias: False"):
         export(run, tmp_path / "out", format="hf")
     assert not (tmp_path / "out").exists()

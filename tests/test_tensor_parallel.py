@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -76,6 +77,25 @@ def test_2d_meshes_match_single_device(reference, data, model, stage):
         if leaf.model_dim is not None:
             expected[leaf.model_dim] //= model
         assert shard == tuple(expected), leaf.path
+
+
+def test_gpt2_layout_on_a_2d_mesh_matches_single_device():
+    """GPT-2's options (LayerNorm, biases): the column-parallel biases split over model with
+    their heads / hidden units, the row-parallel ones added once after the sum."""
+    cfg = dataclasses.replace(CFG, norm="layer", bias=True, norm_eps=1e-5)
+    batches = token_batches(5)
+    expected = reference_run(gpt_trainable(cfg).init, gpt_reference_loss(cfg), make_tx(),
+                             batches)
+    zstep = _zstep(4, 2, cfg=cfg)
+    names = {leaf.path.split("/")[-1]: leaf for leaf in zstep.plan.leaves}
+    assert {k: names[k].model_dim for k in ("bq", "bk", "bv", "b_up", "bo", "b_down")} == {
+        "bq": 1, "bk": 1, "bv": 1, "b_up": 1, "bo": None, "b_down": None}
+    state = zstep.init(jax.random.key(0))
+    losses = []
+    for b in batches:
+        state, metrics = zstep.step(state, zstep.put_batch(b))
+        losses.append(float(metrics["loss"]))
+    assert_matches_reference(losses, state, expected)
 
 
 def test_bf16_working_copy_on_a_2d_mesh(reference):

@@ -141,7 +141,7 @@ def load_sampler(source: str | Path) -> Sampler:
         params = ocp.StandardCheckpointer().restore((path / "params").resolve())
     elif is_hf_dir(path):
         hf = HFCheckpoint(path)
-        loop, cfg, params = "llama", hf.config, nested(hf.host_leaves())
+        loop, cfg, params = hf.layout.loop, hf.config, nested(hf.host_leaves())
         tokenizer = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
     else:
         raise ConfigError(f"sample: {str(source)!r} is not a run directory (config.yaml, "

@@ -1,10 +1,13 @@
-"""``zjax export RUN_DIR OUT --format hf``: a directory ``transformers`` loads as a Llama.
+"""``zjax export RUN_DIR OUT --format hf``: a directory ``transformers`` loads
+(``LlamaForCausalLM`` from ``loop: llama``, ``GPT2LMHeadModel`` from a GPT-2-shaped ``loop:
+lm``).
 
 PyTorch-layout safetensors (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and
 ``model.safetensors.index.json`` above the shard size, as ``save_pretrained`` writes them),
 ``config.json``, and the run's tokenizer files. Each zjax leaf is read once (one leaf in host
-memory) and written as its layers' tensors; files are filled in that order, which safetensors
-and the index allow (a reader looks tensors up by name).
+memory; the parts of a fused tensor together) and written as its layers' tensors; files are
+filled in that order, which safetensors and the index allow (a reader looks tensors up by
+name).
 """
 
 from __future__ import annotations
@@ -18,12 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from zjax.errors import CheckpointError, ConfigError
+from zjax.errors import CheckpointError
 from zjax.hf._import import TOKENIZER_FILES
-from zjax.hf._llama import Leaf, hf_config, leaves
-from zjax.hf._load import hf_shape
+from zjax.hf._layout import Leaf, hf_shape, layout_for_model
 from zjax.hf._safetensors import INDEX, write_safetensors
-from zjax.models import LlamaConfig
 
 __all__ = ["DEFAULT_SHARD_BYTES", "hf_writer"]
 
@@ -34,7 +35,8 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
     """``write(out, state_dir, stored_leaves, dtype)`` for the run in ``run_dir``.
 
     Raises:
-      ConfigError: the run is not of the reference Llama (``loop: llama``).
+      ConfigError: the run's model has no Hugging Face layout (``loop: llama``, or ``loop:
+        lm`` with GPT-2's options).
     """
     from zjax.config import load_config
 
@@ -43,9 +45,7 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
         raise CheckpointError(f"export --format hf: {run_dir} has no config.yaml (the run's "
                               "config, which says the model's shape)")
     config = load_config(path)
-    if not isinstance(config.model, LlamaConfig):
-        raise ConfigError(f"--format: hf needs a run of loop: llama (the Hugging Face "
-                          f"LlamaForCausalLM layout); {path} says loop: {config.loop}")
+    layout = layout_for_model(config.loop, config.model)
     tokenizer = config.data.tokenizer
 
     def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:
@@ -53,10 +53,10 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
         shutil.rmtree(work, ignore_errors=True)
         try:
             work.mkdir()
-            _write_weights(work, state_dir, dict(stored), config.model, target,
-                           max_shard_bytes)
+            _write_weights(work, state_dir, dict(stored), layout.leaves(config.model),
+                           config.model.n_layers, target, max_shard_bytes)
             (work / "config.json").write_text(
-                json.dumps(hf_config(config.model, dtype=target.name), indent=2))
+                json.dumps(layout.to_hf(config.model, dtype=target.name), indent=2))
             if tokenizer:
                 _copy_tokenizer(Path(tokenizer), work)
             work.rename(out)
@@ -66,19 +66,22 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
     return write
 
 
-def _write_weights(work: Path, state_dir: Path, stored: dict, cfg: LlamaConfig,
-                   target: np.dtype, max_shard_bytes: int) -> None:
+def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf],
+                   n_layers: int, target: np.dtype, max_shard_bytes: int) -> None:
     from zjax._export_io import read_leaf
 
-    missing = [leaf.keys for leaf in leaves(cfg) if leaf.keys not in stored]
+    missing = [leaf.keys for leaf in leaves if leaf.keys not in stored]
     if missing:
         raise CheckpointError(f"export --format hf: the checkpoint has no param "
-                              f"{'/'.join(missing[0])} (not the run's Llama?)")
-    plan = [(leaf, name, hf_shape(leaf, stored[leaf.keys]))
-            for leaf in leaves(cfg) for name in leaf.names(cfg.n_layers)]
+                              f"{'/'.join(missing[0])} (not the run's model?)")
+    groups: dict[str, list[Leaf]] = {}  # a Hugging Face tensor's leaves (parts of a fused one)
+    for leaf in leaves:
+        groups.setdefault(leaf.hf, []).append(leaf)
+    plan = [(name, hf_shape(group[0], stored[group[0].keys]))
+            for group in groups.values() for name in group[0].names(n_layers)]
     files, size = [[]], 0
     for item in plan:
-        nbytes = int(np.prod(item[2], dtype=np.int64)) * target.itemsize
+        nbytes = int(np.prod(item[1], dtype=np.int64)) * target.itemsize
         if files[-1] and size + nbytes > max_shard_bytes:
             files.append([])
             size = 0
@@ -86,29 +89,28 @@ def _write_weights(work: Path, state_dir: Path, stored: dict, cfg: LlamaConfig,
         size += nbytes
 
     def values() -> Iterator[np.ndarray]:
-        for leaf in leaves(cfg):
-            array = read_leaf(state_dir, leaf.keys, stored[leaf.keys], target)
-            for one in (array if leaf.stacked else [array]):
-                yield _hf_tensor(leaf, one)
-            del array
+        for group in groups.values():
+            arrays = [read_leaf(state_dir, leaf.keys, stored[leaf.keys], target)
+                      for leaf in group]
+            layers = zip(*arrays, strict=True) if group[0].stacked else [arrays]
+            for parts in layers:  # fused parts side by side on zjax's last axis
+                whole = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+                yield np.ascontiguousarray(whole.T if group[0].transpose else whole)
+            del arrays
 
     stream = values()
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     for name, items in zip(names, files, strict=True):
-        write_safetensors(work / name, [(n, shape, target) for _, n, shape in items],
+        write_safetensors(work / name, [(n, shape, target) for n, shape in items],
                           functools.partial(itertools.islice, stream, len(items)),
                           metadata={"format": "pt"})
     if len(files) > 1:
-        total = sum(int(np.prod(s, dtype=np.int64)) for _, _, s in plan) * target.itemsize
+        total = sum(int(np.prod(s, dtype=np.int64)) for _, s in plan) * target.itemsize
         weight_map = {n: name for name, items in zip(names, files, strict=True)
-                      for _, n, _ in items}
+                      for n, _ in items}
         (work / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                               "weight_map": weight_map}, indent=2))
-
-
-def _hf_tensor(leaf: Leaf, value: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(value.T if leaf.transpose else value)
 
 
 def _copy_tokenizer(tokenizer: Path, work: Path) -> None:

@@ -1,8 +1,9 @@
 """``zjax import-hf`` and ``train.init_from``: a run that starts from given weights.
 
-``import_hf`` converts a Hugging Face Llama directory, one leaf at a time, into a directory a
-run starts from: ``params/`` (an Orbax checkpoint of zjax's params tree, as ``zjax export``
-writes), ``zjax.yaml`` (``loop: llama``, the ``model`` section read from ``config.json``,
+``import_hf`` converts a Hugging Face Llama or GPT-2 directory, one leaf at a time, into a
+directory a run starts from: ``params/`` (an Orbax checkpoint of zjax's params tree, as ``zjax
+export`` writes), ``zjax.yaml`` (``loop: llama`` or ``lm``, the ``model`` section read from
+``config.json``,
 ``train.init_from``, and ``data.tokenizer`` when the model came with a ``tokenizer.json``), and
 the Hugging Face ``config.json`` and tokenizer files, kept for ``zjax export --format hf``.
 
@@ -29,13 +30,11 @@ __all__ = ["TOKENIZER_FILES", "import_hf", "initial_params"]
 
 log = logging.getLogger("zjax")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-# fields of the model section that must agree with the weights (max_seq_len and remat need not)
-_MATCH = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "ff", "rope_theta",
-          "norm_eps", "tie_embeddings")
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
-    """Convert the Hugging Face Llama in ``hf_dir`` into a new directory ``out`` to train from.
+    """Convert the Hugging Face model in ``hf_dir`` (``LlamaForCausalLM``,
+    ``GPT2LMHeadModel``) into a new directory ``out`` to train from.
 
     Args:
       hf_dir: ``config.json`` and PyTorch-layout safetensors (one file or an indexed set).
@@ -74,8 +73,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") ->
 
 def _run_config(source: HFCheckpoint, out: Path) -> str:
     model = dataclasses.asdict(source.config)
-    model["max_seq_len"] = min(model["max_seq_len"], 2048)  # bounds the data, not the weights
-    config: dict[str, Any] = {"loop": "llama", "model": model,
+    if "max_seq_len" in source.layout.free:  # it bounds the data, not the weights
+        model["max_seq_len"] = min(model["max_seq_len"], 2048)
+    config: dict[str, Any] = {"loop": source.layout.loop, "model": model,
                               "train": {"init_from": str(out)}}
     from zjax.data import DataConfig
 
@@ -120,18 +120,18 @@ def initial_params(path: str | Path, target: Any, model: Any) -> Any:
 
 
 def _check_model(source: HFCheckpoint, model: Any) -> None:
-    from zjax.models import LlamaConfig
-
-    if not isinstance(model, LlamaConfig):
-        raise ConfigError(f"train.init_from: {source.directory} holds a Llama; train it with "
-                          "loop: llama")
-    for key in _MATCH:
+    """The run's ``model`` section must be what the weights are (all but ``layout.free``)."""
+    if type(model) is not type(source.config):
+        raise ConfigError(f"train.init_from: {source.directory} holds a "
+                          f"{source.layout.architecture}; train it with loop: "
+                          f"{source.layout.loop}")
+    for field in dataclasses.fields(model):
+        key = field.name
         want, got = getattr(source.config, key), getattr(model, key)
-        if want != got:
-            name = "n_kv_heads" if key == "kv_heads" else "d_ff" if key == "ff" else key
-            raise ConfigError(f"model.{name}: {got!r}, but the weights in train.init_from "
+        if key not in source.layout.free and want != got:
+            raise ConfigError(f"model.{key}: {got!r}, but the weights in train.init_from "
                               f"({source.directory}) have {want!r} (its config.json); "
-                              f"set model.{name}: {want!r}")
+                              f"set model.{key}: {want!r}")
 
 
 def _restore(path: Path, target: Any) -> Any:

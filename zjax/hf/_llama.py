@@ -25,29 +25,13 @@ weights already permuted q and k for it), so no weight is permuted here.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from zjax.errors import CheckpointError
+from zjax.hf._layout import Layout, Leaf, check_fixed
 from zjax.models import LlamaConfig
 
-__all__ = ["LEAVES", "Leaf", "hf_config", "leaves", "llama_config"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One zjax params leaf and the Hugging Face tensor(s) it is made of."""
-
-    keys: tuple[str, ...]
-    hf: str  # with ``{i}`` for the layer when stacked
-    transpose: bool
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.hf
-
-    def names(self, n_layers: int) -> list[str]:
-        return [self.hf.format(i=i) for i in range(n_layers)] if self.stacked else [self.hf]
+__all__ = ["LLAMA", "hf_config", "leaves", "llama_config"]
 
 
 _L = ("blocks", "layers")
@@ -79,15 +63,7 @@ def llama_config(hf: dict[str, Any], *, source: str, max_seq_len: int | None = N
       CheckpointError: not a Llama config, or one using a feature zjax's Llama lacks (naming
         the key, its value and what zjax supports).
     """
-    arch = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
-        raise CheckpointError(
-            f"{source}: model_type {hf.get('model_type')!r} (architectures {arch}); zjax reads "
-            "Llama-family checkpoints: model_type 'llama', LlamaForCausalLM")
-    for key, ok in _FIXED.items():
-        if hf.get(key) not in ok:
-            raise CheckpointError(f"{source}: {key} = {hf.get(key)!r} is not supported by zjax's "
-                                  f"Llama (it supports {' or '.join(map(repr, ok))})")
+    check_fixed(hf, _FIXED, source=source)
     try:
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         if hf.get("head_dim") not in (None, d // heads):
@@ -126,3 +102,8 @@ def hf_config(cfg: LlamaConfig, *, dtype: str) -> dict[str, Any]:
 def leaves(cfg: LlamaConfig) -> list[Leaf]:
     """The leaves of ``cfg``'s params (no ``head`` when the embeddings are tied)."""
     return [leaf for leaf in LEAVES if not (leaf.keys == ("head",) and cfg.tie_embeddings)]
+
+
+LLAMA = Layout(architecture="LlamaForCausalLM", model_type="llama", loop="llama",
+               from_hf=llama_config, to_hf=hf_config, leaves=leaves,
+               free=("remat", "max_seq_len"), ignored=("rotary_emb.inv_freq",))

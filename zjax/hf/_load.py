@@ -1,4 +1,4 @@
-"""Hugging Face Llama weights -> zjax params, without the model whole anywhere.
+"""Hugging Face weights -> zjax params, without the model whole anywhere.
 
 With shardings, each leaf is a global array made by ``jax.make_array_from_callback``: every
 device's callback reads only its own slice of the memory-mapped safetensors (transposing and
@@ -18,13 +18,10 @@ import jax
 import numpy as np
 
 from zjax.errors import CheckpointError
-from zjax.hf._llama import Leaf, leaves, llama_config
+from zjax.hf._layout import Leaf, hf_shape, layout_for_hf
 from zjax.hf._safetensors import SafetensorsDir
-from zjax.models import LlamaConfig
 
-__all__ = ["HFCheckpoint", "is_hf_dir"]
-
-_IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved with the weights
+__all__ = ["HFCheckpoint", "is_hf_dir", "model_shapes"]
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -34,16 +31,35 @@ def is_hf_dir(path: Path) -> bool:
         any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
 
 
+def model_shapes(loop: str, cfg: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The params' shapes of the built-in ``loop``'s model of ``cfg`` (nothing allocated)."""
+    from flax import nnx
+
+    from zjax.models import GPT, Llama
+
+    cls = {"lm": GPT, "llama": Llama}[loop]
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))),
+                                          nnx.Param))
+    return {tuple(str(k.key) for k in path): tuple(x.shape)
+            for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+
+
 class HFCheckpoint:
-    """A Hugging Face Llama directory: its config and its tensors, checked against each other.
+    """A Hugging Face model directory (Llama or GPT-2): its config and its tensors, checked
+    against each other and against the zjax model they fill.
 
     Args:
       directory: holds ``config.json`` and ``model.safetensors`` (or a sharded set with
         ``model.safetensors.index.json``) in PyTorch's layout, as on the Hub.
+      max_seq_len: the model's ``max_seq_len`` where the weights do not fix it (Llama).
+
+    Attributes:
+      layout: the architecture's :class:`~zjax.hf._layout.Layout` (its ``loop`` trains it).
+      config: the zjax ``model`` section ``config.json`` implies.
 
     Raises:
-      CheckpointError: a file is missing or unreadable, the config is not a supported Llama,
-        or a tensor is missing, unexpected or of the wrong shape (naming it).
+      CheckpointError: a file is missing or unreadable, the config is not a supported
+        architecture, or a tensor is missing, unexpected or of the wrong shape (naming it).
     """
 
     def __init__(self, directory: str | Path, *, max_seq_len: int | None = None):
@@ -60,41 +76,57 @@ class HFCheckpoint:
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{config}: not JSON: {e}") from None
         self.hf_config = hf
-        self.config = llama_config(hf, source=str(config), max_seq_len=max_seq_len)
+        self.layout = layout_for_hf(hf, source=str(config))
+        self.config = self.layout.from_hf(hf, source=str(config), max_seq_len=max_seq_len)
         self.tensors = SafetensorsDir(self.directory)
-        self.leaves = leaves(self.config)
+        prefix = self.layout.prefix
+        self._short = bool(prefix) and not any(n.startswith(prefix)
+                                               for n in self.tensors.names())
+        self.leaves = self.layout.leaves(self.config)
+        self.shapes = model_shapes(self.layout.loop, self.config)
         self._check()
+
+    def _file_name(self, name: str) -> str:
+        """``name`` as this directory's files spell it (without GPT-2's prefix in some)."""
+        return name.removeprefix(self.layout.prefix) if self._short else name
 
     def _check(self) -> None:
         cfg, names = self.config, set()
         for leaf in self.leaves:
-            want = hf_shape(leaf, leaf_shape(leaf, cfg))
-            for name in leaf.names(cfg.n_layers):
+            want = hf_shape(leaf, self.shapes[leaf.keys])
+            for name in map(self._file_name, leaf.names(cfg.n_layers)):
                 names.add(name)
                 if name not in self.tensors:
-                    raise CheckpointError(f"{self.directory}: tensor {name!r} is missing (a "
-                                          f"Llama of {cfg.n_layers} layers has it)")
+                    raise CheckpointError(f"{self.directory}: tensor {name!r} is missing (the "
+                                          "model config.json describes has it)")
                 if self.tensors.shape(name) != want:
                     raise CheckpointError(
                         f"{self.directory}: tensor {name!r} has shape "
                         f"{list(self.tensors.shape(name))}; config.json implies {list(want)}")
-        tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
+        tied = {self._file_name("lm_head.weight")} if cfg.tie_embeddings else set()
         extra = [n for n in self.tensors.names()
-                 if n not in names | tied and not n.endswith(_IGNORED)]
+                 if n not in names | tied and not n.endswith(self.layout.ignored)]
         if extra:
             raise CheckpointError(
-                f"{self.directory}: {len(extra)} tensor(s) zjax's Llama has no place for, e.g. "
-                f"{extra[0]!r} (biases or another architecture?)")
+                f"{self.directory}: {len(extra)} tensor(s) zjax's model has no place for, e.g. "
+                f"{extra[0]!r} (another architecture, or a feature zjax lacks)")
 
     def read(self, leaf: Leaf, index: tuple = (), dtype=np.float32) -> np.ndarray:
         """The zjax leaf ``leaf`` (or its ``index``, a tuple of slices), cast to ``dtype``."""
-        shape = leaf_shape(leaf, self.config)
+        shape = self.shapes[leaf.keys]
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if leaf.part is not None:  # the k-th of n parts along the last axis of the tensor
+            k, size = leaf.part[0], shape[-1]
+            start, stop, step = index[-1].indices(size)
+            index = (*index[:-1], slice(start + k * size, stop + k * size, step))
         if not leaf.stacked:
-            return _slice(self.tensors.array(leaf.hf), leaf.transpose, index, dtype)
+            return _slice(self._array(leaf.hf), leaf.transpose, index, dtype)
         layers = range(*index[0].indices(shape[0]))
-        return np.stack([_slice(self.tensors.array(leaf.hf.format(i=i)), leaf.transpose,
-                                index[1:], dtype) for i in layers])
+        return np.stack([_slice(self._array(leaf.hf.format(i=i)), leaf.transpose, index[1:],
+                                dtype) for i in layers])
+
+    def _array(self, name: str) -> np.ndarray:
+        return self.tensors.array(self._file_name(name))
 
     def host_leaves(self, dtype=np.float32) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
         """``(keys, whole leaf)`` one at a time, in host memory."""
@@ -110,10 +142,11 @@ class HFCheckpoint:
         expected = {leaf.keys for leaf in self.leaves}
         if set(flat) != expected:
             odd = sorted(set(flat) ^ expected)[0]
-            raise CheckpointError(f"{self.directory}: the model's params and a Llama's differ "
-                                  f"at {'/'.join(odd)} (is the loop 'llama'?)")
+            raise CheckpointError(f"{self.directory}: the run's params and this checkpoint's "
+                                  f"differ at {'/'.join(odd)} (is the loop "
+                                  f"{self.layout.loop!r}?)")
         for leaf in self.leaves:
-            shape = leaf_shape(leaf, self.config)
+            shape = self.shapes[leaf.keys]
             array = jax.make_array_from_callback(
                 shape, flat[leaf.keys], lambda index, leaf=leaf: self.read(leaf, index))
             node = out
@@ -127,21 +160,3 @@ def _slice(array: np.ndarray, transpose: bool, index: tuple, dtype) -> np.ndarra
     if transpose:  # the file is [out, in]; zjax's index is into [in, out]
         return np.asarray(array[index[::-1]]).T.astype(dtype)
     return np.asarray(array[index]).astype(dtype)
-
-
-def hf_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of one Hugging Face tensor of ``leaf`` (of zjax shape ``shape``)."""
-    one = shape[1:] if leaf.stacked else shape
-    return tuple(reversed(one)) if leaf.transpose else tuple(one)
-
-
-def leaf_shape(leaf: Leaf, cfg: LlamaConfig) -> tuple[int, ...]:
-    """The zjax shape of ``leaf`` in a Llama of ``cfg`` (as :class:`zjax.models.Llama` builds
-    it)."""
-    d, hd, n = cfg.d_model, cfg.head_dim, cfg.n_layers
-    name = leaf.keys[-1] if leaf.keys[-1] != "scale" else leaf.keys[-2]
-    shapes = {"embed": (cfg.vocab_size, d), "head": (d, cfg.vocab_size), "ln_f": (d,),
-              "ln1": (d,), "ln2": (d,), "wq": (d, cfg.n_heads * hd), "wk": (d, cfg.kv_heads * hd),
-              "wv": (d, cfg.kv_heads * hd), "wo": (cfg.n_heads * hd, d), "w_gate": (d, cfg.ff),
-              "w_up": (d, cfg.ff), "w_down": (cfg.ff, d)}
-    return (n, *shapes[name]) if leaf.stacked else shapes[name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zjax._schema import positive, validate
+from zjax._schema import choices, positive, validate
 from zjax.errors import ConfigError
 
 __all__ = ["GPTConfig"]
@@ -23,6 +23,10 @@ class GPTConfig:
       d_ff: MLP hidden width; empty for 4 x d_model (``mesh.model`` must divide it).
       max_seq_len: longest sequence (size of the learned position table).
       tie_embeddings: reuse the token embedding as the output projection.
+      norm: ``rms`` (RMSNorm) or ``layer`` (LayerNorm with a bias, GPT-2's).
+      norm_eps: the normalisation's epsilon (GPT-2: 1e-5).
+      bias: biases on every projection (GPT-2's layout; the row-parallel ones are added once,
+        after tensor parallelism's sum).
       remat: recompute each block in the backward pass instead of keeping its activations
         (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
     """
@@ -34,6 +38,9 @@ class GPTConfig:
     d_ff: int | None = positive(None, none_means="4 x d_model")
     max_seq_len: int = positive(256)
     tie_embeddings: bool = True
+    norm: str = choices("rms", "layer", default="rms")
+    norm_eps: float = positive(1e-6)
+    bias: bool = False
     remat: bool = True
 
     def __post_init__(self):

@@ -11,7 +11,7 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 
-__all__ = ["KVCache", "RMSNorm", "causal_mask", "check_length", "param"]
+__all__ = ["KVCache", "LayerNorm", "RMSNorm", "causal_mask", "check_length", "param", "zeros"]
 
 
 def param(rngs: nnx.Rngs, shape, std: float, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -19,6 +19,29 @@ def param(rngs: nnx.Rngs, shape, std: float, axes: tuple[str | None, ...]) -> nn
     # logical axis names only: zjax places the weights, so Flax must not shard them eagerly
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32),
                      out_sharding=axes, eager_sharding=False)
+
+
+def zeros(shape, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A float32 zero weight (a bias) naming its dimensions."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+
+
+class LayerNorm(nnx.Module):
+    """Layer normalisation with a learned scale and bias (GPT-2's); statistics in float32."""
+
+    def __init__(self, d: int, eps: float = 1e-5):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=("embed",),
+                               eager_sharding=False)
+        self.bias = zeros((d,), ("embed",))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True)
+                                    + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)
+                + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):

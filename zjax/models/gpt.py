@@ -19,14 +19,28 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 from zjax.models._gpt_config import GPTConfig
-from zjax.models._layers import KVCache, RMSNorm, causal_mask, check_length, param
+from zjax.models._layers import (
+    KVCache,
+    LayerNorm,
+    RMSNorm,
+    causal_mask,
+    check_length,
+    param,
+    zeros,
+)
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
 
 
+def norm(cfg: GPTConfig) -> nnx.Module:
+    """The normalisation ``model.norm`` names."""
+    cls = LayerNorm if cfg.norm == "layer" else RMSNorm
+    return cls(cfg.d_model, cfg.norm_eps)
+
+
 class Block(nnx.Module):
-    """Pre-norm causal self-attention and GELU MLP, no biases.
+    """Pre-norm causal self-attention and GELU MLP (biases with ``model.bias``).
 
     QKV and up projections are column-parallel, the output and down projections row-parallel:
     with the weights split over ``model`` each device runs ``n_heads / model`` heads and
@@ -37,14 +51,22 @@ class Block(nnx.Module):
         d, ff = cfg.d_model, cfg.ff
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
         self.n_heads = cfg.n_heads
-        self.ln1 = RMSNorm(d)
+        self.ln1 = norm(cfg)
         self.wq = param(rngs, (d, d), 0.02, ("embed", "heads"))
         self.wk = param(rngs, (d, d), 0.02, ("embed", "heads"))
         self.wv = param(rngs, (d, d), 0.02, ("embed", "heads"))
         self.wo = param(rngs, (d, d), out_std, ("heads", "embed"))
-        self.ln2 = RMSNorm(d)
+        self.ln2 = norm(cfg)
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
+        if cfg.bias:  # GPT-2's; the output biases are added after the tensor-parallel sum
+            self.bq, self.bk, self.bv = (zeros((d,), ("heads",)) for _ in range(3))
+            self.bo, self.b_up = zeros((d,), ("embed",)), zeros((ff,), ("mlp",))
+            self.b_down = zeros((d,), ("embed",))
+        self.bias = cfg.bias
+
+    def _plus(self, x, name: str):
+        return x + getattr(self, name)[...] if self.bias else x
 
     def __call__(self, x, cache: KVCache | None = None, start=0):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
@@ -58,9 +80,9 @@ class Block(nnx.Module):
         wq = self.wq[...]
         h = wq.shape[-1] // hd  # this device's heads
         y = column_parallel_input(self.ln1(x))
-        q = (y @ wq).reshape(b, t, h, hd)
-        k = (y @ self.wk[...]).reshape(b, t, h, hd)
-        v = (y @ self.wv[...]).reshape(b, t, h, hd)
+        q = self._plus(y @ wq, "bq").reshape(b, t, h, hd)
+        k = self._plus(y @ self.wk[...], "bk").reshape(b, t, h, hd)
+        v = self._plus(y @ self.wv[...], "bv").reshape(b, t, h, hd)
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
             k, v = cache.k, cache.v
@@ -68,9 +90,10 @@ class Block(nnx.Module):
         causal = causal_mask(t, k.shape[1], start)
         probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
         att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * hd)
-        x = x + row_parallel_output(att @ self.wo[...])
+        x = self._plus(x + row_parallel_output(att @ self.wo[...]), "bo")
         y = column_parallel_input(self.ln2(x))
-        x = x + row_parallel_output(jax.nn.gelu(y @ self.w_up[...]) @ self.w_down[...])
+        up = jax.nn.gelu(self._plus(y @ self.w_up[...], "b_up"))  # tanh approximation: GPT-2's
+        x = self._plus(x + row_parallel_output(up @ self.w_down[...]), "b_down")
         return x if cache is None else (x, cache)
 
 
@@ -83,7 +106,7 @@ class GPT(nnx.Module):
         self.pos = param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01, (None, "embed"))
         self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs,
                             remat=cfg.remat)
-        self.ln_f = RMSNorm(cfg.d_model)
+        self.ln_f = norm(cfg)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
