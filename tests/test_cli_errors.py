@@ -22,8 +22,8 @@ import pytest
 from helpers import ROOT, cli_env, run_zjax
 
 import zjax
+from zjax import _export_io as export_io
 from zjax import cli
-from zjax import export as export_mod
 from zjax.config import load_config
 from zjax.export import export
 from zjax.planning import Candidate
@@ -176,7 +176,7 @@ def test_export_checks_checksums_and_surfaces_what_is_not_damage(run, tmp_path, 
     def broken(state_dir, keys, leaf):
         raise TypeError("a bug")
 
-    monkeypatch.setattr(export_mod, "_verify_leaf", broken)
+    monkeypatch.setattr(export_io, "_verify_leaf", broken)
     with pytest.raises(TypeError, match="a bug"):
         export(run, tmp_path / "w.safetensors", dtype="float32", format="safetensors")
 
