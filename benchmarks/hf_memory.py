@@ -44,8 +44,9 @@ def write_hf_dir(directory: Path, args: argparse.Namespace) -> dict:
     """Random bf16 weights under Hugging Face's names, in two files and an index."""
     import ml_dtypes
 
+    from zjax.hf._layout import hf_shape
     from zjax.hf._llama import hf_config, leaves
-    from zjax.hf._load import hf_shape, leaf_shape
+    from zjax.hf._load import model_shapes
     from zjax.hf._safetensors import write_safetensors
     from zjax.models import LlamaConfig
 
@@ -53,7 +54,8 @@ def write_hf_dir(directory: Path, args: argparse.Namespace) -> dict:
                       n_heads=16, n_kv_heads=4, d_ff=args.d_ff, max_seq_len=2048)
     directory.mkdir()
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    tensors = [(name, hf_shape(leaf, leaf_shape(leaf, cfg)), bf16)
+    shapes = model_shapes("llama", cfg)
+    tensors = [(name, hf_shape(leaf, shapes[leaf.keys]), bf16)
                for leaf in leaves(cfg) for name in leaf.names(cfg.n_layers)]
     rng = np.random.default_rng(0)
     halves = [tensors[: len(tensors) // 2], tensors[len(tensors) // 2:]]
@@ -67,7 +69,7 @@ def write_hf_dir(directory: Path, args: argparse.Namespace) -> dict:
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     (directory / "config.json").write_text(json.dumps(hf_config(cfg, dtype="bfloat16")))
-    sizes = [int(np.prod(leaf_shape(leaf, cfg))) for leaf in leaves(cfg)]
+    sizes = [int(np.prod(shapes[leaf.keys])) for leaf in leaves(cfg)]
     return {"params": sum(sizes), "model_bytes_fp32": 4 * sum(sizes),
             "largest_leaf_bytes_fp32": 4 * max(sizes), "hf_bytes_bf16": 2 * sum(sizes)}
 

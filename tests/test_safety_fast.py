@@ -121,6 +121,11 @@ def test_digest_is_sharding_independent_and_sees_one_flipped_bit():
         y.reshape(-1).view(np.uint32)[word] ^= np.uint32(1 << bit)
         assert array_digest(y) != array_digest(x)
     assert array_digest(x[::-1].copy()) != array_digest(x)  # positions count, not just values
+    # chunked (bounded memory) equals whole, for 4- and 8-byte elements and a ragged last chunk
+    for a in (x, x.astype(np.float64), x.astype(np.float16)):
+        assert array_digest(a, chunk=100) == array_digest(a, chunk=a.size)
+    assert tree_digests({"x": jax.numpy.asarray(x.astype(np.float16))})["x"] == array_digest(
+        x.astype(np.float16), chunk=50)
 
 
 def test_torn_last_metrics_line_is_skipped_but_a_damaged_middle_is_refused(tmp_path):
