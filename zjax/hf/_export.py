@@ -90,13 +90,8 @@ def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf]
 
     def values() -> Iterator[np.ndarray]:
         for group in groups.values():
-            arrays = [read_leaf(state_dir, leaf.keys, stored[leaf.keys], target)
-                      for leaf in group]
-            layers = zip(*arrays, strict=True) if group[0].stacked else [arrays]
-            for parts in layers:  # fused parts side by side on zjax's last axis
-                whole = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-                yield np.ascontiguousarray(whole.T if group[0].transpose else whole)
-            del arrays
+            yield from _tensors(group, [read_leaf(state_dir, leaf.keys, stored[leaf.keys],
+                                                  target) for leaf in group])
 
     stream = values()
     names = ["model.safetensors"] if len(files) == 1 else [
@@ -111,6 +106,15 @@ def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf]
                       for n, _ in items}
         (work / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                               "weight_map": weight_map}, indent=2))
+
+
+def _tensors(group: list[Leaf], arrays: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """The Hugging Face tensors (one per layer when stacked) of one group's leaves; its own
+    frame, so the leaves are freed before the next group's are read."""
+    layers = zip(*arrays, strict=True) if group[0].stacked else [arrays]
+    for parts in layers:  # fused parts side by side on zjax's last axis
+        whole = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        yield np.ascontiguousarray(whole.T if group[0].transpose else whole)
 
 
 def _copy_tokenizer(tokenizer: Path, work: Path) -> None:

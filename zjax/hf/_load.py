@@ -122,8 +122,13 @@ class HFCheckpoint:
         if not leaf.stacked:
             return _slice(self._array(leaf.hf), leaf.transpose, index, dtype)
         layers = range(*index[0].indices(shape[0]))
-        return np.stack([_slice(self._array(leaf.hf.format(i=i)), leaf.transpose, index[1:],
-                                dtype) for i in layers])
+        out = None
+        for j, i in enumerate(layers):  # filled in place: no second copy of the leaf
+            one = _slice(self._array(leaf.hf.format(i=i)), leaf.transpose, index[1:], dtype)
+            if out is None:
+                out = np.empty((len(layers), *one.shape), dtype)
+            out[j] = one
+        return out if out is not None else np.empty((0, *shape[1:]), dtype)
 
     def _array(self, name: str) -> np.ndarray:
         return self.tensors.array(self._file_name(name))
