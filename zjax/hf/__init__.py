@@ -15,7 +15,8 @@ The name and layout rules are in :mod:`zjax.hf._llama` and :mod:`zjax.hf._gpt2`.
 """
 
 from zjax.hf._import import import_hf, initial_params
-from zjax.hf._layout import Layout, Leaf, layout_for_hf, layout_for_model
+from zjax.hf._layout import Layout, Leaf
+from zjax.hf._layouts import layout_for_hf, layout_for_model
 from zjax.hf._load import HFCheckpoint, is_hf_dir
 from zjax.hf._safetensors import SafetensorsDir, write_safetensors
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from zjax.errors import CheckpointError
 from zjax.hf._import import TOKENIZER_FILES
-from zjax.hf._layout import Leaf, hf_shape, layout_for_model
+from zjax.hf._layout import Leaf, hf_shape
+from zjax.hf._layouts import layout_for_model
 from zjax.hf._safetensors import INDEX, write_safetensors
 
 __all__ = ["DEFAULT_SHARD_BYTES", "hf_writer"]

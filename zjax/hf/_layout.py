@@ -3,8 +3,8 @@
 A :class:`Layout` names the zjax loop whose model it fills, maps ``config.json`` to that
 model's config section and back, and lists the :class:`Leaf` rules: which Hugging Face tensor
 (per layer for a ``Stack``'s leaves), transposed or not, and which part of a fused tensor
-(GPT-2's ``c_attn`` holds q, k and v side by side). Architectures: ``_llama.LLAMA``,
-``_gpt2.GPT2``.
+(GPT-2's ``c_attn`` holds q, k and v side by side). The architectures (``_llama.LLAMA``,
+``_gpt2.GPT2``) are looked up in :mod:`zjax.hf._layouts`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from zjax.errors import CheckpointError, ConfigError
+from zjax.errors import CheckpointError
 
-__all__ = ["Layout", "Leaf", "check_fixed", "hf_shape", "layout_for_hf", "layout_for_model"]
+__all__ = ["Layout", "Leaf", "check_fixed", "hf_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,34 +68,6 @@ class Layout:
     free: tuple[str, ...] = ("remat",)
     ignored: tuple[str, ...] = ()
     prefix: str = ""
-
-
-def _layouts() -> list[Layout]:
-    from zjax.hf._gpt2 import GPT2
-    from zjax.hf._llama import LLAMA
-
-    return [LLAMA, GPT2]
-
-
-def layout_for_hf(hf: dict[str, Any], *, source: str) -> Layout:
-    """The layout of a ``config.json`` (by ``model_type`` or ``architectures``)."""
-    arch = hf.get("architectures") or []
-    for layout in _layouts():
-        if hf.get("model_type") == layout.model_type or layout.architecture in arch:
-            return layout
-    known = ", ".join(f"{x.model_type} ({x.architecture})" for x in _layouts())
-    raise CheckpointError(f"{source}: model_type {hf.get('model_type')!r} (architectures "
-                          f"{arch}); zjax reads {known}")
-
-
-def layout_for_model(loop: str, model: Any) -> Layout:
-    """The Hugging Face layout of a run's model, or ConfigError saying why it has none."""
-    for layout in _layouts():
-        if layout.loop == loop:
-            layout.to_hf(model, dtype="float32")  # raises ConfigError for a model it cannot be
-            return layout
-    raise ConfigError(f"--format: hf needs a run of loop: llama (LlamaForCausalLM) or loop: "
-                      f"lm with GPT-2's layout (GPT2LMHeadModel); the run is loop: {loop}")
 
 
 def check_fixed(hf: dict[str, Any], fixed: dict[str, tuple], *, source: str) -> None:

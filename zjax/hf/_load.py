@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from zjax.errors import CheckpointError
-from zjax.hf._layout import Leaf, hf_shape, layout_for_hf
+from zjax.hf._layout import Leaf, hf_shape
+from zjax.hf._layouts import layout_for_hf
 from zjax.hf._safetensors import SafetensorsDir
 
 __all__ = ["HFCheckpoint", "is_hf_dir", "model_shapes"]
