@@ -207,9 +207,9 @@ def test_files_that_do_not_fit_are_named(tmp_path, model, change, message):
 def test_unsupported_config_and_truncated_file_are_named(tmp_path, model):
     directory = write_hf(tmp_path / "hf", model)
     config = json.loads((directory / "config.json").read_text())
-    scaled = {**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    scaled = {**config, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}
     (directory / "config.json").write_text(json.dumps(scaled))
-    with pytest.raises(CheckpointError, match=r"rope_scaling = .*llama3.* not supported"):
+    with pytest.raises(CheckpointError, match=r"rope_scaling = .*yarn.* not supported"):
         HFCheckpoint(directory)
     (directory / "config.json").write_text(json.dumps(config))
     path = directory / "model.safetensors"
@@ -217,6 +217,17 @@ def test_unsupported_config_and_truncated_file_are_named(tmp_path, model):
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .* does not fit "
                        r"its offsets .*truncated or damaged"):
         HFCheckpoint(directory)
+
+
+def test_llama31_rope_scaling_maps_both_ways():
+    from zjax.hf._llama import hf_config, llama_config
+
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf = {**{k: v for k, v in TINY_HF.items()}, "model_type": "llama", "rope_scaling": scaling}
+    cfg = llama_config(hf, source="config.json")
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == ("llama3", 32, 8192)
+    assert hf_config(cfg, dtype="bfloat16")["rope_scaling"] == scaling
 
 
 def test_cli_import_hf_errors_exit_2_and_write_nothing(tmp_path):

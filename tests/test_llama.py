@@ -51,6 +51,40 @@ def _np_llama(params: dict, tokens: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
     return norm(x, p["ln_f"]["scale"]) @ p["head"]
 
 
+def _np_llama3(inv_freq: np.ndarray, factor, low, high, old_len) -> np.ndarray:
+    """transformers' ``_compute_llama3_parameters`` (4.57), written again in numpy."""
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * np.pi / inv_freq
+    out = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, out)
+
+
+def test_llama3_rope_scaling_is_huggingfaces():
+    """Llama 3.1's scaling at head_dim 128, theta 500000: long wavelengths divided by 8, short
+    ones kept, the band between blended; and rotary() rotates by the scaled frequencies."""
+    from zjax.models.llama import llama3_frequencies
+
+    hd, theta, scaling = 128, 500000.0, (8.0, 1.0, 4.0, 8192)
+    inv = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    want = _np_llama3(inv, *scaling)
+    got = np.asarray(llama3_frequencies(jnp.asarray(inv, jnp.float32), *scaling))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    ratio = want / inv
+    assert ratio[0] == 1 and ratio[-1] == 1 / 8 and ((ratio > 1 / 8) & (ratio < 1)).any()
+    x = np.random.default_rng(0).normal(size=(1, 40, 2, hd)).astype(np.float32)
+    angles = np.arange(40)[None, :, None, None] * want
+    z = (x[..., :hd // 2] + 1j * x[..., hd // 2:]) * np.exp(1j * angles)
+    np.testing.assert_allclose(np.asarray(rotary(jnp.asarray(x), theta, 0, scaling)),
+                               np.concatenate([z.real, z.imag], axis=-1), atol=2e-4)
+    cfg = LlamaConfig(d_model=256, n_heads=2, rope_theta=theta, rope_scaling="llama3")
+    assert cfg.rope == (theta, scaling)
+    with pytest.raises(zjax.ConfigError, match=r"model.rope_scaling: 'yarn' is not supported"):
+        LlamaConfig(rope_scaling="yarn")
+
+
 def test_rotary_is_a_complex_rotation_of_half_pairs():
     x = np.random.default_rng(0).normal(size=(2, 7, 3, 8)).astype(np.float32)
     got = np.asarray(rotary(jnp.asarray(x), 500000.0))

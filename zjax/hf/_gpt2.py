@@ -53,7 +53,7 @@ LEAVES = (
 )
 
 # gelu_new and gelu_pytorch_tanh are the same tanh approximation (jax.nn.gelu's default)
-_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh", None),
           "scale_attn_weights": (True, None), "scale_attn_by_inverse_layer_idx": (False, None),
           "tie_word_embeddings": (True, None), "add_cross_attention": (False, None)}
 

@@ -75,7 +75,7 @@ def check_fixed(hf: dict[str, Any], fixed: dict[str, tuple], *, source: str) -> 
     for key, ok in fixed.items():
         if hf.get(key) not in ok:
             raise CheckpointError(f"{source}: {key} = {hf.get(key)!r} is not supported by zjax "
-                                  f"(it supports {' or '.join(map(repr, ok))})")
+                                  f"(it supports {' or '.join(repr(v) for v in ok if v is not None)})")
 
 
 def hf_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:

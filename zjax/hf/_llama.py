@@ -50,9 +50,26 @@ LEAVES = (
     Leaf(("head",), "lm_head.weight", True),
 )
 
-# config.json keys whose value zjax's Llama has no way to honour: (key, accepted values)
-_FIXED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
-          "rope_scaling": (None,), "pretraining_tp": (1, None)}
+# config.json keys whose value zjax's Llama has no way to honour: (key, accepted values;
+# None: the key left out, which means transformers' default)
+_FIXED = {"hidden_act": ("silu", None), "attention_bias": (False, None), "mlp_bias": (False, None),
+          "pretraining_tp": (1, None)}
+
+
+def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ``model.rope_*`` keys of ``config.json``'s ``rope_scaling`` (None, or Llama 3.1's
+    ``llama3``); any other kind is refused."""
+    scaling = hf.get("rope_scaling")
+    if scaling is None:
+        return {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind != "llama3":
+        raise CheckpointError(f"{source}: rope_scaling = {scaling!r} is not supported by zjax "
+                              "(it supports None or rope_type 'llama3', Llama 3.1's)")
+    return {"rope_scaling": "llama3", "rope_factor": float(scaling["factor"]),
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            "rope_original_max_len": int(scaling["original_max_position_embeddings"])}
 
 
 def llama_config(hf: dict[str, Any], *, source: str, max_seq_len: int | None = None
@@ -78,7 +95,8 @@ def llama_config(hf: dict[str, Any], *, source: str, max_seq_len: int | None = N
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            **_rope_scaling(hf, source))
     except KeyError as e:
         raise CheckpointError(f"{source}: no {e.args[0]!r}; a Llama config.json has it") from None
     except ValueError as e:  # LlamaConfig's own check, or a value that is not a number
@@ -93,7 +111,12 @@ def hf_config(cfg: LlamaConfig, *, dtype: str) -> dict[str, Any]:
         "intermediate_size": cfg.ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling is None else {
+            "rope_type": "llama3", "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len},
+        "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
     }

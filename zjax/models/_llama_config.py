@@ -28,6 +28,14 @@ class LlamaConfig:
       max_seq_len: longest sequence (rotary positions have no table; this bounds the data).
       rope_theta: rotary embedding base (10000 in Llama 2, 500000 in Llama 3).
       norm_eps: RMSNorm epsilon (``rms_norm_eps``).
+      rope_scaling: empty, or ``llama3``: Llama 3.1's frequency-dependent scaling of the
+        rotary frequencies for long contexts (long wavelengths divided by ``rope_factor``,
+        short ones kept, a smooth blend between), as Hugging Face's ``rope_type: llama3``.
+      rope_factor: ``llama3``: the long wavelengths' division (``factor``; 8 in Llama 3.1,
+        32 in Llama 3.2).
+      rope_low_freq_factor: ``llama3``: ``low_freq_factor``.
+      rope_high_freq_factor: ``llama3``: ``high_freq_factor`` (> ``rope_low_freq_factor``).
+      rope_original_max_len: ``llama3``: ``original_max_position_embeddings`` (8192).
       tie_embeddings: reuse the token embedding as the output projection (untied in Llama).
       remat: recompute each layer in the backward pass (ZeRO stages 0-2; the stage-3 schedule
         always keeps only the layer inputs).
@@ -41,6 +49,11 @@ class LlamaConfig:
     d_ff: int | None = positive(None, none_means="8/3 x d_model, rounded up to 256")
     max_seq_len: int = positive(256)
     rope_theta: float = positive(10000.0)
+    rope_scaling: str | None = None
+    rope_factor: float = positive(8.0)
+    rope_low_freq_factor: float = positive(1.0)
+    rope_high_freq_factor: float = positive(4.0)
+    rope_original_max_len: int = positive(8192)
     norm_eps: float = positive(1e-5)
     tie_embeddings: bool = False
     remat: bool = True
@@ -53,9 +66,22 @@ class LlamaConfig:
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_kv_heads: {self.kv_heads} does not divide "
                               f"model.n_heads {self.n_heads} (grouped-query attention)")
+        if self.rope_scaling not in (None, "llama3"):
+            raise ConfigError(f"model.rope_scaling: {self.rope_scaling!r} is not supported; "
+                              "choose llama3 (Llama 3.1's) or leave it empty")
+        if self.rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor: {self.rope_high_freq_factor} must "
+                              f"exceed model.rope_low_freq_factor {self.rope_low_freq_factor}")
         if self.head_dim % 2:
             raise ConfigError(f"model.n_heads: a head of {self.head_dim} dimensions (d_model / "
                               "n_heads) is odd; rotary embeddings rotate pairs")
+
+    @property
+    def rope(self) -> tuple:
+        """``(theta, llama3 scaling or None)``: what :func:`zjax.models.llama.rotary` takes."""
+        scaling = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                   self.rope_original_max_len) if self.rope_scaling == "llama3" else None
+        return self.rope_theta, scaling
 
     @property
     def kv_heads(self) -> int:

@@ -25,14 +25,18 @@ from zjax.models._layers import KVCache, RMSNorm, causal_mask, check_length, par
 from zjax.models._llama_config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 
-__all__ = ["Llama", "LlamaConfig", "rotary"]
+__all__ = ["Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
 
 
-def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0) -> jax.Array:
+def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0,
+           scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
     """Rotary position embedding of ``x`` ``[B, T, heads, head_dim]`` at positions
-    ``start``..``start``+T-1."""
+    ``start``..``start``+T-1; ``scaling`` is Llama 3.1's ``(factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings)``."""
     t, hd = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, *scaling)
     positions = start + jnp.arange(t, dtype=jnp.float32)
     angles = positions[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
@@ -41,13 +45,26 @@ def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0) -> jax.Array:
     return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
+def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: float,
+                       old_len: int) -> jax.Array:
+    """Llama 3.1's scaling: wavelengths beyond ``old_len / low`` divided by ``factor``, below
+    ``old_len / high`` kept, blended smoothly between (Hugging Face's ``rope_type: llama3``)."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, blended, scaled)
+
+
 class LlamaBlock(nnx.Module):
     """Pre-norm grouped-query attention and SwiGLU MLP, no biases."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, hd, ff = cfg.d_model, cfg.head_dim, cfg.ff
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-        self.n_kv_heads, self.head_dim, self.theta = cfg.kv_heads, hd, cfg.rope_theta
+        self.n_kv_heads, self.head_dim = cfg.kv_heads, hd
+        self.theta, self.rope_scaling = cfg.rope
         self.ln1 = RMSNorm(d, cfg.norm_eps)
         self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
         self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
@@ -63,8 +80,8 @@ class LlamaBlock(nnx.Module):
         hd = self.head_dim
         wq, wk = self.wq[...], self.wk[...]
         h, kv = wq.shape[-1] // hd, wk.shape[-1] // hd  # this device's heads
-        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta, start)
-        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta, start)
+        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta, start, self.rope_scaling)
+        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta, start, self.rope_scaling)
         v = (y @ self.wv[...]).reshape(b, t, kv, hd)
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
