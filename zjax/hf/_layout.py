@@ -73,9 +73,10 @@ class Layout:
 def check_fixed(hf: dict[str, Any], fixed: dict[str, tuple], *, source: str) -> None:
     """Refuse ``config.json`` keys whose value zjax's model cannot honour."""
     for key, ok in fixed.items():
-        if hf.get(key) not in ok:
+        if hf.get(key) not in ok:  # None in ``ok``: the key may be left out (the default)
+            supported = " or ".join(repr(v) for v in ok if v is not None)
             raise CheckpointError(f"{source}: {key} = {hf.get(key)!r} is not supported by zjax "
-                                  f"(it supports {' or '.join(repr(v) for v in ok if v is not None)})")
+                                  f"(it supports {supported})")
 
 
 def hf_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:
