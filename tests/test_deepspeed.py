@@ -63,6 +63,13 @@ def test_batch_sizes_are_per_gpu_in_deepspeed_and_global_in_zjax():
                         "gradient_accumulation_steps": 2}, n_data=8)
 
 
+def test_mics_shard_size_is_hybrid_sharding():
+    config, ignored = _config({"zero_optimization": {"stage": 3, "mics_shard_size": 2,
+                                                     "mics_hierarchical_params_gather": True}})
+    assert (config.mesh.replica, config.mesh.data) == (4, 2)
+    assert any("mics_hierarchical_params_gather" in key for key, _ in ignored.ignored)
+
+
 def test_optimizer_scheduler_precision_and_hf_auto_values():
     ds = {"bf16": {"enabled": True}, "communication_data_type": "bf16",
           "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.98],
@@ -92,7 +99,10 @@ def test_optimizer_scheduler_precision_and_hf_auto_values():
      r"'stage3_prefetch_bucket_size'\?\)"),
     ({"optimizer": {"type": "Lamb"}}, r"^deepspeed optimizer.type: 'Lamb' is not mapped"),
     ({"scheduler": {"type": "OneCycle"}}, r"^deepspeed scheduler.type: 'OneCycle'"),
-    ({"zero_optimization": {"zero_quantized_weights": True}}, r"ZeRO\+\+, MiCS"),
+    ({"zero_optimization": {"zero_quantized_weights": True}},
+     r"ZeRO\+\+'s secondary partition and quantized collectives are not in zjax yet"),
+    ({"zero_optimization": {"mics_shard_size": 3}}, r"mics_shard_size: 3 does not divide the "
+                                                    r"8 data ranks"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"both true"),
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}},
      r"L2-regularised Adam"),

@@ -148,7 +148,7 @@ def _offload(r: _Reader, section: str, d: dict) -> None:
             raise r.unknown(where, ["device", "pin_memory", *_OFFLOAD_IGNORED])
 
 
-def _zero(r: _Reader, d: dict, *, gather_bytes: int) -> None:
+def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
     direct = {"stage": ("zero.stage", int),
               "stage3_param_persistence_threshold": ("zero.param_persistence_threshold", int),
               "stage3_max_live_parameters": ("zero.max_live_parameters", int)}
@@ -170,12 +170,23 @@ def _zero(r: _Reader, d: dict, *, gather_bytes: int) -> None:
             r.ignore(where, _ZERO_IGNORED[key])
         elif key in ("zero_hpz_partition_size", "mics_shard_size") and value in (1, -1):
             r.ignore(where, "the default (no secondary partition)")
+        elif key == "mics_shard_size":  # MiCS: shard within groups of this size, replicate
+            size = _number(where, value, int)
+            if size < 1 or n_data % size:
+                raise ConfigError(f"deepspeed {where}: {value!r} does not divide the {n_data} "
+                                  "data ranks (devices / mesh.model)")
+            r.set("mesh.data", size)
+            r.set("mesh.replica", n_data // size)
+        elif key == "mics_hierarchical_params_gather":
+            r.ignore(where, "zjax's gathers never leave a replica group (mesh.replica), so "
+                     "there is nothing to make hierarchical")
         elif key in ("zero_quantized_weights", "zero_quantized_gradients") and not value:
             r.ignore(where, "off")
-        elif key in ("zero_hpz_partition_size", "mics_shard_size", "zero_quantized_weights",
+        elif key in ("zero_hpz_partition_size", "zero_quantized_weights",
                      "zero_quantized_gradients"):
-            raise ConfigError(f"deepspeed {where}: {value!r}: hierarchical partitioning and "
-                              "quantized collectives (ZeRO++, MiCS) are not in zjax yet")
+            raise ConfigError(f"deepspeed {where}: {value!r}: ZeRO++'s secondary partition and "
+                              "quantized collectives are not in zjax yet (MiCS is: "
+                              "mics_shard_size)")
         else:
             raise r.unknown(where, [*direct, "stage3_prefetch_bucket_size", "offload_optimizer",
                                     "offload_param", *_ZERO_IGNORED])
@@ -310,7 +321,7 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
                    "gradient_accumulation_steps"):
             continue
         if key == "zero_optimization":
-            _zero(r, value, gather_bytes=2 if gather != "float32" else 4)
+            _zero(r, value, gather_bytes=2 if gather != "float32" else 4, n_data=n_data)
         elif key == "optimizer":
             _optimizer(r, value)
         elif key == "scheduler":

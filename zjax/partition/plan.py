@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from zjax._backend import Backend, backend_of
 from zjax.errors import ArgumentError, ConfigError
-from zjax.mesh import DATA, MODEL
+from zjax.mesh import DATA, MODEL, REPLICA
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
@@ -144,6 +144,16 @@ class ShardPlan:
     @property
     def n_model(self) -> int:
         return self.mesh.shape[MODEL]
+
+    @property
+    def n_replica(self) -> int:
+        """Replica groups of hybrid sharding (1 without a ``replica`` axis)."""
+        return self.mesh.shape.get(REPLICA, 1)
+
+    @property
+    def n_batch(self) -> int:
+        """Devices the batch is split over: ``replica`` x ``data``."""
+        return self.n_replica * self.n_data
 
     def tree(self, values) -> Any:
         return jax.tree.unflatten(self.treedef, list(values))

@@ -233,11 +233,12 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     k = 4 + nbytes(zstep.abstract_state.opt_state, per_device=False) / max(1, n_params)
     return PlanReport(
         n_params=n_params,
-        n_devices=plan.n_data * plan.n_model,
+        n_devices=plan.n_batch * plan.n_model,
         setting={"stage": zero.stage, "offload": _offload_name(zero),
                  "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
                  "grad_accum": grad_accum, "remat": remat,
-                 "mesh": {"data": plan.n_data, "model": plan.n_model},
+                 "mesh": {"data": plan.n_data, "model": plan.n_model,
+                          **({"replica": plan.n_replica} if plan.n_replica > 1 else {})},
                  "target": target.name if target else None},
         per_device=per_device,
         collectives={"all_gather_bytes": coll.all_gather,
@@ -263,7 +264,7 @@ def _flops(n_params: int, plan, tokens: int | None, shape: dict) -> dict:
     per_token = flops_per_token(n_params, **shape)
     peak = peak_flops(plan.mesh.devices.flat[0].device_kind)
     per_step = per_token * tokens if tokens else None
-    n = plan.n_data * plan.n_model
+    n = plan.n_batch * plan.n_model
     return {"per_token": per_token, "per_step": per_step, "peak_per_device": peak,
             "step_s_at_peak": per_step / (peak * n) if per_step and peak else None}
 

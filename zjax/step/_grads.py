@@ -1,4 +1,5 @@
-"""Loss and gradients per replica, inside ``shard_map`` over ``data`` and ``model``.
+"""Loss and gradients per replica, inside ``shard_map`` over ``data`` and ``model`` (and
+``replica``: hybrid sharding all-reduces the reduced gradient shards over it once per step).
 
 At stage 3 params enter as shards and are gathered over ``data`` on use; gradients leave
 reduce-scattered (stage 2-3) or all-reduced over ``data``, in float32. Leaves split over
@@ -20,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError
-from zjax.mesh import DATA, MODEL
+from zjax.mesh import DATA, REPLICA, batch_axes
 from zjax.offload import to_device
 from zjax.partition.gather import reduce_scatter
 from zjax.partition.plan import ShardPlan
@@ -105,7 +106,10 @@ def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
         g, sums = accumulate(one, batch, micro_batches)
         if not reduce_each:
             g = reduce_grads(g, plan, reduced_in_backward=False)
-        return g, lax.psum(sums, DATA)
+        if plan.n_replica > 1:  # hybrid sharding: the groups' (sharded) sums added up
+            rd = plan.reduce_dtype
+            g = jax.tree.map(lambda x: lax.psum(x.astype(rd), REPLICA).astype(jnp.float32), g)
+        return g, lax.psum(sums, batch_axes(plan.mesh))
 
     return grads
 
@@ -119,16 +123,18 @@ def sharded_grads(trainable: Trainable, plan: ShardPlan, mesh: Mesh, *,
     """
     return jax.shard_map(
         _local_grads(trainable, plan, micro_batches), mesh=mesh,
-        in_specs=(plan.param_specs, P(DATA)), out_specs=(plan.grad_specs, P()),
-        axis_names={DATA, MODEL}, check_vma=False)
+        in_specs=(plan.param_specs, P(batch_axes(mesh))), out_specs=(plan.grad_specs, P()),
+        axis_names=set(mesh.axis_names), check_vma=False)
 
 
 def sharded_loss(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
     """``(params, global batch) -> mean loss``: the same sharded forward, no gradients."""
 
     def local_loss(params, batch):
-        loss_sum, count, _ = lax.psum(loss_parts(trainable.loss(params, batch, plan)), DATA)
+        loss_sum, count, _ = lax.psum(loss_parts(trainable.loss(params, batch, plan)),
+                                      batch_axes(mesh))
         return loss_sum / count
 
-    return jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs, P(DATA)),
-                         out_specs=P(), axis_names={DATA, MODEL}, check_vma=False)
+    return jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs,
+                                                          P(batch_axes(mesh))),
+                         out_specs=P(), axis_names=set(mesh.axis_names), check_vma=False)

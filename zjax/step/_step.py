@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError, ConfigError
-from zjax.mesh import DATA
+from zjax.mesh import batch_axes
 from zjax.offload import check_memory_kind
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
@@ -67,7 +67,7 @@ class ZeroStep:
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
-        _check_batch(shape, self.plan.n_data)
+        _check_batch(shape, self.plan.n_batch)
 
     def put_batch(self, batch) -> jax.Array:
         """Place a global (host) batch split over the ``data`` axis."""
@@ -81,12 +81,12 @@ class ZeroStep:
         return self.step.lower(self.abstract_state, batch)
 
 
-def _check_batch(shape, n_data: int) -> None:
-    if not shape or shape[0] % n_data:
+def _check_batch(shape, n_batch: int) -> None:
+    if not shape or shape[0] % n_batch:
         size = shape[0] if shape else shape
         raise ArgumentError(
             "batch", f"the global batch of {size} is not divisible by the data axis "
-            f"({n_data}); use a multiple of {n_data}")
+            f"({n_batch}, times replica); use a multiple of {n_batch}")
 
 
 def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
@@ -140,11 +140,11 @@ def make_step(
     _check_offload(plan, mesh)
     init = make_init(trainable.init, tx, plan)
     layout = state_layout(plan, tx, init)
-    shardings, batch_sharding = layout.shardings, NamedSharding(mesh, P(DATA))
+    shardings, batch_sharding = layout.shardings, NamedSharding(mesh, P(batch_axes(mesh)))
     grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
 
     def step_fn(state: TrainState, batch):
-        _check_batch(batch.shape, plan.n_data)
+        _check_batch(batch.shape, plan.n_batch)
         grads, (loss_sum, count, extra) = grads_fn(state.params, batch)
         with host_update_errors(plan):
             updated = apply_update(tx, grads, count, loss_sum, state.opt_state,
