@@ -75,6 +75,34 @@ def test_replica_all_reduce_moves_the_shards_only():
     assert coll.by_axis.get("replica+data", {}).get("all_reduce", 0) <= 16
 
 
+def test_inter_host_bytes_on_two_hosts():
+    """On 2 hosts of 4 devices, stage 3 over data 8 crosses hosts with every gather and
+    scatter; hybrid sharding (replica 2 x data 4) only with the gradients' 1/4 shards."""
+    from zjax.planning import compile_report
+
+    base = load_config(ROOT / "configs/tiny.yaml", ["zero.stage=3"])
+    plain = compile_report(base, jax.devices(), hosts=2).collectives_by_link
+    hybrid = compile_report(load_config(ROOT / "configs/tiny.yaml", [
+        "zero.stage=3", "mesh.replica=2", "mesh.data=4"]), jax.devices(), hosts=2)
+    inter = hybrid.collectives_by_link["inter_host"]
+    assert set(inter) == {"all_reduce"}  # no gather or scatter between hosts
+    assert inter["all_reduce"] == pytest.approx(
+        hybrid.collectives_by_axis["replica"]["all_reduce"], abs=16)
+    plain_inter = sum(plain["inter_host"].values())
+    assert plain.get("intra_host", {}).get("all_gather", 0) == 0
+    assert inter["all_reduce"] < plain_inter / 8
+    assert "inter-host: all-reduce" in hybrid.table()
+
+
+def test_link_of_reads_groups_against_hosts():
+    from zjax.planning import link_of
+
+    hosts = [0, 0, 1, 1]
+    assert link_of("all-reduce(x), replica_groups={{0,1},{2,3}}", hosts) == "intra_host"
+    assert link_of("all-reduce(x), replica_groups={{0,2},{1,3}}", hosts) == "inter_host"
+    assert link_of("all-reduce(x), replica_groups={}", hosts) == "inter_host"  # every device
+
+
 def test_checkpoint_moves_between_hybrid_and_plain_meshes(tmp_path):
     """A replica 2 x data 4 run's checkpoint restores bitwise on data 8 and on replica 4 x
     data 2 (params and optimizer state)."""

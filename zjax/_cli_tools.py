@@ -4,11 +4,29 @@ from-deepspeed`` (and the DeepSpeed config under ``zjax train --deepspeed``). Se
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from zjax.errors import ConfigError
 
-__all__ = ["config_from_deepspeed", "run_tool", "tokenize", "tool_parsers", "with_deepspeed"]
+__all__ = ["config_from_deepspeed", "parse_size", "run_tool", "tokenize", "tool_parsers",
+           "with_deepspeed"]
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count."""
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30}
+    number = text.rstrip("KMGiBb").strip()
+    unit = text[len(number):].strip().upper()
+    try:
+        n = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, or bytes)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return n
 
 
 def tool_parsers(sub) -> None:

@@ -42,22 +42,6 @@ def _count(text: str) -> int:
     return n
 
 
-def _size(text: str) -> int:
-    """``5GB``, ``500MB``, ``2GiB`` or a byte count."""
-    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-             "GIB": 2**30}
-    number = text.rstrip("KMGiBb").strip()
-    unit = text[len(number):].strip().upper()
-    try:
-        n = int(float(number) * units[unit])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, or bytes)") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return n
-
-
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zjax", description="ZeRO-3 training for JAX/Flax.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -92,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     pn.add_argument("--target", default=None,
                     help="compile for an accelerator without one: h100:8, h200:8, h100:2x8 "
                     "(hosts x GPUs), or a TPU topology (v5p:2x2x2, v5e:4x4, v6e:2x4, ...)")
+    pn.add_argument("--hosts", type=_count, default=None,
+                    help="split collective bytes into intra- and inter-host as if the devices "
+                    "were on H hosts (contiguous blocks of the mesh, replica outermost)")
     pn.add_argument("--json", action="store_true", help="print one JSON object")
     pn.add_argument("--budget", default=None,
                     help="device memory per device (e.g. 80GiB; with --target, 'device' for "
@@ -104,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     ex.add_argument("--format", default="orbax", help="orbax, safetensors, or hf (Hugging "
                     "Face LlamaForCausalLM: safetensors, config.json, tokenizer)")
-    ex.add_argument("--max-shard-size", type=_size, default=None,
+    from zjax._cli_tools import parse_size
+
+    ex.add_argument("--max-shard-size", type=parse_size, default=None,
                     help="hf: largest weights file, e.g. 5GB (the default), 500MB")
     pl = sub.add_parser("plot", help="write loss and throughput PNGs of a run")
     pl.add_argument("run_dir")
@@ -252,7 +241,7 @@ def _plan(args) -> int:
     from zjax.planning import autotune, plan
 
     if not args.budget:
-        report = plan(config, devices=args.devices, target=args.target)
+        report = plan(config, devices=args.devices, target=args.target, hosts=args.hosts)
         print(json.dumps(report.to_json()) if args.json else report.table())
         return 0
     result = autotune(config, budget=None if args.budget == "device" else args.budget,

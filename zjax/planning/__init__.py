@@ -21,7 +21,7 @@ from zjax.planning._hlo import (
     collective_sites,
     unordered_collectives,
 )
-from zjax.planning._hlo_text import axes_of, group_size
+from zjax.planning._hlo_text import axes_of, group_size, link_of
 from zjax.planning._plan import autotune, compile_report, plan, run_cli_json
 from zjax.planning._report import PlanReport, compiled_memory, formula, report
 from zjax.planning._search import Candidate, TuneResult, parse_bytes
@@ -42,6 +42,7 @@ __all__ = [
     "compiled_memory",
     "formula",
     "group_size",
+    "link_of",
     "parse_bytes",
     "plan",
     "report",

@@ -26,6 +26,7 @@ from zjax.planning._hlo_text import (
     Module,
     axes_of,
     group_size,
+    link_of,
     parse_module,
     replica_groups,
     shape_bytes,
@@ -80,6 +81,7 @@ class CollectiveBytes:
     counts: dict = dataclasses.field(default_factory=dict)
     by_axis: dict = dataclasses.field(default_factory=dict)
     overlap: dict = dataclasses.field(default_factory=dict)
+    by_link: dict = dataclasses.field(default_factory=dict)
 
     @property
     def wire(self) -> int:
@@ -329,7 +331,8 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
 
 
 def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
-                     decomposed: bool = False) -> CollectiveBytes:
+                     decomposed: bool = False, hosts: list[int] | None = None
+                     ) -> CollectiveBytes:
     """Sum collective tensor bytes of a compiled module (``compiled.as_text()``).
 
     Args:
@@ -338,11 +341,14 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
         ``{axes: {kind: bytes}}`` per combination of mesh axes a collective spans.
       decomposed: read TPU's decomposed collectives as what they are (see
         :func:`collective_sites`).
+      hosts: the host of each logical device (the mesh's flat order): fills ``by_link``,
+        ``{intra_host | inter_host: {kind: bytes}}`` (:func:`link_of`).
     """
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, float] = defaultdict(float)
     hidden: dict[str, float] = defaultdict(float)
     by_axis: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    by_link: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for s in collective_sites(hlo_text, decomposed=decomposed):
         b = s.weight * s.nbytes
         sums[s.kind] += b
@@ -352,10 +358,14 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
             sums[f"{s.kind}_via_all_reduce"] += b
         if mesh_axes:
             by_axis[axes_of(s.line, mesh_axes)][s.kind] += b
+        if hosts:
+            by_link[link_of(s.line, hosts)][s.kind] += b
     overlap = {k: round(hidden[k] / v, 4) for k, v in sums.items()
                if v and k in _KINDS.values()}
     return CollectiveBytes(**{k: round(v) for k, v in sums.items()},
                            counts={k: round(v) for k, v in counts.items()},
                            by_axis={a: {k: int(v) for k, v in d.items()}
                                     for a, d in sorted(by_axis.items())},
-                           overlap=overlap)
+                           overlap=overlap,
+                           by_link={a: {k: int(v) for k, v in d.items()}
+                                    for a, d in sorted(by_link.items())})

@@ -301,3 +301,17 @@ def axes_of(line: str, mesh_axes: dict[str, int]) -> str:
                     spanned.append(name)
                     break
     return "+".join(spanned) or "none"
+
+
+def link_of(line: str, hosts: list[int]) -> str:
+    """``intra_host`` when every replica group of a collective stays on one host, else
+    ``inter_host``; ``hosts[d]`` is the host of logical device ``d`` (the mesh's flat order).
+
+    A collective with a group that spans hosts is counted whole as inter-host: a ring over such
+    a group crosses the host boundary with every byte it moves.
+    """
+    groups = replica_groups(line)
+    if groups is None:
+        groups = [list(range(len(hosts)))]
+    spans = any(len({hosts[d] for d in g if d < len(hosts)}) > 1 for g in groups)
+    return "inter_host" if spans else "intra_host"

@@ -32,12 +32,12 @@ from zjax.targets import Target, target
 __all__ = ["autotune", "compile_report", "plan", "run_cli_json"]
 
 
-def compile_report(config: Config, devices: list, *, target: Target | None = None
-                   ) -> PlanReport:
+def compile_report(config: Config, devices: list, *, target: Target | None = None,
+                   hosts: int | None = None) -> PlanReport:
     """Build, lower and compile ``config``'s step on ``devices``; report its figures.
 
     ``target``: the compile-only target the devices belong to (its name and capacity go in
-    the report).
+    the report). ``hosts``: simulated hosts for the intra/inter-host split.
     """
     loop = resolve_loop(config.loop)
     with config_keys():
@@ -59,7 +59,7 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
             "accumulation (train.grad_accum) or offload (zero.offload_*)") from None
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
                   remat=getattr(config.model, "remat", None), target=target,
-                  **flops_shape(config))
+                  hosts=hosts, **flops_shape(config))
 
 
 def _target_devices(name: str, devices: int | None) -> tuple[Target, list]:
@@ -70,8 +70,8 @@ def _target_devices(name: str, devices: int | None) -> tuple[Target, list]:
     return t, list(t.devices)
 
 
-def plan(config: Config, *, devices: int | None = None, target: str | None = None
-         ) -> PlanReport:
+def plan(config: Config, *, devices: int | None = None, target: str | None = None,
+         hosts: int | None = None) -> PlanReport:
     """Exact per-device memory and communication of ``config``'s train step.
 
     Args:
@@ -80,6 +80,9 @@ def plan(config: Config, *, devices: int | None = None, target: str | None = Non
         process has are simulated in a subprocess.
       target: compile for an accelerator instead (:func:`zjax.targets.target` names:
         ``h100:8``, ``h200:8``, ``h100:2x8``, ``v5p:2x2x2``, ...): compile-only, in this process.
+      hosts: split collective bytes into intra- and inter-host as if the devices were on this
+        many hosts (contiguous blocks of the mesh, ``replica`` outermost); by default the
+        devices' processes decide (a target's hosts, a multi-process job).
 
     Returns:
       A :class:`PlanReport` (``.table()`` to print, ``.to_json()`` for scripts).
@@ -88,10 +91,12 @@ def plan(config: Config, *, devices: int | None = None, target: str | None = Non
         raise ConfigError(f"--devices: must be >= 1, got {devices}")
     if target is not None:
         t, devs = _target_devices(target, devices)
-        return compile_report(config, devs, target=t)
+        return compile_report(config, devs, target=t, hosts=hosts)
     if devices is not None and devices > jax.device_count():
-        return PlanReport.from_json(run_cli_json(config, ["--devices", str(devices)]))
-    return compile_report(config, jax.devices()[:devices] if devices else jax.devices())
+        extra = ["--hosts", str(hosts)] if hosts else []
+        return PlanReport.from_json(run_cli_json(config, ["--devices", str(devices), *extra]))
+    return compile_report(config, jax.devices()[:devices] if devices else jax.devices(),
+                          hosts=hosts)
 
 
 def run_cli_json(config: Config, args: list[str]) -> dict:

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from zjax._flops import flops_per_token, peak_flops
+from zjax.errors import ConfigError
 from zjax.partition import nbytes
 from zjax.planning._hlo import collective_bytes
 from zjax.step import ZeroStep
@@ -48,6 +49,8 @@ class PlanReport:
       notes: caveats of this backend (e.g. XLA:CPU reducing in float32).
       collectives_by_axis: ``{axes: {kind: bytes}}``: the same collectives by the mesh axes
         they span (``data``, ``model``, ``data+model``).
+      collectives_by_link: ``{intra_host | inter_host: {kind: bytes}}`` on more than one host
+        (the processes' hosts, or ``hosts`` simulated: contiguous blocks of the mesh).
       device_kind: the devices compiled for (``cpu``, ``NVIDIA H100 80GB HBM3``, ``TPU v5``).
       fits_device: whether ``total_bytes`` fits the devices' memory (``per_device.capacity_bytes``,
         known for targets); None when unknown.
@@ -73,6 +76,7 @@ class PlanReport:
     fits_device: bool | None = None
     overlap: dict[str, float] = dataclasses.field(default_factory=dict)
     flops: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    collectives_by_link: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,6 +129,9 @@ class PlanReport:
             lines += [f"    over {axes}: " + ", ".join(f"{k.replace('_', '-')} {_size(v)}"
                                                        for k, v in kinds.items())
                       for axes, kinds in self.collectives_by_axis.items()]
+        lines += [f"    {link.replace('_', '-')}: " + ", ".join(
+            f"{k.replace('_', '-')} {_size(v)}" for k, v in kinds.items())
+            for link, kinds in self.collectives_by_link.items()]
         if self.replicated_leaves:
             lines.append(f"  replicated leaves ({len(self.replicated_leaves)}):")
             lines += [f"    {r['path']} {tuple(r['shape'])}: {r['reason']}"
@@ -210,8 +217,12 @@ def _notes(plan) -> list[str]:
 
 def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
            remat: bool | None = None, target: Target | None = None,
-           tokens_per_step: int | None = None, model_shape: dict | None = None) -> PlanReport:
+           tokens_per_step: int | None = None, model_shape: dict | None = None,
+           hosts: int | None = None) -> PlanReport:
     """The :class:`PlanReport` of ``zstep`` from its compiled step (``lower(b).compile()``).
+
+    ``hosts``: simulate that many hosts (contiguous blocks of the mesh's devices, ``replica``
+    outermost) for the intra/inter-host split; default: the devices' own processes.
 
     ``target``: the compile-only target compiled for (name and device memory).
     ``tokens_per_step`` and ``model_shape`` (``n_layers``, ``d_model``, ``seq_len`` of a
@@ -228,7 +239,8 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     per_device.update(_compiled_bytes(compiled, state["host_bytes"]))
     capacity = per_device["capacity_bytes"] = target.capacity_bytes if target else None
     coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape),
-                            decomposed=plan.backend.decomposes_collectives)
+                            decomposed=plan.backend.decomposes_collectives,
+                            hosts=host_of_devices(plan.mesh, hosts))
     # K of the paper: float32 master plus the optimizer's per-parameter state
     k = 4 + nbytes(zstep.abstract_state.opt_state, per_device=False) / max(1, n_params)
     return PlanReport(
@@ -257,7 +269,21 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         overlap={k: coll.overlap[k] for k in ("all_gather", "reduce_scatter", "all_reduce")
                  if k in coll.overlap},
         flops=_flops(n_params, plan, tokens_per_step, model_shape or {}),
+        collectives_by_link=coll.by_link,
     )
+
+
+def host_of_devices(mesh, hosts: int | None) -> list[int] | None:
+    """The host of each device in the mesh's flat order, or None on one host."""
+    devices = list(mesh.devices.flat)
+    if hosts is not None:
+        if hosts < 1 or len(devices) % hosts:
+            raise ConfigError(f"--hosts: {hosts} does not divide the {len(devices)} devices")
+        per = len(devices) // hosts
+        out = [i // per for i in range(len(devices))]
+    else:
+        out = [getattr(d, "process_index", 0) for d in devices]
+    return out if len(set(out)) > 1 else None
 
 
 def _flops(n_params: int, plan, tokens: int | None, shape: dict) -> dict:
