@@ -85,16 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                     "its memory): search stages, offload, prefetch, micro-batches and remat "
                     "for the best config that fits")
     pn.add_argument("--write", default=None, help="with --budget: save the chosen config here")
-    ex = sub.add_parser("export", help="write a run's params, unsharded, for programs without zjax")
-    ex.add_argument("run_dir")
-    ex.add_argument("out", help="new directory (orbax, hf) or file (safetensors)")
-    ex.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
-    ex.add_argument("--format", default="orbax", help="orbax, safetensors, or hf (Hugging "
-                    "Face LlamaForCausalLM: safetensors, config.json, tokenizer)")
-    from zjax._cli_tools import parse_size
-
-    ex.add_argument("--max-shard-size", type=parse_size, default=None,
-                    help="hf: largest weights file, e.g. 5GB (the default), 500MB")
+    _export_parser(sub)
     pl = sub.add_parser("plot", help="write loss and throughput PNGs of a run")
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR)")
@@ -103,6 +94,21 @@ def _parser() -> argparse.ArgumentParser:
 
     tool_parsers(sub)
     return p
+
+
+def _export_parser(sub) -> None:
+    """``zjax export``."""
+    from zjax._cli_tools import parse_size
+
+    ex = sub.add_parser("export", help="write a run's params, unsharded, for programs without zjax")
+    ex.add_argument("run_dir")
+    ex.add_argument("out", help="new directory (orbax, hf) or file (safetensors)")
+    ex.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    ex.add_argument("--format", default="orbax", help="orbax, safetensors, or hf (Hugging "
+                    "Face LlamaForCausalLM or GPT2LMHeadModel: safetensors, config.json, "
+                    "tokenizer)")
+    ex.add_argument("--max-shard-size", type=parse_size, default=None,
+                    help="hf: largest weights file, e.g. 5GB (the default), 500MB")
 
 
 def _config_parser(sub) -> None:
