@@ -51,6 +51,13 @@ class ZeroConfig:
       offload_param: float32 master params in host memory between steps (DeepSpeed
         ``offload_param``): at stage 3 each layer's shard is brought in as it is gathered;
         at stages 1-2 the master is brought in for the update only.
+      quantized_weights: ZeRO++'s qwZ (DeepSpeed ``zero_quantized_weights``): stage 3 gathers
+        each weight shard as blockwise int8 with a float32 scale per block (symmetric, absmax),
+        dequantized to ``gather_dtype`` after the gather; gradients are unchanged (the
+        backward reduce-scatters the full-precision cotangent). About half a bf16 gather's
+        bytes, a quarter of a float32 one's.
+      quantize_block: elements per quantization block of ``quantized_weights`` (the scale
+        overhead is 4 bytes per block).
     """
 
     stage: int = choices(0, 1, 2, 3, default=3)
@@ -63,6 +70,8 @@ class ZeroConfig:
     offload_optimizer: OptimizerOffloadConfig = dataclasses.field(
         default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    quantized_weights: bool = False
+    quantize_block: int = positive(256)
 
     def __post_init__(self):
         validate(self, "zero")

@@ -37,6 +37,7 @@ __all__ = [
     "gather_on_access",
     "gather_tree",
     "join_gathers",
+    "quantized_all_gather",
     "reduce_scatter",
     "reduce_scatter_bucket",
 ]
@@ -89,6 +90,33 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = No
     bits = lax.bitcast_convert_type(x, UINT[x.dtype.itemsize])
     full = tag(lax.all_gather(bits, axis_name, axis=axis, tiled=True))
     return lax.bitcast_convert_type(full, x.dtype)
+
+
+def quantized_all_gather(x: jax.Array, axis_name: str, *, axis: int, block: int, dtype,
+                         name: str | None = None) -> jax.Array:
+    """Tiled all-gather of ``x`` as blockwise int8 (ZeRO++'s qwZ), dequantized to ``dtype``.
+
+    The shard is flattened into blocks of ``block`` elements (the last one zero-padded); each
+    block moves as int8 with a float32 scale (its absmax / 127, symmetric rounding), so the
+    gather carries about 1 byte per element plus ``4 / block``. Rows of the devices' blocks are
+    dequantized and laid back along ``axis``. ``name`` tags what the remat policy must not save
+    (the gathered int8 rows, scales and the dequantized weight: the backward re-gathers).
+    """
+    tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
+    flat = x.astype(jnp.float32).reshape(-1)
+    block = min(block, flat.size)  # a small shard is one block, not a padded one
+    blocks = jnp.pad(flat, (0, -flat.size % block)).reshape(-1, block)
+    scale = jnp.max(jnp.abs(blocks), axis=1) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(blocks / scale[:, None]), -127, 127).astype(jnp.int8)
+    # as uint8 bits: XLA would otherwise move the int8 -> float convert in front of the gather
+    bits = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=0,
+                          tiled=False)
+    q_rows = tag(lax.bitcast_convert_type(bits, jnp.int8))  # (n, blocks, block)
+    s_rows = tag(lax.all_gather(scale, axis_name, axis=0, tiled=False))  # (n, blocks)
+    n = q_rows.shape[0]
+    rows = (q_rows.astype(jnp.float32) * s_rows[..., None]).reshape(n, -1)[:, :flat.size]
+    return tag(_from_rows(rows.astype(dtype), x.shape, axis))
 
 
 SCATTER_METHODS = ("direct", "all_reduce", "ring")
@@ -195,6 +223,8 @@ class Comm:
       from_host: the shards live in host memory (``zero.offload_param``): each is brought to
         the device as it is gathered, and its gradient goes back to host memory.
       scatter: how gradients are reduce-scattered (:func:`reduce_scatter`'s ``method``).
+      quantize: gather floating shards as blockwise int8 with blocks of this many elements
+        (:func:`quantized_all_gather`, ZeRO++'s qwZ); None gathers ``gather_dtype``.
     """
 
     axis_name: str = "data"
@@ -202,6 +232,7 @@ class Comm:
     reduce_dtype: Any = None
     from_host: bool = False
     scatter: str = "direct"
+    quantize: int | None = None
 
     def resolved(self, dtype) -> Comm:
         """This record with the dtypes left None set to ``dtype``."""
@@ -209,20 +240,24 @@ class Comm:
                                    reduce_dtype=np.dtype(self.reduce_dtype or dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, scatter: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, scatter: str,
+                 quantize: int | None):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
     # the gathered value itself (the custom call's output would otherwise be saved)
+    if quantize:
+        return quantized_all_gather(x, axis_name, axis=dim, block=quantize,
+                                    dtype=gather_dtype, name=GATHERED)
     return all_gather(x.astype(gather_dtype), axis_name, axis=dim, name=GATHERED)
 
 
-def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype, scatter):
+def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype, scatter, quantize):
     # the zero-size residual carries the shard's dtype for the backward cast
-    out = _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter)
+    out = _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter, quantize)
     return out, jnp.zeros((0,), x.dtype)
 
 
-def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, scatter, like, g):
+def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, scatter, quantize, like, g):
     shard = reduce_scatter(g.astype(reduce_dtype), axis_name, dim=dim, method=scatter)
     return (shard.astype(like.dtype),)
 
@@ -250,7 +285,8 @@ def gather(x: jax.Array, *, dim: int | None, comm: Comm = Comm()) -> jax.Array:
         return x
     if dim is None:
         return x.astype(c.gather_dtype)
-    return _zjax_gather(x, dim, c.axis_name, c.gather_dtype, c.reduce_dtype, c.scatter)
+    return _zjax_gather(x, dim, c.axis_name, c.gather_dtype, c.reduce_dtype, c.scatter,
+                        c.quantize)
 
 
 def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> list[jax.Array]:

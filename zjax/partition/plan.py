@@ -179,8 +179,9 @@ class ShardPlan:
     def comm(self) -> Comm:
         """How the ZeRO collectives move this plan's leaves over ``data`` (gather and reduce
         dtypes, host residence, the backend's reduce-scatter)."""
+        quantize = self.zero.quantize_block if self.zero.quantized_weights else None
         return Comm(DATA, self.zero.gather, self.reduce_dtype, self.params_on_host,
-                    self.scatter)
+                    self.scatter, quantize)
 
     @property
     def scatter(self) -> str:

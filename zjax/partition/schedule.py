@@ -41,6 +41,7 @@ from zjax.partition.gather import (
     Comm,
     all_gather,
     all_gather_bucket,
+    quantized_all_gather,
     reduce_scatter,
     reduce_scatter_bucket,
 )
@@ -167,7 +168,7 @@ def scheduled_loop(
     # never without prefetch (a layer's bucket would arrive whole before any of its compute)
     bucketed = [d is not None and _is_float(x) for x, d in zip(leaves_in, spec.dims,
                                                                 strict=True)]
-    if not spec.bucket or not k or sum(bucketed) < 2:
+    if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize:
         bucketed = [False] * len(bucketed)
     in_bucket = [i for i, b in enumerate(bucketed) if b]
 
@@ -175,6 +176,10 @@ def scheduled_loop(
         out = []
         for leaf, dim, b in zip(leaves, spec.dims, bucketed, strict=True):
             w = to_device(_slice(leaf, i))
+            if comm.quantize and dim is not None and jnp.issubdtype(w.dtype, jnp.floating):
+                out.append(quantized_all_gather(w, comm.axis_name, axis=dim - 1,
+                                                block=comm.quantize, dtype=gather_dtype))
+                continue  # quantized from the float32 shard itself
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(gather_dtype)
             if dim is not None and not b:
