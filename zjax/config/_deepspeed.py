@@ -182,12 +182,11 @@ def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
                      "there is nothing to make hierarchical")
         elif key in ("zero_quantized_weights", "zero_quantized_gradients") and not value:
             r.ignore(where, "off")
-        elif key == "zero_quantized_weights":  # ZeRO++ qwZ
-            r.set("zero.quantized_weights", True)
-        elif key in ("zero_hpz_partition_size", "zero_quantized_gradients"):
+        elif key in ("zero_quantized_weights", "zero_quantized_gradients"):  # qwZ, qgZ
+            r.set(f"zero.{key.removeprefix('zero_')}", True)
+        elif key == "zero_hpz_partition_size":
             raise ConfigError(f"deepspeed {where}: {value!r}: ZeRO++'s secondary partition "
-                              "(hpZ) and quantized gradients (qgZ) are not in zjax yet (qwZ "
-                              "and MiCS are)")
+                              "(hpZ) is not in zjax yet (qwZ, qgZ and MiCS are)")
         else:
             raise r.unknown(where, [*direct, "stage3_prefetch_bucket_size", "offload_optimizer",
                                     "offload_param", *_ZERO_IGNORED])

@@ -56,8 +56,12 @@ class ZeroConfig:
         dequantized to ``gather_dtype`` after the gather; gradients are unchanged (the
         backward reduce-scatters the full-precision cotangent). About half a bf16 gather's
         bytes, a quarter of a float32 one's.
-      quantize_block: elements per quantization block of ``quantized_weights`` (the scale
-        overhead is 4 bytes per block).
+      quantized_gradients: ZeRO++'s qgZ (DeepSpeed ``zero_quantized_gradients``): gradients
+        of sharded leaves reduce-scattered as blockwise int8 through an all-to-all, summed
+        in float32 on arrival (stages 2-3): about a quarter of a float32 reduce-scatter's bytes.
+        Single level: no intra-node step first.
+      quantize_block: elements per quantization block of ``quantized_weights`` and
+        ``quantized_gradients`` (the scale overhead is 4 bytes per block).
     """
 
     stage: int = choices(0, 1, 2, 3, default=3)
@@ -71,6 +75,7 @@ class ZeroConfig:
         default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     quantized_weights: bool = False
+    quantized_gradients: bool = False
     quantize_block: int = positive(256)
 
     def __post_init__(self):

@@ -179,19 +179,21 @@ class ShardPlan:
     def comm(self) -> Comm:
         """How the ZeRO collectives move this plan's leaves over ``data`` (gather and reduce
         dtypes, host residence, the backend's reduce-scatter)."""
-        quantize = self.zero.quantize_block if self.zero.quantized_weights else None
         return Comm(DATA, self.zero.gather, self.reduce_dtype, self.params_on_host,
-                    self.scatter, quantize)
+                    self.scatter, self.zero.quantized_weights, self.zero.quantize_block)
 
     @property
     def scatter(self) -> str:
         """How gradients are reduce-scattered (:func:`zjax.partition.gather.reduce_scatter`).
 
-        ``all_reduce`` where the backend's multi-process reduce-scatter is wrong
+        ``quantized`` with ``zero.quantized_gradients`` (ZeRO++'s qgZ); ``all_reduce`` where
+        the backend's multi-process reduce-scatter is wrong
         (``Backend.scatter_via_all_reduce``: XLA:CPU through gloo) and the job has several
         processes; ``ring`` where the compiler would run a reduce-scatter as an all-reduce
         (``Backend.scatter_via_ring``: TPU); else ``direct``.
         """
+        if self.zero.quantized_gradients:  # an all-to-all: no reduce-scatter to work around
+            return "quantized"
         if self.backend.scatter_via_all_reduce is not None and jax.process_count() > 1:
             return "all_reduce"
         return "ring" if self.backend.scatter_via_ring is not None else "direct"

@@ -178,7 +178,7 @@ def scheduled_loop(
             w = to_device(_slice(leaf, i))
             if comm.quantize and dim is not None and jnp.issubdtype(w.dtype, jnp.floating):
                 out.append(quantized_all_gather(w, comm.axis_name, axis=dim - 1,
-                                                block=comm.quantize, dtype=gather_dtype))
+                                                block=comm.block, dtype=gather_dtype))
                 continue  # quantized from the float32 shard itself
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(gather_dtype)
@@ -267,13 +267,13 @@ def scheduled_loop(
             for dw, dim, b in zip(dws, spec.dims, bucketed, strict=True):
                 if dim is not None and not b:
                     dw = reduce_scatter(dw.astype(reduce_dtype), comm.axis_name, dim=dim - 1,
-                                        method=comm.scatter)
+                                        method=comm.scatter, block=comm.block)
                 shards.append(dw)
             if in_bucket:
                 mine = reduce_scatter_bucket(
                     [dws[j].astype(reduce_dtype) for j in in_bucket],
                     [spec.dims[j] - 1 for j in in_bucket], comm.axis_name,
-                    method=comm.scatter)
+                    method=comm.scatter, block=comm.block)
                 for j, dw in zip(in_bucket, mine, strict=True):
                     shards[j] = dw
             shards = [dw.astype(leaf.dtype) for dw, leaf in zip(shards, leaves, strict=True)]

@@ -56,7 +56,8 @@ def reduce_grads(grads: Any, plan: ShardPlan, *, reduced_in_backward: bool) -> A
         elif plan.params_on_host:  # a persistent leaf's local gradient, back from the host
             g = lax.psum(to_device(g).astype(rd), DATA)
         elif leaf.dim is not None and plan.zero.stage >= 2:
-            g = reduce_scatter(g.astype(rd), DATA, dim=leaf.dim, method=plan.scatter)
+            g = reduce_scatter(g.astype(rd), DATA, dim=leaf.dim, method=plan.scatter,
+                               block=plan.zero.quantize_block)
         else:
             g = lax.psum(g.astype(rd), DATA)
         out.append(g.astype(jnp.float32))
