@@ -1,0 +1,73 @@
+"""Bytes by link class for ZeRO-3, hybrid sharding and ZeRO++'s quantized collectives.
+
+Compiles the 7.5B GPT template (``configs/gpt-7b.yaml``'s shape) for H hosts x D devices
+(simulated CPU devices; nothing allocated) and reports, per variant, the collective bytes per
+step inside a host and between hosts (``zjax plan --hosts``), and the per-device model state
+and temp of the compiled step:
+
+- ``stage3``: ZeRO-3 over all devices;
+- ``hsdp``: hybrid sharding, ``mesh.replica=H`` x ``mesh.data=D`` (shards inside a host);
+- ``qwz``: stage 3 with int8 weight gathers;
+- ``qwz+qgz``: and int8 gradient reduce-scatters.
+
+Prints one JSON object. Usage: ``python benchmarks/zeropp.py [--hosts 4 --per-host 8]``
+(``--small`` for a d_model 1024, 8-layer model that compiles in seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+MODEL_7B = ["model.vocab_size=50304", "model.d_model=4096", "model.n_layers=36",
+            "model.n_heads=32", "model.max_seq_len=2048"]
+MODEL_SMALL = ["model.vocab_size=32768", "model.d_model=1024", "model.n_layers=8",
+               "model.n_heads=16", "model.max_seq_len=512"]
+TRAINING = ["zero.stage=3", "zero.gather_dtype=bfloat16", "zero.reduce_dtype=bfloat16",
+            "zero.prefetch_layers=1", "data.seq_len=512", "optimizer.name=adamw"]
+VARIANTS = {"stage3": [], "hsdp": ["REPLICA"], "qwz": ["zero.quantized_weights=true"],
+            "qwz+qgz": ["zero.quantized_weights=true", "zero.quantized_gradients=true"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--per-host", type=int, default=8)
+    p.add_argument("--small", action="store_true")
+    args = p.parse_args()
+    n = args.hosts * args.per_host
+    from zjax.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(n)  # before jax starts its backends
+    from zjax.config import load_config
+    from zjax.planning import plan
+
+    rows = {}
+    for name, extra in VARIANTS.items():
+        mesh = [f"mesh.replica={args.hosts}", f"mesh.data={args.per_host}"] \
+            if extra == ["REPLICA"] else [f"mesh.data={n}"]
+        overrides = [*(MODEL_SMALL if args.small else MODEL_7B), *TRAINING,
+                     f"data.batch_size={n}", *mesh, *(x for x in extra if x != "REPLICA")]
+        start = time.perf_counter()
+        report = plan(load_config(None, overrides), hosts=args.hosts)
+        links = report.collectives_by_link
+        rows[name] = {
+            "inter_host_bytes": sum(links.get("inter_host", {}).values()),
+            "intra_host_bytes": sum(links.get("intra_host", {}).values()),
+            "by_link": links,
+            "model_state_bytes": report.per_device["model_state_bytes"],
+            "temp_bytes": report.per_device["temp_bytes"],
+            "compile_s": round(time.perf_counter() - start, 1)}
+        print(f"{name}: inter-host {rows[name]['inter_host_bytes'] / 2**30:.2f} GiB",
+              file=sys.stderr, flush=True)
+    base = rows["stage3"]["inter_host_bytes"]
+    for row in rows.values():
+        row["inter_host_vs_stage3"] = round(row["inter_host_bytes"] / base, 3) if base else None
+    print(json.dumps({"hosts": args.hosts, "per_host": args.per_host, "small": args.small,
+                      "n_params": report.n_params, "variants": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
