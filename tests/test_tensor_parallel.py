@@ -48,6 +48,16 @@ def _zstep(data: int, model: int, *, prefetch: int = 1, stage: int = 3, cfg=CFG,
     return zjax.make_step(gpt_trainable(cfg), make_tx(), zero=zero, mesh=mesh)
 
 
+def _run(zstep, batches):
+    """``(state, losses)`` of ``zstep`` from its init over ``batches``."""
+    state = zstep.init(jax.random.key(0))
+    losses = []
+    for b in batches:
+        state, metrics = zstep.step(state, zstep.put_batch(b))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
 @pytest.fixture(scope="module")
 def reference():
     batches = token_batches(5)
@@ -61,11 +71,7 @@ def test_2d_meshes_match_single_device(reference, data, model, stage):
     """5 steps on each mesh equal single-device optax within fp32 tolerance (FP32)."""
     batches, expected = reference
     zstep = _zstep(data, model, stage=stage)
-    state = zstep.init(jax.random.key(0))
-    losses = []
-    for b in batches:
-        state, metrics = zstep.step(state, zstep.put_batch(b))
-        losses.append(float(metrics["loss"]))
+    state, losses = _run(zstep, batches)
     assert_matches_reference(losses, state, expected)
     # every leaf's stored shard is 1/data of it (stage 3; the optimizer state's at stage 1),
     # and 1/model more where the rules split it
@@ -90,11 +96,7 @@ def test_gpt2_layout_on_a_2d_mesh_matches_single_device():
     names = {leaf.path.split("/")[-1]: leaf for leaf in zstep.plan.leaves}
     assert {k: names[k].model_dim for k in ("bq", "bk", "bv", "b_up", "bo", "b_down")} == {
         "bq": 1, "bk": 1, "bv": 1, "b_up": 1, "bo": None, "b_down": None}
-    state = zstep.init(jax.random.key(0))
-    losses = []
-    for b in batches:
-        state, metrics = zstep.step(state, zstep.put_batch(b))
-        losses.append(float(metrics["loss"]))
+    state, losses = _run(zstep, batches)
     assert_matches_reference(losses, state, expected)
 
 
