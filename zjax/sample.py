@@ -96,7 +96,9 @@ class Sampler:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             return list(text.encode("utf-8"))
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # with the tokenizer's own template (a Llama 3 tokenizer.json adds its BOS), as
+        # transformers' tokenizer(prompt) does
+        return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
