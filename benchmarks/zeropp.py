@@ -10,8 +10,10 @@ and temp of the compiled step:
 - ``qwz``: stage 3 with int8 weight gathers;
 - ``qwz+qgz``: and int8 gradient reduce-scatters.
 
-Prints one JSON object. Usage: ``python benchmarks/zeropp.py [--hosts 4 --per-host 8]``
-(``--small`` for a d_model 1024, 8-layer model that compiles in seconds).
+Prints one JSON object. Usage: ``python benchmarks/zeropp.py [--hosts 4 --per-host 8]
+[--target h100:4x8] [--small]`` (``--small``: a d_model 1024, 8-layer model that compiles in
+seconds; ``--target``: compiled by CUDA's compiler for H hosts of N GPUs, ``h100:HxN``, whose
+devices say their host).
 """
 
 from __future__ import annotations
@@ -36,11 +38,15 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--per-host", type=int, default=8)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--target", default=None, help="h100:HxN (overrides --hosts, --per-host)")
     args = p.parse_args()
+    if args.target:
+        args.hosts, args.per_host = map(int, args.target.split(":")[1].split("x"))
     n = args.hosts * args.per_host
-    from zjax.mesh import simulate_cpu_devices
+    if not args.target:
+        from zjax.mesh import simulate_cpu_devices
 
-    simulate_cpu_devices(n)  # before jax starts its backends
+        simulate_cpu_devices(n)  # before jax starts its backends
     from zjax.config import load_config
     from zjax.planning import plan
 
@@ -51,7 +57,9 @@ def main() -> None:
         overrides = [*(MODEL_SMALL if args.small else MODEL_7B), *TRAINING,
                      f"data.batch_size={n}", *mesh, *(x for x in extra if x != "REPLICA")]
         start = time.perf_counter()
-        report = plan(load_config(None, overrides), hosts=args.hosts)
+        config = load_config(None, overrides)
+        report = plan(config, target=args.target) if args.target else \
+            plan(config, hosts=args.hosts)
         links = report.collectives_by_link
         rows[name] = {
             "inter_host_bytes": sum(links.get("inter_host", {}).values()),
@@ -66,6 +74,7 @@ def main() -> None:
     for row in rows.values():
         row["inter_host_vs_stage3"] = round(row["inter_host_bytes"] / base, 3) if base else None
     print(json.dumps({"hosts": args.hosts, "per_host": args.per_host, "small": args.small,
+                      "target": args.target,
                       "n_params": report.n_params, "variants": rows}, indent=1))
 
 
