@@ -103,12 +103,9 @@ def quantized_all_gather(x: jax.Array, axis_name: str, *, axis: int, block: int,
     (the gathered int8 rows, scales and the dequantized weight: the backward re-gathers).
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
-    flat = x.astype(jnp.float32).reshape(-1)
-    block = min(block, flat.size)  # a small shard is one block, not a padded one
-    blocks = jnp.pad(flat, (0, -flat.size % block)).reshape(-1, block)
-    scale = jnp.max(jnp.abs(blocks), axis=1) / 127.0
-    scale = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(blocks / scale[:, None]), -127, 127).astype(jnp.int8)
+    flat = x.reshape(-1)
+    # a small shard is one block, not a padded one
+    q, scale = (v[0] for v in _quantize(flat[None], min(block, flat.size)))
     # as uint8 bits: XLA would otherwise move the int8 -> float convert in front of the gather
     bits = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=0,
                           tiled=False)

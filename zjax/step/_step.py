@@ -67,7 +67,7 @@ class ZeroStep:
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
-        _check_batch(shape, self.plan.n_batch)
+        _check_batch(shape, self.plan.n_batch, self.plan.n_replica)
 
     def put_batch(self, batch) -> jax.Array:
         """Place a global (host) batch split over the ``data`` axis."""
@@ -81,12 +81,14 @@ class ZeroStep:
         return self.step.lower(self.abstract_state, batch)
 
 
-def _check_batch(shape, n_batch: int) -> None:
+def _check_batch(shape, n_batch: int, replica: int = 1) -> None:
     if not shape or shape[0] % n_batch:
         size = shape[0] if shape else shape
+        axes = f"replica x data axes ({replica} x {n_batch // replica})" if replica > 1 \
+            else f"data axis ({n_batch})"
         raise ArgumentError(
-            "batch", f"the global batch of {size} is not divisible by the data axis "
-            f"({n_batch}, times replica); use a multiple of {n_batch}")
+            "batch", f"the global batch of {size} is not divisible by the {axes}; use a "
+            f"multiple of {n_batch}")
 
 
 def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
@@ -144,7 +146,7 @@ def make_step(
     grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
 
     def step_fn(state: TrainState, batch):
-        _check_batch(batch.shape, plan.n_batch)
+        _check_batch(batch.shape, plan.n_batch, plan.n_replica)
         grads, (loss_sum, count, extra) = grads_fn(state.params, batch)
         with host_update_errors(plan):
             updated = apply_update(tx, grads, count, loss_sum, state.opt_state,
