@@ -24,6 +24,9 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from zjax.partition._quantized import quantized_all_gather, quantized_reduce_scatter
+from zjax.partition._rows import from_rows, to_rows
+
 __all__ = [
     "GATHERED",
     "REMAT_POLICY",
@@ -92,30 +95,6 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = No
     return lax.bitcast_convert_type(full, x.dtype)
 
 
-def quantized_all_gather(x: jax.Array, axis_name: str, *, axis: int, block: int, dtype,
-                         name: str | None = None) -> jax.Array:
-    """Tiled all-gather of ``x`` as blockwise int8 (ZeRO++'s qwZ), dequantized to ``dtype``.
-
-    The shard is flattened into blocks of ``block`` elements (the last one zero-padded); each
-    block moves as int8 with a float32 scale (its absmax / 127, symmetric rounding), so the
-    gather carries about 1 byte per element plus ``4 / block``. Rows of the devices' blocks are
-    dequantized and laid back along ``axis``. ``name`` tags what the remat policy must not save
-    (the gathered int8 rows, scales and the dequantized weight: the backward re-gathers).
-    """
-    tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
-    flat = x.reshape(-1)
-    # a small shard is one block, not a padded one
-    q, scale = (v[0] for v in _quantize(flat[None], min(block, flat.size)))
-    # as uint8 bits: XLA would otherwise move the int8 -> float convert in front of the gather
-    bits = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=0,
-                          tiled=False)
-    q_rows = tag(lax.bitcast_convert_type(bits, jnp.int8))  # (n, blocks, block)
-    s_rows = tag(lax.all_gather(scale, axis_name, axis=0, tiled=False))  # (n, blocks)
-    n = q_rows.shape[0]
-    rows = (q_rows.astype(jnp.float32) * s_rows[..., None]).reshape(n, -1)[:, :flat.size]
-    return tag(_from_rows(rows.astype(dtype), x.shape, axis))
-
-
 SCATTER_METHODS = ("direct", "all_reduce", "ring", "quantized")
 # the name scope of a ring's collective-permutes: zjax.planning reads them as one reduce-scatter
 RING_SCOPE = "zjax_ring_reduce_scatter"
@@ -145,7 +124,7 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "dir
     if method == "direct":
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
     if method == "quantized":
-        return _quantized_reduce_scatter(x, axis_name, dim=dim, block=block)
+        return quantized_reduce_scatter(x, axis_name, dim=dim, block=block)
     n = lax.axis_size(axis_name)
     size = x.shape[dim] // n
     me = lax.axis_index(axis_name)
@@ -167,46 +146,6 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "dir
     return acc
 
 
-def _quantize(rows: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """Rows ``(n, m)`` -> int8 blocks ``(n, m / block, block)`` (zero-padded) and their
-    float32 scales ``(n, m / block)`` (absmax / 127, symmetric)."""
-    n, m = rows.shape
-    blocks = jnp.pad(rows.astype(jnp.float32), ((0, 0), (0, -m % block))).reshape(n, -1, block)
-    scale = jnp.max(jnp.abs(blocks), axis=2) / 127.0
-    scale = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(blocks / scale[..., None]), -127, 127).astype(jnp.int8)
-    return q, scale
-
-
-def _quantized_reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, block: int
-                              ) -> jax.Array:
-    n = lax.axis_size(axis_name)
-    rows = _to_rows(x, dim, n)  # row j: this device's contribution to device j's tile
-    m = rows.shape[1]
-    q, scale = _quantize(rows, min(block, m))
-    # as uint8 bits: XLA would otherwise move the dequantizing convert in front of the move
-    bits = lax.all_to_all(lax.bitcast_convert_type(q, jnp.uint8), axis_name, 0, 0,
-                          tiled=True)
-    scales = lax.all_to_all(scale, axis_name, 0, 0, tiled=True)
-    got = lax.bitcast_convert_type(bits, jnp.int8).astype(jnp.float32) * scales[..., None]
-    mine = got.reshape(n, -1)[:, :m].sum(axis=0)  # the n contributions to this device's tile
-    shard_shape = (*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:])
-    return mine.reshape(shard_shape).astype(x.dtype)
-
-
-def _to_rows(x: jax.Array, dim: int, n: int) -> jax.Array:
-    """``x`` split along ``dim`` into ``n`` tiles, one row each: ``(n, x.size // n)``."""
-    tiles = x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:])
-    return jnp.moveaxis(tiles, dim, 0).reshape(n, -1)
-
-
-def _from_rows(rows: jax.Array, shard_shape: tuple[int, ...], dim: int) -> jax.Array:
-    """Inverse of :func:`_to_rows`: ``(n, shard size)`` rows -> the tiles joined on ``dim``."""
-    n = rows.shape[0]
-    tiles = jnp.moveaxis(rows.reshape(n, *shard_shape), 0, dim)
-    return tiles.reshape(*shard_shape[:dim], n * shard_shape[dim], *shard_shape[dim + 1:])
-
-
 def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) -> list[jax.Array]:
     """Tiled all-gathers of several shards (each along its ``dims`` entry) as one collective.
 
@@ -223,7 +162,7 @@ def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) 
     flat = [lax.bitcast_convert_type(x, uint).reshape(-1) for x in shards]
     rows = lax.all_gather(jnp.concatenate(flat), axis_name, axis=0, tiled=False)
     sizes = np.cumsum([f.size for f in flat])[:-1]
-    return [lax.bitcast_convert_type(_from_rows(r, x.shape, d), x.dtype)
+    return [lax.bitcast_convert_type(from_rows(r, x.shape, d), x.dtype)
             for r, x, d in zip(jnp.split(rows, sizes, axis=1), shards, dims, strict=True)]
 
 
@@ -235,7 +174,7 @@ def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: s
     ``(n, total)`` buffer whose reduce-scatter gives every device its row.
     """
     n = lax.axis_size(axis_name)
-    rows = [_to_rows(v, d, n) for v, d in zip(values, dims, strict=True)]
+    rows = [to_rows(v, d, n) for v, d in zip(values, dims, strict=True)]
     sizes = np.cumsum([r.shape[1] for r in rows])[:-1]
     mine = reduce_scatter(jnp.concatenate(rows, axis=1), axis_name, dim=0, method=method,
                           block=block)[0]
