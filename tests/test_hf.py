@@ -146,6 +146,16 @@ def test_init_from_refuses_another_shape(tmp_path, model):
         zjax.train(None, config)
 
 
+def test_an_import_refuses_a_changed_model_value(tmp_path, model):
+    """Shapes cannot show a changed epsilon or rotary base: the import's config.json does."""
+    out = import_hf(write_hf(tmp_path / "hf", model), tmp_path / "imported")
+    config = load_config(out / "zjax.yaml", ["model.norm_eps=1e-6", "train.steps=1",
+                                             "data.batch_size=8", "data.seq_len=32"])
+    with pytest.raises(ConfigError, match=r"model.norm_eps: 1e-06, but the weights .* have "
+                                          r"1e-05"):
+        zjax.train(None, config)
+
+
 @pytest.mark.slow
 def test_import_finetune_export_round_trip(tmp_path, model):
     """import-hf -> a stage-3 fine-tune of a few steps -> export --format hf, which

@@ -14,6 +14,7 @@ straight into the shards a step's ``from_params`` takes: no device ever holds a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -24,6 +25,8 @@ import numpy as np
 import yaml
 
 from zjax.errors import CheckpointError, ConfigError
+from zjax.hf._layout import Layout
+from zjax.hf._layouts import layout_for_hf
 from zjax.hf._load import HFCheckpoint, is_hf_dir
 
 __all__ = ["TOKENIZER_FILES", "import_hf", "initial_params"]
@@ -105,11 +108,17 @@ def initial_params(path: str | Path, target: Any, model: Any) -> Any:
       ConfigError: ``path`` is none of these, or its weights are not the model's.
     """
     p = Path(path)
+    max_len = getattr(model, "max_seq_len", None)
     if is_hf_dir(p) and not (p / "params").is_dir():
-        source = HFCheckpoint(p, max_seq_len=getattr(model, "max_seq_len", None))
-        _check_model(source, model)
+        source = HFCheckpoint(p, max_seq_len=max_len)
+        _check_model(source.layout, source.config, p, model)
         return source.params(jax.tree.map(lambda a: a.sharding, target))
     if (p / "params").is_dir():
+        if (p / "config.json").is_file():  # an import: the values the shapes do not show
+            hf = _read_json(p / "config.json")
+            layout = layout_for_hf(hf, source=str(p / "config.json"))
+            config = layout.from_hf(hf, source=str(p / "config.json"), max_seq_len=max_len)
+            _check_model(layout, config, p, model)
         p = p / "params"
     if not (p / "_METADATA").is_file():
         raise ConfigError(
@@ -119,18 +128,24 @@ def initial_params(path: str | Path, target: Any, model: Any) -> Any:
     return _restore(p.resolve(), target)
 
 
-def _check_model(source: HFCheckpoint, model: Any) -> None:
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not readable JSON: {e}") from None
+
+
+def _check_model(layout: Layout, config: Any, directory: Path, model: Any) -> None:
     """The run's ``model`` section must be what the weights are (all but ``layout.free``)."""
-    if type(model) is not type(source.config):
-        raise ConfigError(f"train.init_from: {source.directory} holds a "
-                          f"{source.layout.architecture}; train it with loop: "
-                          f"{source.layout.loop}")
+    if type(model) is not type(config):
+        raise ConfigError(f"train.init_from: {directory} holds a {layout.architecture}; train "
+                          f"it with loop: {layout.loop}")
     for field in dataclasses.fields(model):
         key = field.name
-        want, got = getattr(source.config, key), getattr(model, key)
-        if key not in source.layout.free and want != got:
+        want, got = getattr(config, key), getattr(model, key)
+        if key not in layout.free and want != got:
             raise ConfigError(f"model.{key}: {got!r}, but the weights in train.init_from "
-                              f"({source.directory}) have {want!r} (its config.json); "
+                              f"({directory}) have {want!r} (its config.json); "
                               f"set model.{key}: {want!r}")
 
 
