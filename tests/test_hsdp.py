@@ -104,8 +104,8 @@ def test_link_of_reads_groups_against_hosts():
 
 
 def test_checkpoint_moves_between_hybrid_and_plain_meshes(tmp_path):
-    """A replica 2 x data 4 run's checkpoint restores bitwise on data 8 and on replica 4 x
-    data 2 (params and optimizer state)."""
+    """A replica 2 x data 4 run's checkpoint restores bitwise on data 8, on replica 4 x
+    data 2 and on one device (params and optimizer state)."""
     overrides = ["train.steps=2", "train.eval_every=0", "checkpoint.every=2",
                  "logging.progress=false"]
     config = load_config(ROOT / "configs/tiny.yaml",
@@ -116,3 +116,16 @@ def test_checkpoint_moves_between_hybrid_and_plain_meshes(tmp_path):
         other = latest_checkpoint(tmp_path / "run", mesh)
         assert other[0] == step == 2
         jax.tree.map(np.testing.assert_array_equal, other[1], hybrid)
+    # and on a single device
+    from zjax import build_step
+    from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
+
+    zstep = build_step(load_config(ROOT / "configs/tiny.yaml", ["mesh.data=1"]),
+                       jax.devices()[:1])
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", CheckpointConfig())
+    try:
+        _, state, _, _ = ckpt.restore_latest(zstep)
+    finally:
+        ckpt.close()
+    single = jax.tree.map(np.asarray, to_canonical(state, zstep))
+    jax.tree.map(np.testing.assert_array_equal, single, hybrid)
