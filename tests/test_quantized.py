@@ -113,3 +113,10 @@ def test_quantized_training_matches_plain_eval_loss(tmp_path):
             "train.eval_every=60", "logging.progress=false"])
         finals[quantized] = zjax.train(None, config).history[-1]["eval_loss"]
     assert finals["true"] == pytest.approx(finals["false"], rel=0.02), finals
+
+
+def test_quantization_below_its_stage_is_refused():
+    with pytest.raises(zjax.ConfigError, match=r"zero.quantized_weights: .* zero.stage is 2"):
+        zjax.ZeroConfig(stage=2, quantized_weights=True)
+    with pytest.raises(zjax.ConfigError, match=r"zero.quantized_gradients: .* zero.stage is 1"):
+        zjax.ZeroConfig(stage=1, quantized_gradients=True)

@@ -87,6 +87,13 @@ class ZeroConfig:
                 raise ConfigError(
                     f"zero.{key}.device: host needs a sharded state (stage 1, 2 or 3), but "
                     "zero.stage is 0; raise zero.stage or set the device to none")
+        if self.quantized_weights and self.stage < 3:
+            raise ConfigError(f"zero.quantized_weights: quantizes stage 3's weight gathers, "
+                              f"but zero.stage is {self.stage}; set zero.stage: 3")
+        if self.quantized_gradients and self.stage < 2:
+            raise ConfigError(f"zero.quantized_gradients: quantizes the gradients' "
+                              f"reduce-scatter (stages 2-3), but zero.stage is {self.stage}; "
+                              "set zero.stage: 2 or 3")
         if self.prefetch_layers is not None and self.prefetch_bucket_size is not None:
             raise ConfigError(
                 "zero.prefetch_layers and zero.prefetch_bucket_size both set "
