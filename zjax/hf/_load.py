@@ -98,8 +98,8 @@ class HFCheckpoint:
             for name in map(self._file_name, leaf.names(cfg.n_layers)):
                 names.add(name)
                 if name not in self.tensors:
-                    raise CheckpointError(f"{self.directory}: tensor {name!r} is missing (the "
-                                          "model config.json describes has it)")
+                    raise CheckpointError(f"{self.directory}: tensor {name!r} is missing "
+                                          "(config.json describes a model that has it)")
                 if self.tensors.shape(name) != want:
                     raise CheckpointError(
                         f"{self.directory}: tensor {name!r} has shape "
