@@ -11,24 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-# VmHWM (peak resident set) is per address space, so it starts afresh in the exec'd child
-EXPORT = """
-import sys
-from zjax.export import export
-def hwm_kb():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-before = hwm_kb()  # the interpreter with zjax, jax and orbax imported
-export(sys.argv[1], sys.argv[2], dtype=sys.argv[3], format=sys.argv[4])
-print(before, hwm_kb())
-"""
+from _peak_rss import peak_rss
 
 
 def write_checkpoint(run_dir: Path, args: argparse.Namespace) -> dict:
@@ -66,21 +52,16 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         sizes = write_checkpoint(run_dir, args)
         rows = []
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env["JAX_PLATFORMS"] = "cpu"
         for fmt, dtype in [("orbax", "bfloat16"), ("orbax", "float32"),
                            ("safetensors", "bfloat16"), ("safetensors", "float32")]:
             out = Path(tmp) / f"export-{fmt}-{dtype}"
-            r = subprocess.run([sys.executable, "-c", EXPORT, str(run_dir), str(out), dtype, fmt],
-                               env=env, capture_output=True, text=True, check=True)
-            before_kb, peak_kb = map(int, r.stdout.split()[-2:])
-            rows.append({"format": fmt, "dtype": dtype, "baseline_rss_bytes": before_kb * 1024,
-                         "peak_rss_bytes": peak_kb * 1024,
-                         "export_rss_bytes": (peak_kb - before_kb) * 1024,
-                         "x_largest_leaf": round((peak_kb - before_kb) * 1024
-                                                 / sizes["largest_leaf_bytes_fp32"], 2),
-                         "x_model": round((peak_kb - before_kb) * 1024
-                                          / sizes["model_bytes_fp32"], 2)})
+            before, above = peak_rss("from zjax.export import export",
+                                     "export(sys.argv[1], sys.argv[2], dtype=sys.argv[3], "
+                                     "format=sys.argv[4])", [str(run_dir), str(out), dtype, fmt])
+            rows.append({"format": fmt, "dtype": dtype, "baseline_rss_bytes": before,
+                         "peak_rss_bytes": before + above, "export_rss_bytes": above,
+                         "x_largest_leaf": round(above / sizes["largest_leaf_bytes_fp32"], 2),
+                         "x_model": round(above / sizes["model_bytes_fp32"], 2)})
         print(json.dumps({"model": vars(args), **sizes, "rows": rows}, indent=1))
 
 

@@ -15,29 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-
-MEASURE = """
-import sys
-def hwm_kb():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-from zjax.export import export
-from zjax.hf import import_hf
-before = hwm_kb()
-if sys.argv[1] == "import":
-    import_hf(sys.argv[2], sys.argv[3], dtype="float32")
-else:
-    export(sys.argv[2], sys.argv[3], dtype="bfloat16", format="hf")
-print(before, hwm_kb())
-"""
+from _peak_rss import peak_rss
 
 
 def write_hf_dir(directory: Path, args: argparse.Namespace) -> dict:
@@ -54,7 +36,7 @@ def write_hf_dir(directory: Path, args: argparse.Namespace) -> dict:
                       n_heads=16, n_kv_heads=4, d_ff=args.d_ff, max_seq_len=2048)
     directory.mkdir()
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    shapes = model_shapes("llama", cfg)
+    shapes = model_shapes(cfg)
     tensors = [(name, hf_shape(leaf, shapes[leaf.keys]), bf16)
                for leaf in leaves(cfg) for name in leaf.names(cfg.n_layers)]
     rng = np.random.default_rng(0)
@@ -79,7 +61,6 @@ def write_run(hf_dir: Path, run_dir: Path) -> None:
     from zjax.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8)
-    import jax
     import yaml
 
     from zjax._build import build_step
@@ -90,11 +71,10 @@ def write_run(hf_dir: Path, run_dir: Path) -> None:
     model = HFCheckpoint(hf_dir).config
     config = load_config(None, ["loop=llama", "zero.stage=3", "data.seq_len=64",
                                 f"train.init_from={hf_dir}",
-                                *(f"model.{k}={v}" for k, v in vars(model).items())])
+                                *(f"model.{k}={v}" for k, v in vars(model).items()
+                                  if v is not None)])
     zstep = build_step(config)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
-                          zstep.abstract_state.params, zstep.params_shardings)
-    state = zstep.from_params(initial_params(hf_dir, target, config.model))
+    state = zstep.from_params(initial_params(hf_dir, zstep.params_target, config.model))
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     ckpt = Checkpointer(run_dir / "checkpoints", CheckpointConfig())
@@ -103,12 +83,10 @@ def write_run(hf_dir: Path, run_dir: Path) -> None:
 
 
 def measure(kind: str, src: Path, out: Path) -> tuple[int, int]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    r = subprocess.run([sys.executable, "-c", MEASURE, kind, str(src), str(out)], env=env,
-                       capture_output=True, text=True, check=True)
-    before_kb, peak_kb = map(int, r.stdout.split()[-2:])
-    return before_kb * 1024, (peak_kb - before_kb) * 1024
+    call = ('import_hf(sys.argv[2], sys.argv[3], dtype="float32")' if kind == "import" else
+            'export(sys.argv[2], sys.argv[3], dtype="bfloat16", format="hf")')
+    return peak_rss("from zjax.export import export\nfrom zjax.hf import import_hf", call,
+                    [kind, str(src), str(out)])
 
 
 def main() -> None:

@@ -23,14 +23,16 @@ from zjax.config import load_config
 from zjax.errors import CheckpointError, ConfigError
 from zjax.export import export
 from zjax.hf import HFCheckpoint, SafetensorsDir, import_hf
-from zjax.models import GPT, Llama, LlamaConfig
+from zjax.models import model_class
 
 ATOL = 1e-5  # fp32 logits of O(1): the same math in another op order
 TOKENS = np.random.default_rng(1).integers(0, TINY_HF["vocab_size"], (2, 24))
 
 
-def _zjax_logits(cfg: LlamaConfig, params, tokens=TOKENS) -> np.ndarray:
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+def _zjax_logits(cfg, params, tokens=TOKENS) -> np.ndarray:
+    """Logits of zjax's reference model of ``cfg`` (GPT or Llama) with ``params``."""
+    cls = model_class(cfg)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
     return np.asarray(nnx.merge(graphdef, jax.device_get(params))(tokens))
 
 
@@ -69,11 +71,6 @@ def test_tied_embeddings_read_the_embedding_as_head(tmp_path, model):
     np.testing.assert_allclose(got, hf_logits(tied, TOKENS), atol=ATOL, rtol=0)
 
 
-def _gpt2_logits(cfg, params, tokens=TOKENS) -> np.ndarray:
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
-    return np.asarray(nnx.merge(graphdef, jax.device_get(params))(tokens))
-
-
 @pytest.mark.parametrize("strip", ["", "transformer."])
 def test_imported_gpt2_has_transformers_logits(tmp_path, strip):
     """GPT-2: fused q/k/v, Conv1D [in, out], LayerNorm and biases, tied head; also the
@@ -84,7 +81,7 @@ def test_imported_gpt2_has_transformers_logits(tmp_path, strip):
     directory = write_hf(tmp_path / "hf", gpt2, strip=strip, shards=2)
     source = HFCheckpoint(directory)
     assert source.layout.loop == "lm" and source.config.bias
-    got = _gpt2_logits(source.config, nested(source.host_leaves()))
+    got = _zjax_logits(source.config, nested(source.host_leaves()))
     np.testing.assert_allclose(got, hf_logits(gpt2, TOKENS), atol=ATOL, rtol=0)
     if not strip:  # the test's file is what transformers itself reads as this model
         single = write_hf(tmp_path / "one", gpt2)
@@ -103,7 +100,7 @@ def test_gpt2_finetune_exports_what_transformers_loads(tmp_path):
         "train.eval_every=0", "logging.progress=false", "mesh.data=4", "mesh.model=2"])
     assert config.loop == "lm" and config.model.norm == "layer"
     result = zjax.train(None, config, run_dir=tmp_path / "run")
-    tuned = _gpt2_logits(config.model, result.state.params)
+    tuned = _zjax_logits(config.model, result.state.params)
     assert np.abs(tuned - hf_logits(gpt2, TOKENS)).max() > 1e-3  # it did train
     exported = export(tmp_path / "run", tmp_path / "hf_out", dtype="float32", format="hf")
     reloaded = FlaxGPT2LMHeadModel.from_pretrained(exported)
@@ -119,9 +116,7 @@ def test_stage3_start_reads_each_shard_from_the_files(tmp_path, model):
     zstep = build_step(config)
     from zjax.hf import initial_params
 
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
-                          zstep.abstract_state.params, zstep.params_shardings)
-    params = initial_params(directory, target, config.model)
+    params = initial_params(directory, zstep.params_target, config.model)
     wq = params["blocks"]["layers"]["wq"]
     assert {s.data.size for s in wq.addressable_shards} == {wq.size // 8}  # split over data
     state = zstep.from_params(params)

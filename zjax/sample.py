@@ -159,11 +159,11 @@ def load_sampler(source: str | Path) -> Sampler:
 
 
 def _model(loop: str, cfg: Any, params: dict, source: str) -> nnx.Module:
-    from zjax.models import GPT, Llama
+    from zjax.models import model_class
 
-    classes = {"lm": GPT, "llama": Llama}
-    if loop not in classes:
+    cls = model_class(cfg)
+    if cls is None:
         raise ConfigError(f"sample: {source} trains loop {loop!r}; zjax sample generates "
-                          f"with the built-in loops ({', '.join(classes)})")
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: classes[loop](cfg, rngs=nnx.Rngs(0))))
+                          "with the built-in loops (lm, llama)")
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))

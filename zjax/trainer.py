@@ -207,10 +207,9 @@ def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
         return zstep.init(jax.random.key(config.train.seed))
     from zjax.hf._import import initial_params
 
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
-                          zstep.abstract_state.params, zstep.params_shardings)
     info("initial params from %s", config.train.init_from)
-    return zstep.from_params(initial_params(config.train.init_from, target, config.model))
+    return zstep.from_params(initial_params(config.train.init_from, zstep.params_target,
+                                            config.model))
 
 
 def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:

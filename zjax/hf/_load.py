@@ -32,13 +32,13 @@ def is_hf_dir(path: Path) -> bool:
         any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
 
 
-def model_shapes(loop: str, cfg: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """The params' shapes of the built-in ``loop``'s model of ``cfg`` (nothing allocated)."""
+def model_shapes(cfg: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The params' shapes of the reference model of ``cfg`` (nothing allocated)."""
     from flax import nnx
 
-    from zjax.models import GPT, Llama
+    from zjax.models import model_class
 
-    cls = {"lm": GPT, "llama": Llama}[loop]
+    cls = model_class(cfg)
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))),
                                           nnx.Param))
     return {tuple(str(k.key) for k in path): tuple(x.shape)
@@ -76,7 +76,6 @@ class HFCheckpoint:
                                   "model directory: config.json and *.safetensors)") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{config}: not JSON: {e}") from None
-        self.hf_config = hf
         self.layout = layout_for_hf(hf, source=str(config))
         self.config = self.layout.from_hf(hf, source=str(config), max_seq_len=max_seq_len)
         self.tensors = SafetensorsDir(self.directory)
@@ -84,7 +83,7 @@ class HFCheckpoint:
         self._short = bool(prefix) and not any(n.startswith(prefix)
                                                for n in self.tensors.names())
         self.leaves = self.layout.leaves(self.config)
-        self.shapes = model_shapes(self.layout.loop, self.config)
+        self.shapes = model_shapes(self.config)
         self._check()
 
     def _file_name(self, name: str) -> str:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from zjax.models._gpt_config import GPTConfig
 from zjax.models._llama_config import LlamaConfig
 
-__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "lm_loss"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "lm_loss", "model_class"]
 
 _LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.models.llama"}
 
@@ -23,6 +23,13 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
+
+
+def model_class(config: Any) -> type | None:
+    """The reference model a ``model`` section builds (``GPT`` for a :class:`GPTConfig`,
+    ``Llama`` for a :class:`LlamaConfig`); None for another loop's section."""
+    name = {GPTConfig: "GPT", LlamaConfig: "Llama"}.get(type(config))
+    return None if name is None else __getattr__(name)
 
 
 if TYPE_CHECKING:

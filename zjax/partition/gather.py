@@ -215,12 +215,12 @@ class Comm:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6, 7))
 def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, scatter: str,
-                 quantize: int | None, block: int):
+                 quantize: bool, block: int):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
     # the gathered value itself (the custom call's output would otherwise be saved)
     if quantize:
-        return quantized_all_gather(x, axis_name, axis=dim, block=quantize,
-                                    dtype=gather_dtype, name=GATHERED)
+        return quantized_all_gather(x, axis_name, axis=dim, block=block, dtype=gather_dtype,
+                                    name=GATHERED)
     return all_gather(x.astype(gather_dtype), axis_name, axis=dim, name=GATHERED)
 
 
@@ -262,7 +262,7 @@ def gather(x: jax.Array, *, dim: int | None, comm: Comm = Comm()) -> jax.Array:
     if dim is None:
         return x.astype(c.gather_dtype)
     return _zjax_gather(x, dim, c.axis_name, c.gather_dtype, c.reduce_dtype, c.scatter,
-                        c.block if c.quantize else None, c.block)
+                        c.quantize, c.block)
 
 
 def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> list[jax.Array]:

@@ -65,6 +65,14 @@ class ZeroStep:
     from_params: Callable[[Any], TrainState]
     params_shardings: Any
 
+    @property
+    def params_target(self) -> Any:
+        """The params :attr:`from_params` takes, abstract: float32 ``ShapeDtypeStruct`` with
+        :attr:`params_shardings` (an Orbax restore target, or the shapes to fill)."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
+            self.abstract_state.params, self.params_shardings)
+
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
         _check_batch(shape, self.plan.n_batch, self.plan.n_replica)
