@@ -8,7 +8,9 @@ and temp of the compiled step:
 - ``stage3``: ZeRO-3 over all devices;
 - ``hsdp``: hybrid sharding, ``mesh.replica=H`` x ``mesh.data=D`` (shards inside a host);
 - ``qwz``: stage 3 with int8 weight gathers;
-- ``qwz+qgz``: and int8 gradient reduce-scatters.
+- ``qwz+qgz``: and int8 gradient reduce-scatters;
+- ``hpz``, ``hpz+qwz``, ``hpz+qwz+qgz``: ZeRO++'s hierarchical partition over each host's D
+  devices (``zero.hpz_partition_size=D``), alone and with the quantized collectives.
 
 Prints one JSON object. Usage: ``python benchmarks/zeropp.py [--hosts 4 --per-host 8]
 [--target h100:4x8] [--small]`` (``--small``: a d_model 1024, 8-layer model that compiles in
@@ -29,8 +31,9 @@ MODEL_SMALL = ["model.vocab_size=32768", "model.d_model=1024", "model.n_layers=8
                "model.n_heads=16", "model.max_seq_len=512"]
 TRAINING = ["zero.stage=3", "zero.gather_dtype=bfloat16", "zero.reduce_dtype=bfloat16",
             "zero.prefetch_layers=1", "data.seq_len=512", "optimizer.name=adamw"]
-VARIANTS = {"stage3": [], "hsdp": ["REPLICA"], "qwz": ["zero.quantized_weights=true"],
-            "qwz+qgz": ["zero.quantized_weights=true", "zero.quantized_gradients=true"]}
+QWZ, QGZ = "zero.quantized_weights=true", "zero.quantized_gradients=true"
+VARIANTS = {"stage3": [], "hsdp": ["REPLICA"], "qwz": [QWZ], "qwz+qgz": [QWZ, QGZ],
+            "hpz": ["HPZ"], "hpz+qwz": ["HPZ", QWZ], "hpz+qwz+qgz": ["HPZ", QWZ, QGZ]}
 
 
 def main() -> None:
@@ -54,8 +57,10 @@ def main() -> None:
     for name, extra in VARIANTS.items():
         mesh = [f"mesh.replica={args.hosts}", f"mesh.data={args.per_host}"] \
             if extra == ["REPLICA"] else [f"mesh.data={n}"]
+        extra = [f"zero.hpz_partition_size={args.per_host}" if x == "HPZ" else x
+                 for x in extra if x != "REPLICA"]
         overrides = [*(MODEL_SMALL if args.small else MODEL_7B), *TRAINING,
-                     f"data.batch_size={n}", *mesh, *(x for x in extra if x != "REPLICA")]
+                     f"data.batch_size={n}", *mesh, *extra]
         start = time.perf_counter()
         config = load_config(None, overrides)
         report = plan(config, target=args.target) if args.target else \
@@ -67,12 +72,16 @@ def main() -> None:
             "by_link": links,
             "model_state_bytes": report.per_device["model_state_bytes"],
             "temp_bytes": report.per_device["temp_bytes"],
+            "total_bytes": report.per_device["total_bytes"],
+            "hpz_secondary_bytes": report.formula.get("hpz_secondary_bytes"),
             "compile_s": round(time.perf_counter() - start, 1)}
-        print(f"{name}: inter-host {rows[name]['inter_host_bytes'] / 2**30:.2f} GiB",
+        print(f"{name}: inter-host {rows[name]['inter_host_bytes'] / 2**30:.2f} GiB, "
+              f"total {rows[name]['total_bytes'] / 2**30:.2f} GiB per device",
               file=sys.stderr, flush=True)
     base = rows["stage3"]["inter_host_bytes"]
     for row in rows.values():
         row["inter_host_vs_stage3"] = round(row["inter_host_bytes"] / base, 3) if base else None
+        row["total_vs_stage3"] = round(row["total_bytes"] / rows["stage3"]["total_bytes"], 3)
     print(json.dumps({"hosts": args.hosts, "per_host": args.per_host, "small": args.small,
                       "target": args.target,
                       "n_params": report.n_params, "variants": rows}, indent=1))

@@ -63,7 +63,7 @@ def test_batch_sizes_are_per_gpu_in_deepspeed_and_global_in_zjax():
                         "gradient_accumulation_steps": 2}, n_data=8)
 
 
-def test_mics_shard_size_is_hybrid_sharding():
+def test_mics_shard_size_is_hybrid_sharding_and_zeropp_maps():
     config, ignored = _config({"zero_optimization": {"stage": 3, "mics_shard_size": 2,
                                                      "mics_hierarchical_params_gather": True}})
     assert (config.mesh.replica, config.mesh.data) == (4, 2)
@@ -71,6 +71,8 @@ def test_mics_shard_size_is_hybrid_sharding():
                                                "zero_quantized_gradients": True}})
     assert config.zero.quantized_weights and config.zero.quantized_gradients
     assert any("mics_hierarchical_params_gather" in key for key, _ in ignored.ignored)
+    config, _ = _config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}})
+    assert config.zero.hpz_partition_size == 4
 
 
 def test_optimizer_scheduler_precision_and_hf_auto_values():
@@ -102,8 +104,8 @@ def test_optimizer_scheduler_precision_and_hf_auto_values():
      r"'stage3_prefetch_bucket_size'\?\)"),
     ({"optimizer": {"type": "Lamb"}}, r"^deepspeed optimizer.type: 'Lamb' is not mapped"),
     ({"scheduler": {"type": "OneCycle"}}, r"^deepspeed scheduler.type: 'OneCycle'"),
-    ({"zero_optimization": {"zero_hpz_partition_size": 8}},
-     r"ZeRO\+\+'s secondary partition \(hpZ\) is not in zjax yet"),
+    ({"zero_optimization": {"zero_hpz_partition_size": 3}},
+     r"zero_hpz_partition_size: 3 does not divide the 8 data ranks"),
     ({"zero_optimization": {"mics_shard_size": 3}}, r"mics_shard_size: 3 does not divide the "
                                                     r"8 data ranks"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"both true"),

@@ -1,5 +1,5 @@
-"""The device mesh (``data``, ``model``, and ``replica`` for hybrid sharding) and CPU device
-simulation.
+"""The device mesh (``data``, ``model``; ``replica`` for hybrid sharding, ``node`` for ZeRO++'s
+hierarchical partition) and CPU device simulation.
 
 This module reads the process environment (``XLA_FLAGS``, ``PJRT_NPROC``) on purpose:
 simulating devices must happen before jax initialises its backends.
@@ -19,12 +19,24 @@ from jax.sharding import AxisType, Mesh
 from zjax._schema import choices, positive, validate
 from zjax.errors import ConfigError
 
-__all__ = ["DATA", "MODEL", "REPLICA", "MeshConfig", "batch_axes", "make_mesh",
-           "process_batch_slice", "simulate_cpu_devices", "simulated_device_env"]
+__all__ = [
+    "DATA",
+    "MODEL",
+    "NODE",
+    "REPLICA",
+    "MeshConfig",
+    "batch_axes",
+    "make_mesh",
+    "process_batch_slice",
+    "simulate_cpu_devices",
+    "simulated_device_env",
+    "split_nodes",
+]
 
 DATA = "data"
 MODEL = "model"
 REPLICA = "replica"
+NODE = "node"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,25 +139,71 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
                          axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+def split_nodes(mesh: Mesh, group: int) -> Mesh:
+    """``mesh`` with its ``data`` axis split into ``(node, data)``: groups of ``group``
+    ``data`` devices of one process (a node's) keep the name ``data``; ``node`` numbers the
+    groups. The ``data`` axis is first put in process order (a stable sort, so a mesh already
+    laid out by process keeps its order).
+
+    Raises:
+      ConfigError: ``group`` does not divide the ``data`` axis, the mesh has a ``replica``
+        axis, or a group spans processes.
+    """
+    names = mesh.axis_names
+    n = mesh.shape[DATA]
+    if REPLICA in names:
+        raise ConfigError(
+            f"zero.hpz_partition_size: {group} with mesh.replica: {mesh.shape[REPLICA]}: hybrid "
+            "sharding already keeps the weight gathers inside a replica group; use one of them")
+    if group < 1 or n % group:
+        raise ConfigError(f"zero.hpz_partition_size: {group} does not divide the data axis "
+                          f"({n} devices); use a divisor of {n}, e.g. the devices per node")
+    if group == n:  # one node: plain stage 3
+        return mesh
+    d = names.index(DATA)
+    # the data axis in process order (stable): a mesh laid out by the interconnect's topology
+    # (TPU) may interleave hosts along it, and a group must be one node's devices
+    moved = np.moveaxis(mesh.devices, d, 0)
+    order = sorted(range(n), key=lambda i: min(dev.process_index for dev in moved[i].flat))
+    devices = np.moveaxis(moved[order], 0, d)
+    devices = devices.reshape(*devices.shape[:d], n // group, group, *devices.shape[d + 1:])
+    for idx in np.ndindex(devices.shape[:d + 1]):
+        groups = devices[idx]
+        procs = {dev.process_index for dev in groups.reshape(-1)}
+        if len(procs) > 1:
+            raise ConfigError(
+                f"zero.hpz_partition_size: {group} puts devices of processes {sorted(procs)} "
+                "in one secondary group; use the devices per process (or a divisor of it)")
+    new_names = (*names[:d], NODE, *names[d:])
+    return Mesh(devices, new_names, axis_types=(AxisType.Auto,) * len(new_names))
+
+
 def batch_axes(mesh: Mesh) -> str | tuple[str, str]:
-    """The mesh axes a global batch is split over: ``data``, or ``(replica, data)``."""
-    return (REPLICA, DATA) if REPLICA in mesh.axis_names else DATA
+    """The mesh axes a global batch is split over: ``data``, or ``(replica, data)`` /
+    ``(node, data)``."""
+    for outer in (REPLICA, NODE):
+        if outer in mesh.axis_names:
+            return (outer, DATA)
+    return DATA
 
 
 def process_batch_slice(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
     """Which of ``count`` equal slices of each global batch this process loads: ``(i, count)``.
 
-    The batch is split over ``replica`` x ``data`` only, so processes whose devices sit at the
-    same coordinates there (a ``model`` axis spanning processes) load the same slice.
+    The batch is split over ``replica`` (or ``node``) x ``data`` only, so processes whose
+    devices sit at the same coordinates there (a ``model`` axis spanning processes) load the
+    same slice.
     """
     process_index = jax.process_index() if process_index is None else process_index
     names = mesh.axis_names
     n_data = mesh.shape[DATA]
+    axes = batch_axes(mesh)
+    outer = axes[0] if isinstance(axes, tuple) else None
     rows: dict[int, set] = {}
     for idx in np.ndindex(mesh.devices.shape):
-        replica = idx[names.index(REPLICA)] if REPLICA in names else 0
+        group = idx[names.index(outer)] if outer else 0
         rows.setdefault(mesh.devices[idx].process_index, set()).add(
-            replica * n_data + idx[names.index(DATA)])
+            group * n_data + idx[names.index(DATA)])
     slices = sorted({tuple(sorted(r)) for r in rows.values()})
     flat = [i for s in slices for i in s]
     if len(flat) != len(set(flat)) or len({len(s) for s in slices}) != 1:

@@ -64,7 +64,7 @@ def _suspects(plan: ShardPlan, message: str) -> list[str]:
     for leaf in plan.leaves:
         if leaf.dim is None:
             continue
-        local = leaf.shape[leaf.dim] // plan.n_data
+        local = leaf.shape[leaf.dim] // plan.n_shard
         score = (local in numbers) + (leaf.shape[leaf.dim] in numbers)
         shard = list(leaf.shape)
         shard[leaf.dim] = local

@@ -184,9 +184,12 @@ def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
             r.ignore(where, "off")
         elif key in ("zero_quantized_weights", "zero_quantized_gradients"):  # qwZ, qgZ
             r.set(f"zero.{key.removeprefix('zero_')}", True)
-        elif key == "zero_hpz_partition_size":
-            raise ConfigError(f"deepspeed {where}: {value!r}: ZeRO++'s secondary partition "
-                              "(hpZ) is not in zjax yet (qwZ, qgZ and MiCS are)")
+        elif key == "zero_hpz_partition_size":  # hpZ: the devices of a node
+            size = _number(where, value, int)
+            if size < 1 or n_data % size:
+                raise ConfigError(f"deepspeed {where}: {value!r} does not divide the {n_data} "
+                                  "data ranks (devices / mesh.model)")
+            r.set("zero.hpz_partition_size", size)
         else:
             raise r.unknown(where, [*direct, "stage3_prefetch_bucket_size", "offload_optimizer",
                                     "offload_param", *_ZERO_IGNORED])

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from zjax.partition._rows import from_rows, to_rows
 
-__all__ = ["quantized_all_gather", "quantized_reduce_scatter"]
+__all__ = ["dequantize_rows", "gather_rows", "quantize_shard", "quantized_all_gather",
+           "quantized_reduce_scatter"]
 
 
 def _quantize(rows: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -25,8 +27,38 @@ def _quantize(rows: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def quantized_all_gather(x: jax.Array, axis_name: str, *, axis: int, block: int, dtype,
-                         name: str | None = None) -> jax.Array:
+def quantize_shard(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """A shard as one row of int8 blocks (moved as uint8 bits) and its float32 scales:
+    ``(1, blocks, block)`` and ``(1, blocks)``, the input of :func:`gather_rows`."""
+    flat = x.reshape(-1)
+    # a small shard is one block, not a padded one
+    q, scale = _quantize(flat[None], min(block, flat.size))
+    # as uint8 bits: XLA would otherwise move the int8 -> float convert in front of the gather
+    return lax.bitcast_convert_type(q, jnp.uint8), scale
+
+
+def gather_rows(parts: tuple[jax.Array, jax.Array], axis_name: str,
+                tag=lambda v: v) -> tuple[jax.Array, jax.Array]:
+    """All-gather quantized rows over ``axis_name``: ``r`` rows per device become ``n * r``,
+    this axis's index major (the order of a PartitionSpec naming it first)."""
+    def one(v):
+        rows = tag(lax.all_gather(v, axis_name, axis=0, tiled=False))
+        return rows.reshape(-1, *v.shape[1:])
+    return one(parts[0]), one(parts[1])
+
+
+def dequantize_rows(parts: tuple[jax.Array, jax.Array], shard_shape, axis: int, dtype,
+                    tag=lambda v: v) -> jax.Array:
+    """Every device's quantized shard (rows in shard order) as the gathered tensor."""
+    bits, scale = parts
+    q_rows = tag(lax.bitcast_convert_type(bits, jnp.int8))  # (n, blocks, block)
+    n, size = q_rows.shape[0], int(np.prod(shard_shape, dtype=np.int64))
+    rows = (q_rows.astype(jnp.float32) * scale[..., None]).reshape(n, -1)[:, :size]
+    return tag(from_rows(rows.astype(dtype), shard_shape, axis))
+
+
+def quantized_all_gather(x: jax.Array, axis_name: str | tuple[str, ...], *, axis: int,
+                         block: int, dtype, name: str | None = None) -> jax.Array:
     """Tiled all-gather of ``x`` as blockwise int8 (ZeRO++'s qwZ), dequantized to ``dtype``.
 
     The shard is flattened into blocks of ``block`` elements (the last one zero-padded); each
@@ -34,19 +66,13 @@ def quantized_all_gather(x: jax.Array, axis_name: str, *, axis: int, block: int,
     gather carries about 1 byte per element plus ``4 / block``. Rows of the devices' blocks are
     dequantized and laid back along ``axis``. ``name`` tags what the remat policy must not save
     (the gathered int8 rows, scales and the dequantized weight: the backward re-gathers).
+    A tuple ``axis_name`` gathers over each axis in turn, the last one's index major.
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
-    flat = x.reshape(-1)
-    # a small shard is one block, not a padded one
-    q, scale = (v[0] for v in _quantize(flat[None], min(block, flat.size)))
-    # as uint8 bits: XLA would otherwise move the int8 -> float convert in front of the gather
-    bits = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=0,
-                          tiled=False)
-    q_rows = tag(lax.bitcast_convert_type(bits, jnp.int8))  # (n, blocks, block)
-    s_rows = tag(lax.all_gather(scale, axis_name, axis=0, tiled=False))  # (n, blocks)
-    n = q_rows.shape[0]
-    rows = (q_rows.astype(jnp.float32) * s_rows[..., None]).reshape(n, -1)[:, :flat.size]
-    return tag(from_rows(rows.astype(dtype), x.shape, axis))
+    parts = quantize_shard(x, block)
+    for a in (axis_name,) if isinstance(axis_name, str) else axis_name:
+        parts = gather_rows(parts, a, tag)
+    return dequantize_rows(parts, x.shape, axis, dtype, tag)
 
 
 def quantized_reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, block: int

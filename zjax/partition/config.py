@@ -59,7 +59,13 @@ class ZeroConfig:
       quantized_gradients: ZeRO++'s qgZ (DeepSpeed ``zero_quantized_gradients``): gradients
         of sharded leaves reduce-scattered as blockwise int8 through an all-to-all, summed
         in float32 on arrival (stages 2-3): about a quarter of a float32 reduce-scatter's bytes.
-        Single level: no intra-node step first.
+        With ``hpz_partition_size``, in two levels: within the node, then across nodes.
+      hpz_partition_size: ZeRO++'s hpZ (DeepSpeed ``zero_hpz_partition_size``), stage 3:
+        the devices of a node (k). Params stay sharded over all of ``data``; the layer scan's
+        forward gathers each weight across nodes into a 1/k slice (its secondary partition,
+        kept for the backward: 2 Psi / k bytes in a 16-bit ``gather_dtype``), then within the
+        node; the backward re-gathers within the node only. Gradients are reduce-scattered
+        within the node, then across nodes. 1 turns it off.
       quantize_block: elements per quantization block of ``quantized_weights`` and
         ``quantized_gradients`` (the scale overhead is 4 bytes per block).
     """
@@ -76,6 +82,7 @@ class ZeroConfig:
     offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     quantized_weights: bool = False
     quantized_gradients: bool = False
+    hpz_partition_size: int = positive(1)
     quantize_block: int = positive(256)
 
     def __post_init__(self):
@@ -94,6 +101,10 @@ class ZeroConfig:
             raise ConfigError(f"zero.quantized_gradients: quantizes the gradients' "
                               f"reduce-scatter (stages 2-3), but zero.stage is {self.stage}; "
                               "set zero.stage: 2 or 3")
+        if self.hpz_partition_size > 1 and self.stage < 3:
+            raise ConfigError(f"zero.hpz_partition_size: {self.hpz_partition_size} partitions "
+                              f"stage 3's gathered weights, but zero.stage is {self.stage}; "
+                              "set zero.stage: 3 or zero.hpz_partition_size: 1")
         if self.prefetch_layers is not None and self.prefetch_bucket_size is not None:
             raise ConfigError(
                 "zero.prefetch_layers and zero.prefetch_bucket_size both set "

@@ -13,19 +13,28 @@ of all its uses before the single reduce-scatter in the backward pass.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
-from zjax.partition._quantized import quantized_all_gather, quantized_reduce_scatter
-from zjax.partition._rows import from_rows, to_rows
+from zjax.partition._collectives import (
+    RING_SCOPE,
+    SCATTER_METHODS,
+    UINT,
+    Comm,
+    all_gather,
+    all_gather_bucket,
+    gather_levels,
+    gather_within,
+    quantized_all_gather,
+    reduce_scatter,
+    reduce_scatter_bucket,
+    scatter_levels,
+)
 
 __all__ = [
     "GATHERED",
@@ -37,12 +46,15 @@ __all__ = [
     "all_gather",
     "all_gather_bucket",
     "gather",
+    "gather_levels",
     "gather_on_access",
     "gather_tree",
+    "gather_within",
     "join_gathers",
     "quantized_all_gather",
     "reduce_scatter",
     "reduce_scatter_bucket",
+    "scatter_levels",
 ]
 
 GATHERED = "zjax_gathered"
@@ -76,178 +88,34 @@ def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = None) -> jax.Array:
-    """Tiled all-gather that moves exactly ``x.dtype``'s bytes.
-
-    XLA's algebraic simplifier moves a float convert that follows an all-gather in front of
-    it (so a bf16 gather feeding f32 math would move f32). Gathering the bits as unsigned
-    integers of the same width pins the communicated dtype. ``name`` tags the gathered bits
-    with ``checkpoint_name`` (the bitcasts around them are views the remat policy recomputes).
-    """
-    tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return tag(lax.all_gather(x, axis_name, axis=axis, tiled=True))
-    bits = lax.bitcast_convert_type(x, UINT[x.dtype.itemsize])
-    full = tag(lax.all_gather(bits, axis_name, axis=axis, tiled=True))
-    return lax.bitcast_convert_type(full, x.dtype)
-
-
-SCATTER_METHODS = ("direct", "all_reduce", "ring", "quantized")
-# the name scope of a ring's collective-permutes: zjax.planning reads them as one reduce-scatter
-RING_SCOPE = "zjax_ring_reduce_scatter"
-
-
-def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "direct",
-                   block: int = 256) -> jax.Array:
-    """Tiled reduce-scatter of ``x`` along ``dim`` over ``axis_name``.
-
-    ``method`` (:data:`SCATTER_METHODS`):
-
-    - ``direct``: ``lax.psum_scatter``, the compiler's reduce-scatter.
-    - ``all_reduce``: an all-reduce, keeping this device's slice: twice the traffic, but
-      correct where XLA:CPU's reduce-scatter is not. With ``jax.distributed`` initialised,
-      XLA:CPU runs collectives through gloo, whose halving-doubling reduce-scatter
-      intermittently returns wrong values at the end of rank 0's chunk, with no error
-      (jax-ml/jax#40830; seen here as a silently wrong embedding row on 2 processes).
-    - ``ring``: ``n - 1`` collective-permutes of one tile each around the ring of
-      ``axis_name``, adding this device's tile of the passing sum at every hop: the bytes of
-      a reduce-scatter, on a compiler that would run ``direct`` as an all-reduce (libtpu).
-      Sums in a different order than ``direct`` (rounding differs, not the result).
-    - ``quantized``: ZeRO++'s qgZ: every device's tile for device j is quantized to blockwise
-      int8 (``block`` elements per float32 scale), an all-to-all delivers each device the
-      tiles meant for it, and it sums them dequantized in float32: about a quarter of a
-      float32 reduce-scatter's bytes, at int8's rounding of each device's contribution.
-    """
-    if method == "direct":
-        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
-    if method == "quantized":
-        return quantized_reduce_scatter(x, axis_name, dim=dim, block=block)
-    n = lax.axis_size(axis_name)
-    size = x.shape[dim] // n
-    me = lax.axis_index(axis_name)
-    if method == "all_reduce":
-        return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), me * size, size, axis=dim)
-    if method != "ring":
-        raise ValueError(f"reduce_scatter method {method!r}; choose from {SCATTER_METHODS}")
-
-    def tile(j):
-        return lax.dynamic_slice_in_dim(x, (j % n) * size, size, axis=dim)
-
-    # after hop s the passing sum covers devices me - s .. me of tile me - s - 1: after
-    # n - 1 hops every device holds the whole sum of its own tile
-    with jax.named_scope(RING_SCOPE):
-        ring = [(j, (j + 1) % n) for j in range(n)]
-        acc = tile(me + n - 1)
-        for s in range(1, n):
-            acc = lax.ppermute(acc, axis_name, ring) + tile(me + n - 1 - s)
-    return acc
-
-
-def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) -> list[jax.Array]:
-    """Tiled all-gathers of several shards (each along its ``dims`` entry) as one collective.
-
-    The shards' bits (one dtype width) are flattened into one buffer, gathered once as
-    ``(n, total)`` rows (one per device) and split into the gathered leaves. One collective
-    per bucket, as DeepSpeed's parameter buckets and FSDP's flat parameters: a compiler that
-    runs one asynchronous collective at a time (TPU) can hide the whole bucket behind one
-    stretch of compute instead of fitting several gathers between ops.
-    """
-    width = {x.dtype.itemsize for x in shards}
-    if len(width) != 1:
-        raise ValueError(f"a bucket holds one dtype width, got {sorted(width)} bytes")
-    uint = UINT[width.pop()]
-    flat = [lax.bitcast_convert_type(x, uint).reshape(-1) for x in shards]
-    rows = lax.all_gather(jnp.concatenate(flat), axis_name, axis=0, tiled=False)
-    sizes = np.cumsum([f.size for f in flat])[:-1]
-    return [lax.bitcast_convert_type(from_rows(r, x.shape, d), x.dtype)
-            for r, x, d in zip(jnp.split(rows, sizes, axis=1), shards, dims, strict=True)]
-
-
-def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: str, *,
-                          method: str = "direct", block: int = 256) -> list[jax.Array]:
-    """Tiled reduce-scatters of several values (one dtype) as one collective.
-
-    The inverse layout of :func:`all_gather_bucket`: each value's tiles become rows of one
-    ``(n, total)`` buffer whose reduce-scatter gives every device its row.
-    """
-    n = lax.axis_size(axis_name)
-    rows = [to_rows(v, d, n) for v, d in zip(values, dims, strict=True)]
-    sizes = np.cumsum([r.shape[1] for r in rows])[:-1]
-    mine = reduce_scatter(jnp.concatenate(rows, axis=1), axis_name, dim=0, method=method,
-                          block=block)[0]
-    return [part.reshape(*v.shape[:d], v.shape[d] // n, *v.shape[d + 1:])
-            for part, v, d in zip(jnp.split(mine, sizes), values, dims, strict=True)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Comm:
-    """How ZeRO moves parameters: one record for every gather and reduce-scatter.
-
-    Attributes:
-      axis_name: the mesh axis the shards are spread over.
-      gather_dtype: dtype floating weights are gathered and computed in (None: the shard's).
-      reduce_dtype: dtype their gradients are reduce-scattered in (None: the shard's).
-      from_host: the shards live in host memory (``zero.offload_param``): each is brought to
-        the device as it is gathered, and its gradient goes back to host memory.
-      scatter: how gradients are reduce-scattered (:func:`reduce_scatter`'s ``method``).
-      quantize: gather floating shards as blockwise int8 (:func:`quantized_all_gather`,
-        ZeRO++'s qwZ) instead of in ``gather_dtype``.
-      block: elements per quantization block (quantized gathers, and the ``quantized``
-        reduce-scatter).
-    """
-
-    axis_name: str = "data"
-    gather_dtype: Any = None
-    reduce_dtype: Any = None
-    from_host: bool = False
-    scatter: str = "direct"
-    quantize: bool = False
-    block: int = 256
-
-    def resolved(self, dtype) -> Comm:
-        """This record with the dtypes left None set to ``dtype``."""
-        return dataclasses.replace(self, gather_dtype=np.dtype(self.gather_dtype or dtype),
-                                   reduce_dtype=np.dtype(self.reduce_dtype or dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6, 7))
-def _zjax_gather(x, dim: int, axis_name: str, gather_dtype, reduce_dtype, scatter: str,
-                 quantize: bool, block: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _zjax_gather(x, dim: int, comm: Comm):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
-    # the gathered value itself (the custom call's output would otherwise be saved)
-    if quantize:
-        return quantized_all_gather(x, axis_name, axis=dim, block=block, dtype=gather_dtype,
-                                    name=GATHERED)
-    return all_gather(x.astype(gather_dtype), axis_name, axis=dim, name=GATHERED)
+    # the gathered value itself (the custom call's output would otherwise be saved); hpZ's
+    # secondary partition is left untagged, so a remat keeps it and re-gathers within the node
+    shard = x if comm.quantize else x.astype(comm.gather_dtype)
+    return gather_levels(shard, comm, axis=dim, name=GATHERED)[0]
 
 
-def _zjax_gather_fwd(x, dim, axis_name, gather_dtype, reduce_dtype, scatter, quantize,
-                     block):
+def _zjax_gather_fwd(x, dim, comm):
     # the zero-size residual carries the shard's dtype for the backward cast
-    out = _zjax_gather(x, dim, axis_name, gather_dtype, reduce_dtype, scatter, quantize, block)
-    return out, jnp.zeros((0,), x.dtype)
+    return _zjax_gather(x, dim, comm), jnp.zeros((0,), x.dtype)
 
 
-def _zjax_gather_bwd(dim, axis_name, gather_dtype, reduce_dtype, scatter, quantize, block,
-                     like, g):
-    shard = reduce_scatter(g.astype(reduce_dtype), axis_name, dim=dim, method=scatter,
-                           block=block)
-    return (shard.astype(like.dtype),)
+def _zjax_gather_bwd(dim, comm, like, g):
+    return (scatter_levels(g.astype(comm.reduce_dtype), comm, dim=dim).astype(like.dtype),)
 
 
 _zjax_gather.defvjp(_zjax_gather_fwd, _zjax_gather_bwd)
 
 
 def gather(x: jax.Array, *, dim: int | None, comm: Comm = Comm()) -> jax.Array:
-    """All-gather shard ``x`` along ``dim`` over ``comm.axis_name`` (inside ``shard_map``).
+    """All-gather shard ``x`` along ``dim`` over ``comm.axes`` (inside ``shard_map``).
 
     Args:
       x: the local shard.
       dim: the sharded dimension; None means ``x`` is replicated and is only cast.
-      comm: the axis, dtypes, host residence and reduce-scatter method.
+      comm: the axes, dtypes, host residence and reduce-scatter method.
 
     Returns:
       The full weight in ``comm.gather_dtype``. Its cotangent comes back to ``x``
@@ -261,8 +129,7 @@ def gather(x: jax.Array, *, dim: int | None, comm: Comm = Comm()) -> jax.Array:
         return x
     if dim is None:
         return x.astype(c.gather_dtype)
-    return _zjax_gather(x, dim, c.axis_name, c.gather_dtype, c.reduce_dtype, c.scatter,
-                        c.quantize, c.block)
+    return _zjax_gather(x, dim, c)
 
 
 def join_gathers(values: list[jax.Array], which: list[bool] | None = None) -> list[jax.Array]:

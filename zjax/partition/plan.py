@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from zjax._backend import Backend, backend_of
 from zjax.errors import ArgumentError, ConfigError
-from zjax.mesh import DATA, MODEL, REPLICA
+from zjax.mesh import DATA, MODEL, NODE, REPLICA, split_nodes
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
@@ -51,6 +51,8 @@ class LeafPlan:
       dim: the dimension sharded over ``data``, or None if the leaf stays replicated.
       reason: why it is replicated (empty when sharded).
       model_dim: the dimension split over ``model`` (tensor parallelism), or None.
+      data_axes: the mesh axes ``dim`` is split over: ``data``, or ``(data, node)`` with
+        ZeRO++'s hierarchical partition.
     """
 
     path: str
@@ -60,6 +62,7 @@ class LeafPlan:
     dim: int | None
     reason: str = ""
     model_dim: int | None = None
+    data_axes: str | tuple[str, ...] = DATA
 
     @property
     def size(self) -> int:
@@ -79,7 +82,7 @@ class LeafPlan:
     def _spec(self, *, data: bool) -> P:
         axes = [None] * len(self.shape)
         if data and self.dim is not None:
-            axes[self.dim] = DATA
+            axes[self.dim] = self.data_axes
         if self.model_dim is not None:
             axes[self.model_dim] = MODEL
         while axes and axes[-1] is None:
@@ -151,9 +154,19 @@ class ShardPlan:
         return self.mesh.shape.get(REPLICA, 1)
 
     @property
+    def n_node(self) -> int:
+        """Node groups of ZeRO++'s hierarchical partition (1 without a ``node`` axis)."""
+        return self.mesh.shape.get(NODE, 1)
+
+    @property
+    def n_shard(self) -> int:
+        """Shards of a sharded leaf: ``data`` (x ``node`` with the hierarchical partition)."""
+        return self.n_data * self.n_node
+
+    @property
     def n_batch(self) -> int:
-        """Devices the batch is split over: ``replica`` x ``data``."""
-        return self.n_replica * self.n_data
+        """Devices the batch is split over: ``replica`` x ``node`` x ``data``."""
+        return self.n_replica * self.n_shard
 
     def tree(self, values) -> Any:
         return jax.tree.unflatten(self.treedef, list(values))
@@ -180,7 +193,8 @@ class ShardPlan:
         """How the ZeRO collectives move this plan's leaves over ``data`` (gather and reduce
         dtypes, host residence, the backend's reduce-scatter)."""
         return Comm(DATA, self.zero.gather, self.reduce_dtype, self.params_on_host,
-                    self.scatter, self.zero.quantized_weights, self.zero.quantize_block)
+                    self.scatter, self.zero.quantized_weights, self.zero.quantize_block,
+                    NODE if NODE in self.mesh.axis_names else None)
 
     @property
     def scatter(self) -> str:
@@ -300,7 +314,7 @@ class ShardPlan:
     def leaf_bytes(self, leaf: LeafPlan, dtype, sharded: bool) -> int:
         """Bytes of ``leaf`` in ``dtype`` on one device: split over ``model`` where the rules
         say, and over ``data`` too when ``sharded`` (the stage shards it) and the plan does."""
-        n = self.n_data if sharded and leaf.dim is not None else 1
+        n = self.n_shard if sharded and leaf.dim is not None else 1
         n *= self.n_model if leaf.model_dim is not None else 1
         return leaf.size // n * np.dtype(dtype).itemsize
 
@@ -319,7 +333,8 @@ def make_plan(
     Args:
       abstract_params: params pytree of ``jax.ShapeDtypeStruct`` (or arrays).
       zero: the ``zero`` config section.
-      mesh: a mesh with ``data`` and ``model`` axes.
+      mesh: a mesh with ``data`` and ``model`` axes. With ``zero.hpz_partition_size`` k
+        the plan's mesh splits ``data`` into ``(node, data)``: groups of k devices.
       stacked: predicate on a leaf's path: True for leaves whose dimension 0 stacks layers.
       logical_axes: a leaf's logical dimension names by path (a stacked leaf's may omit the
         layer dimension), or None; :data:`~zjax.partition.rules.DEFAULT_RULES` maps them to
@@ -333,8 +348,11 @@ def make_plan(
       ConfigError: stage 3 was asked for but no leaf can be sharded; ``mesh.model`` does not
         divide a dimension it must split, or the model has nothing to split over it.
     """
+    if zero.hpz_partition_size > 1 and NODE not in mesh.axis_names:
+        mesh = split_nodes(mesh, zero.hpz_partition_size)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
-    n, m = mesh.shape[DATA], mesh.shape[MODEL]
+    n, m = mesh.shape[DATA] * mesh.shape.get(NODE, 1), mesh.shape[MODEL]
+    axes = (DATA, NODE) if NODE in mesh.axis_names else DATA
     leaves = []
     for key_path, leaf in flat:
         path = path_str(key_path)
@@ -350,7 +368,8 @@ def make_plan(
                 shape, n=n, stacked=is_stacked, threshold=zero.param_persistence_threshold,
                 model_dim=mdim,
             )
-        leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason, mdim))
+        leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason, mdim,
+                               axes))
     if m > 1 and all(leaf.model_dim is None for leaf in leaves):
         raise ArgumentError(
             "mesh", f"a model axis of {m}, but the model names no parameter dimension that the "

@@ -23,6 +23,11 @@ at most ``L // 2`` (:meth:`zjax.partition.ZeroConfig.prefetch_depth`).
 
 Leaves with ``dim`` None (persistent, replicated) are sliced and cast, never communicated; their
 gradients are returned un-reduced (each replica's local sum) for the caller to all-reduce.
+
+With ZeRO++'s hierarchical partition (``Comm.node_axis``), the forward's gathers run across
+nodes and then within the node; the slices from the first level (the secondary partition) leave
+the forward loop as stacked outputs, and the backward gathers them within the node only. Its
+reduce-scatters run within the node, then across.
 """
 
 from __future__ import annotations
@@ -39,11 +44,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zjax.partition.gather import (
     Comm,
-    all_gather,
     all_gather_bucket,
-    quantized_all_gather,
-    reduce_scatter,
+    gather_levels,
+    gather_within,
     reduce_scatter_bucket,
+    scatter_levels,
 )
 
 LAYER_INPUTS = "zjax_layer_inputs"
@@ -168,23 +173,24 @@ def scheduled_loop(
     # never without prefetch (a layer's bucket would arrive whole before any of its compute)
     bucketed = [d is not None and _is_float(x) for x, d in zip(leaves_in, spec.dims,
                                                                 strict=True)]
-    if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize:
+    hpz = comm.node_axis is not None
+    if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize or hpz:
         bucketed = [False] * len(bucketed)
     in_bucket = [i for i, b in enumerate(bucketed) if b]
 
     def gather_layer(leaves, i):
-        out = []
+        """Layer ``i``'s weights, and (hpZ) their secondary partitions, kept for the backward."""
+        out, secondary = [], []
         for leaf, dim, b in zip(leaves, spec.dims, bucketed, strict=True):
-            w = to_device(_slice(leaf, i))
-            if comm.quantize and dim is not None and jnp.issubdtype(w.dtype, jnp.floating):
-                out.append(quantized_all_gather(w, comm.axis_name, axis=dim - 1,
-                                                block=comm.block, dtype=gather_dtype))
-                continue  # quantized from the float32 shard itself
-            if jnp.issubdtype(w.dtype, jnp.floating):
-                w = w.astype(gather_dtype)
+            w, sec = to_device(_slice(leaf, i)), None
+            floating = jnp.issubdtype(w.dtype, jnp.floating)
+            if floating and not (comm.quantize and dim is not None):
+                w = w.astype(gather_dtype)  # (quantized from the float32 shard itself)
             if dim is not None and not b:
-                w = all_gather(w, comm.axis_name, axis=dim - 1)
+                c = comm if floating else dataclasses.replace(comm, quantize=False)
+                w, sec = gather_levels(w, c, axis=dim - 1)
             out.append(w)
+            secondary.append(sec)
         if in_bucket:
             # split as soon as gathered: carrying the rows to the use measured worse on TPU
             # (v5p:2x2x2, d_model 1024: temp 897 -> 923 MB at prefetch 1)
@@ -192,6 +198,24 @@ def scheduled_loop(
                                      [spec.dims[j] - 1 for j in in_bucket], comm.axis_name)
             for j, w in zip(in_bucket, full, strict=True):
                 out[j] = w
+        return tuple(out), tuple(secondary)
+
+    def regather_layer(leaves, secondary, i):
+        """Layer ``i``'s weights for the backward: with hpZ, gathered within the node from
+        the secondary partitions the forward kept."""
+        if not hpz:
+            return gather_layer(leaves, i)[0]
+        out = []
+        for leaf, dim, sec in zip(leaves, spec.dims, secondary, strict=True):
+            if dim is None:  # never communicated: sliced and cast
+                w = to_device(_slice(leaf, i))
+                out.append(w.astype(gather_dtype) if _is_float(w) else w)
+                continue
+            floating = _is_float(leaf)
+            c = comm if floating else dataclasses.replace(comm, quantize=False)
+            out.append(gather_within(jax.tree.map(lambda v: _slice(v, i), sec), c,
+                                     axis=dim - 1, shard_shape=leaf.shape[1:],
+                                     dtype=gather_dtype if floating else leaf.dtype))
         return tuple(out)
 
     def apply(ws, consts, h, x_i):
@@ -210,17 +234,17 @@ def scheduled_loop(
             h, buf = c
             i, x_i = inp
             if k:
-                ws, buf = buf[0], (*buf[1:], gather_layer(leaves, prefetch_index(i + k)))
+                (ws, sec), buf = buf[0], (*buf[1:], gather_layer(leaves, prefetch_index(i + k)))
             else:
-                ws = gather_layer(leaves, i)
+                ws, sec = gather_layer(leaves, i)
             h_next, y = apply(ws, consts, h, x_i)
-            return (h_next, buf), (y, h if save else None)
+            return (h_next, buf), (y, h if save else None, sec if save and hpz else None)
 
-        # the layer inputs leave the loop as its stacked outputs: a buffer threaded through the
-        # carry instead is stacked once per iteration when an outer jax.checkpoint
-        # partial-evaluates this loop (memory quadratic in L)
-        (h, buf), (ys, hs) = lax.scan(step, (carry, buf), (jnp.arange(n_layers), xs))
-        return (h, ys), (hs, buf)
+        # the layer inputs (and hpZ's secondary partitions) leave the loop as its stacked
+        # outputs: a buffer threaded through the carry instead is stacked once per iteration
+        # when an outer jax.checkpoint partial-evaluates this loop (memory quadratic in L)
+        (h, buf), (ys, hs, secs) = lax.scan(step, (carry, buf), (jnp.arange(n_layers), xs))
+        return (h, ys), (hs, tuple(ws for ws, _ in buf), secs)
 
     # static avals: the backward needs dtypes and shapes, not the values (saving the initial
     # carry would keep one more activation alive)
@@ -238,7 +262,7 @@ def scheduled_loop(
         return out, (leaves, consts, xs, saved)
 
     def run_bwd(res, cts):
-        leaves, consts, xs, (hs, buf) = res
+        leaves, consts, xs, (hs, buf, secs) = res
         dy, dys = cts
         dy = jax.tree.map(_cotangent, carry_avals, dy)
         # integer outputs' cotangents (float0) as float placeholders that slice like the rest
@@ -246,7 +270,7 @@ def scheduled_loop(
                            if d.dtype == jax.dtypes.float0 else d, dys)
         # tie the backward gathers to the cotangent: XLA can neither hoist them into the
         # forward pass nor merge them (CSE) with the forward's gathers of the same layers
-        leaves, dy = lax.optimization_barrier((leaves, dy))
+        leaves, secs, dy = lax.optimization_barrier((leaves, secs, dy))
         float_consts = [_is_float(c) for c in jax.tree.leaves(consts)]
 
         def layer_vjp(ws, h_i, dy, x_i, dy_i, dconsts, nxt):
@@ -266,8 +290,7 @@ def scheduled_loop(
             shards = []
             for dw, dim, b in zip(dws, spec.dims, bucketed, strict=True):
                 if dim is not None and not b:
-                    dw = reduce_scatter(dw.astype(reduce_dtype), comm.axis_name, dim=dim - 1,
-                                        method=comm.scatter, block=comm.block)
+                    dw = scatter_levels(dw.astype(reduce_dtype), comm, dim=dim - 1)
                 shards.append(dw)
             if in_bucket:
                 mine = reduce_scatter_bucket(
@@ -289,9 +312,9 @@ def scheduled_loop(
             i = n_layers - 1 - t
             if k:  # the buffer starts with the forward's last prefetches: layers L-1 .. L-k
                 # past layer 0 (the last k iterations) the prefetch re-gathers layer 0, unused
-                ws, nxt = buf[0], gather_layer(leaves, jnp.maximum(i - k, 0))
+                ws, nxt = buf[0], regather_layer(leaves, secs, jnp.maximum(i - k, 0))
             else:
-                ws, nxt = gather_layer(leaves, i), None
+                ws, nxt = regather_layer(leaves, secs, i), None
 
             def at_i(tree):
                 return jax.tree.map(lambda v: _slice(v, i), tree)

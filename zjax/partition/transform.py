@@ -103,7 +103,7 @@ def gather_on_use(
         flat, treedef = jax.tree.flatten(shards)
         if len(flat) != len(leaves):
             raise ValueError(f"{len(leaves)} leaf specs for {len(flat)} parameter leaves")
-        size = lax.axis_size(comm.axis_name)
+        size = lax.axis_size(comm.axes)
         full = [_gathered_aval(x, spec.dim, size, comm.gather_dtype)
                 for x, spec in zip(flat, leaves, strict=True)]
         abstract_args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a),
@@ -212,7 +212,7 @@ def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefe
     top = _gather_top(prog, shards, leaves, gather_leaf, join)
     later = _later(prog)
     tie_at = _tie_at(prog, shards, lambda size, n: prefetch(
-        size * lax.axis_size(comm.axis_name), n), join)
+        size * lax.axis_size(comm.axes), n), join)
     tied: dict = {}
     env = Env(prog, values, top)
     for s, seg in enumerate(prog.segments):

@@ -148,10 +148,15 @@ def _size(n: float) -> str:
 
 
 def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
-            optimizer_bytes_per_param: float) -> dict[str, int]:
+            optimizer_bytes_per_param: float, secondary_group: int = 1,
+            secondary_params: int = 0) -> dict[str, int]:
     """The ZeRO paper's model-state bytes per device (its K is ``optimizer_bytes_per_param``).
 
     Stage 0: ``(p + g + K)Ψ``; 1: ``(p + g)Ψ + KΨ/N``; 2: ``pΨ + (g + K)Ψ/N``; 3: all ``/N``.
+    With ZeRO++'s hpZ over groups of ``secondary_group`` (k) devices, ``hpz_secondary_bytes``
+    is the secondary partition the forward keeps for the backward, ``pΨ'/k`` (ZeRO++'s
+    ``2Ψ/k`` in 16 bits) besides the model state, where Ψ' (``secondary_params``) counts the
+    layer stack's sharded params: the leaves outside it are gathered across nodes again.
     """
     psi, n = n_params, n_devices
     params = param_bytes * psi / (n if stage >= 3 else 1)
@@ -159,6 +164,8 @@ def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad
     opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
     out = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
            "model_state_bytes": params + grads + opt}
+    if secondary_group > 1:
+        out["hpz_secondary_bytes"] = param_bytes * secondary_params / secondary_group
     return {k: round(v) for k, v in out.items()}
 
 
@@ -250,16 +257,21 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
                  "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
                  "grad_accum": grad_accum, "remat": remat,
                  "mesh": {"data": plan.n_data, "model": plan.n_model,
-                          **({"replica": plan.n_replica} if plan.n_replica > 1 else {})},
+                          **({"replica": plan.n_replica} if plan.n_replica > 1 else {}),
+                          **({"node": plan.n_node} if plan.n_node > 1 else {})},
                  "target": target.name if target else None},
         per_device=per_device,
         collectives={"all_gather_bytes": coll.all_gather,
                      "reduce_scatter_bytes": coll.reduce_scatter,
                      "all_reduce_bytes": coll.all_reduce,
                      "wire_bytes": coll.wire},
-        formula=formula(slice_params, plan.n_data, stage=zero.stage,
+        formula=formula(slice_params, plan.n_shard, stage=zero.stage,
                         param_bytes=zero.gather.itemsize, grad_bytes=zero.reduce.itemsize,
-                        optimizer_bytes_per_param=k),
+                        optimizer_bytes_per_param=k,
+                        secondary_group=plan.n_data if plan.n_node > 1 else 1,
+                        secondary_params=sum(plan.leaf_bytes(leaf, "uint8", False)
+                                             for leaf in plan.leaves
+                                             if leaf.stacked and leaf.dim is not None)),
         replicated_leaves=[{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                            for leaf in plan.replicated],
         notes=_notes(plan),

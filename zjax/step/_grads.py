@@ -21,9 +21,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError
-from zjax.mesh import DATA, REPLICA, batch_axes
+from zjax.mesh import REPLICA, batch_axes
 from zjax.offload import to_device
-from zjax.partition.gather import reduce_scatter
+from zjax.partition.gather import scatter_levels
 from zjax.partition.plan import ShardPlan
 from zjax.trainable import Trainable
 
@@ -48,18 +48,17 @@ def reduce_grads(grads: Any, plan: ShardPlan, *, reduced_in_backward: bool) -> A
     ``reduced_in_backward``: stage 3's sharded leaves were reduce-scattered by the gather
     primitive or the layer schedule already; they pass through.
     """
-    rd = plan.reduce_dtype
+    rd, comm = plan.reduce_dtype, plan.comm
     out = []
     for g, leaf in zip(jax.tree.leaves(grads), plan.leaves, strict=True):
         if leaf.dim is not None and plan.zero.stage == 3 and reduced_in_backward:
             pass
         elif plan.params_on_host:  # a persistent leaf's local gradient, back from the host
-            g = lax.psum(to_device(g).astype(rd), DATA)
+            g = lax.psum(to_device(g).astype(rd), comm.axes)
         elif leaf.dim is not None and plan.zero.stage >= 2:
-            g = reduce_scatter(g.astype(rd), DATA, dim=leaf.dim, method=plan.scatter,
-                               block=plan.zero.quantize_block)
+            g = scatter_levels(g.astype(rd), comm, dim=leaf.dim)
         else:
-            g = lax.psum(g.astype(rd), DATA)
+            g = lax.psum(g.astype(rd), comm.axes)
         out.append(g.astype(jnp.float32))
     return plan.tree(out)
 

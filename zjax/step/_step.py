@@ -147,6 +147,7 @@ def make_step(
         raise ArgumentError("micro_batches", f"must be >= 1, got {micro_batches}")
     plan = make_plan(jax.eval_shape(trainable.init, jax.random.key(0)), zero, mesh,
                      stacked=trainable.stacked, logical_axes=trainable.logical_axes)
+    mesh = plan.mesh  # hpZ splits the data axis into (node, data)
     _check_offload(plan, mesh)
     init = make_init(trainable.init, tx, plan)
     layout = state_layout(plan, tx, init)
