@@ -13,9 +13,10 @@ and temp of the compiled step:
   devices (``zero.hpz_partition_size=D``), alone and with the quantized collectives.
 
 Prints one JSON object. Usage: ``python benchmarks/zeropp.py [--hosts 4 --per-host 8]
-[--target h100:4x8] [--small]`` (``--small``: a d_model 1024, 8-layer model that compiles in
-seconds; ``--target``: compiled by CUDA's compiler for H hosts of N GPUs, ``h100:HxN``, whose
-devices say their host).
+[--target h100:4x8] [--small] [--batch-per-device B] [--only V,V]`` (``--small``: a d_model
+1024, 8-layer model that compiles in seconds; ``--target``: compiled by CUDA's compiler for H
+hosts of N GPUs, ``h100:HxN``, whose devices say their host; ``--batch-per-device``: sequences
+of 512 tokens per device, 1 by default).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     p.add_argument("--per-host", type=int, default=8)
     p.add_argument("--small", action="store_true")
     p.add_argument("--target", default=None, help="h100:HxN (overrides --hosts, --per-host)")
+    p.add_argument("--batch-per-device", type=int, default=1)
+    p.add_argument("--only", default=None, help="comma-separated variants (stage3 always)")
     args = p.parse_args()
     if args.target:
         args.hosts, args.per_host = map(int, args.target.split(":")[1].split("x"))
@@ -54,13 +57,16 @@ def main() -> None:
     from zjax.planning import plan
 
     rows = {}
+    only = set(args.only.split(",")) | {"stage3"} if args.only else set(VARIANTS)
     for name, extra in VARIANTS.items():
+        if name not in only:
+            continue
         mesh = [f"mesh.replica={args.hosts}", f"mesh.data={args.per_host}"] \
             if extra == ["REPLICA"] else [f"mesh.data={n}"]
         extra = [f"zero.hpz_partition_size={args.per_host}" if x == "HPZ" else x
                  for x in extra if x != "REPLICA"]
         overrides = [*(MODEL_SMALL if args.small else MODEL_7B), *TRAINING,
-                     f"data.batch_size={n}", *mesh, *extra]
+                     f"data.batch_size={n * args.batch_per_device}", *mesh, *extra]
         start = time.perf_counter()
         config = load_config(None, overrides)
         report = plan(config, target=args.target) if args.target else \
@@ -83,6 +89,7 @@ def main() -> None:
         row["inter_host_vs_stage3"] = round(row["inter_host_bytes"] / base, 3) if base else None
         row["total_vs_stage3"] = round(row["total_bytes"] / rows["stage3"]["total_bytes"], 3)
     print(json.dumps({"hosts": args.hosts, "per_host": args.per_host, "small": args.small,
+                      "batch_per_device": args.batch_per_device,
                       "target": args.target,
                       "n_params": report.n_params, "variants": rows}, indent=1))
 

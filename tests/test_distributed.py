@@ -163,6 +163,22 @@ def test_model_axis_across_processes_trains_like_one(runs):
     np.testing.assert_allclose(loss("four"), loss("one"), rtol=1e-5)
 
 
+def test_hpz_with_a_node_per_process_trains_like_one(runs):
+    """2 processes x 4 devices with ``zero.hpz_partition_size=4``: each process is a node of
+    the hierarchical partition (the groups follow the processes). The 5 steps match plain
+    stage 3 on 1 x 8, and the run's plan (link classes from the processes) has the
+    backward's gathers inside a process: only the forward's quarter-size gathers cross."""
+    tmp = runs[0]
+    two = _run(_launch(2, 4, *TRAIN, "zero.hpz_partition_size=4", "--run-dir",
+                       str(tmp / "hpz")))
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _restore(tmp / "one", 5), _restore(tmp / "hpz", 5)
+    assert_trees_close(b["params"], a["params"], **FP32, what="params")
+    assert_trees_close(b["opt_state"], a["opt_state"], **FP32, what="optimizer state")
+    links = json.loads((tmp / "hpz" / "plan.json").read_text())["collectives_by_link"]
+    assert 0 < links["inter_host"]["all_gather"] < links["intra_host"]["all_gather"] / 3
+
+
 class _Dev:
     def __init__(self, process_index: int):
         self.process_index = process_index
