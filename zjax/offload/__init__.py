@@ -1,4 +1,5 @@
-"""Host offload (ZeRO-Offload) through JAX memory kinds."""
+"""Host offload (ZeRO-Offload) through JAX memory kinds, and the NVMe tier's streaming
+optimizer engine (ZeRO-Infinity; not wired into the train step yet)."""
 
 from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 from zjax.offload.host import (
@@ -9,10 +10,13 @@ from zjax.offload.host import (
     to_device,
     to_host,
 )
+from zjax.offload.nvme import StreamingOptimizer, check_elementwise
 
 __all__ = [
     "OffloadConfig",
     "OptimizerOffloadConfig",
+    "StreamingOptimizer",
+    "check_elementwise",
     "check_memory_kind",
     "global_norm",
     "on_host",

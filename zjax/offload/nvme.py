@@ -1,0 +1,215 @@
+"""The optimizer on NVMe (ZeRO-Infinity's third tier): float32 master params and optax moments
+in swap files, updated on the host by sub-groups, streamed.
+
+:class:`StreamingOptimizer` holds no state array whole in memory. An update walks every
+array in sub-groups of ``sub_group_size`` elements: it reads a sub-group's master and moments
+(``buffer_count`` sub-groups read ahead), runs the optax update on it (jitted for the host),
+writes the new values back (``buffer_count`` writes in flight) and hands the new working
+params to a sink. Reads of the next sub-groups and writes of the previous ones overlap the
+update of the current one.
+
+The optax transform must be elementwise: every per-parameter state leaf updated from the same
+elements of the gradient, params and state (Adam, AdamW, SGD, their schedules and weight
+decay). A global statistic (``clip_by_global_norm``) is computed beforehand, where the
+gradients are whole, and passed as ``grad_scale``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zjax.errors import ConfigError
+from zjax.offload._nvme_store import NvmeStore
+
+__all__ = ["StreamingOptimizer", "check_elementwise"]
+
+Sliceable = object  # anything with ``x[a:b]`` convertible by ``np.asarray``: numpy, jax, memmap
+
+
+def check_elementwise(tx: optax.GradientTransformation) -> None:
+    """Raise if ``tx`` is not elementwise: its update of a vector must equal the updates of
+    the vector's halves (a global-norm clip, for one, scales by the norm of what it sees).
+
+    Raises:
+      ConfigError: naming what differs.
+    """
+    rng = np.random.default_rng(0)
+    params = rng.standard_normal(16).astype(np.float32)
+    # two steps whose norms differ between the halves, so that a scale-free update (Adam)
+    # still sees a global statistic through the ratio of one step's scaling to the next
+    grads = [(rng.standard_normal(16) * 1e3).astype(np.float32),
+             (rng.standard_normal(16) * np.repeat([1e3, 1e-3], 8)).astype(np.float32)]
+
+    def run(s: slice) -> np.ndarray:
+        p, state, out = params[s], tx.init(params[s]), []
+        for g in grads:
+            u, state = tx.update(g[s], state, p)
+            out.append(np.asarray(u))
+        return np.concatenate(out)
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        whole = run(slice(0, 16)).reshape(2, 16)
+        halves = np.concatenate([run(slice(0, 8)).reshape(2, 8), run(slice(8, 16)).reshape(2, 8)],
+                                axis=1)
+    if not np.allclose(whole, halves, rtol=1e-4, atol=0):
+        raise ConfigError(
+            "the optimizer is not elementwise (an update depends on more than its own "
+            "elements, e.g. clip_by_global_norm): the NVMe optimizer updates sub-groups "
+            "apart; take the global statistic out of the transform and pass it as grad_scale")
+
+
+class _Chunk:
+    """The optax update of one sub-group, jitted once for the host; the state's leaves split
+    into per-parameter ones (moments, files) and the rest (step counts, kept in memory)."""
+
+    def __init__(self, tx: optax.GradientTransformation, size: int, device):
+        template = tx.init(jnp.zeros((size,), jnp.float32))
+        leaves, self.treedef = jax.tree.flatten(template)
+        self.moment = [np.shape(x) == (size,) for x in leaves]
+        for x, m in zip(leaves, self.moment, strict=True):
+            if not m and np.size(x) > 1:
+                raise ValueError(f"optimizer state leaf of shape {np.shape(x)} is neither "
+                                 f"per-parameter nor a scalar: not an elementwise optimizer")
+        self.n_moments = sum(self.moment)
+        self.scalars = [np.asarray(x) for x, m in zip(leaves, self.moment, strict=True) if not m]
+
+        def update(grad, master, moments, scalars, scale):
+            it_m, it_s = iter(moments), iter(scalars)
+            state = jax.tree.unflatten(self.treedef, [next(it_m) if m else next(it_s)
+                                                      for m in self.moment])
+            updates, state = tx.update(grad * scale, state, master)
+            leaves = jax.tree.leaves(state)
+            return (optax.apply_updates(master, updates),
+                    [x for x, m in zip(leaves, self.moment, strict=True) if m],
+                    [x for x, m in zip(leaves, self.moment, strict=True) if not m])
+
+        def init(master):
+            leaves = jax.tree.leaves(tx.init(master))
+            return [x for x, m in zip(leaves, self.moment, strict=True) if m]
+
+        self.device = device
+        self._fn, self._init = jax.jit(update), jax.jit(init)
+
+    def fn(self, *args):
+        with jax.default_device(self.device):  # on the host, whatever the default backend
+            return self._fn(*args)
+
+    def init(self, master):
+        with jax.default_device(self.device):
+            return self._init(master)
+
+
+class StreamingOptimizer:
+    """Float32 master params and their optimizer state in swap files, updated by streaming.
+
+    Args:
+      tx: an elementwise optax transform (see the module docstring).
+      sizes: elements of each flat array (a device's shard of a leaf), by name.
+      path: the directory of the swap files (``nvme_path``).
+      sub_group_size: elements updated at once (DeepSpeed's ``sub_group_size``).
+      buffer_count: sub-groups read ahead, and writes in flight.
+      key: the config key naming ``path`` (for errors).
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, sizes: Mapping[str, int],
+                 path: str | os.PathLike, *, sub_group_size: int = 1 << 20,
+                 buffer_count: int = 4, key: str = "nvme_path"):
+        if sub_group_size < 1 or buffer_count < 1:
+            raise ValueError(f"sub_group_size {sub_group_size}, buffer_count {buffer_count}: "
+                             "both must be >= 1")
+        self.sub = int(min(sub_group_size, max(sizes.values(), default=1)))
+        self.buffer_count = buffer_count
+        check_elementwise(tx)
+        self._chunk = _Chunk(tx, self.sub, jax.devices("cpu")[0])
+        self.scalars = self._chunk.scalars
+        self.sizes = dict(sizes)
+        files = {f"{name}.{part}": size for name, size in self.sizes.items()
+                 for part in self.parts}
+        self.store = NvmeStore(path, files, threads=buffer_count, key=key)
+
+    @property
+    def parts(self) -> list[str]:
+        """The files of one array: its master and each per-parameter state leaf."""
+        return ["master", *(f"m{i}" for i in range(self._chunk.n_moments))]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the swap files."""
+        return self.store.nbytes
+
+    def _groups(self):
+        for name, size in self.sizes.items():
+            for start in range(0, size, self.sub):
+                yield name, start, min(self.sub, size - start)
+
+    def write_initial(self, params: Mapping[str, Sliceable]) -> None:
+        """Write the master params and their fresh optimizer state (``tx.init`` of each
+        sub-group), sub-group by sub-group."""
+        pending: collections.deque = collections.deque()
+        for name, start, n in self._groups():
+            master = np.asarray(params[name][start:start + n], np.float32)
+            moments = self._chunk.init(np.pad(master, (0, self.sub - n)))
+            for part, values in zip(self.parts, [master, *moments], strict=True):
+                pending.append(self.store.write(f"{name}.{part}", start,
+                                                np.asarray(values)[:n]))
+            while len(pending) > self.buffer_count * len(self.parts):
+                pending.popleft().result()
+        for f in pending:
+            f.result()
+
+    def _read(self, name: str, start: int, n: int):
+        return [self.store.read(f"{name}.{part}", start, n) for part in self.parts]
+
+    def update(self, grads: Mapping[str, Sliceable],
+               sink: Callable[[str, int, np.ndarray], None] | None = None, *,
+               grad_scale: float = 1.0) -> None:
+        """One optimizer step over every array, streamed by sub-group.
+
+        Args:
+          grads: the gradient of each array (sliced by sub-group, read once).
+          sink: ``sink(name, start, new_master_values)`` receives the new master params of
+            each sub-group (to cast and send to the device); None discards them.
+          grad_scale: multiplies every gradient first (a global clipping factor).
+        """
+        groups = list(self._groups())
+        reads = collections.deque(self._read(*g) for g in groups[:self.buffer_count])
+        writes: collections.deque = collections.deque()
+        scalars_out = self.scalars
+        scale = np.float32(grad_scale)
+        for j, (name, start, n) in enumerate(groups):
+            master, *moments = (f.result() for f in reads.popleft())
+            if j + self.buffer_count < len(groups):
+                reads.append(self._read(*groups[j + self.buffer_count]))
+            grad = np.asarray(grads[name][start:start + n], np.float32)
+            pad = self.sub - n  # one compiled shape: the last sub-group is padded
+            if pad:
+                grad, master, moments = (np.pad(grad, (0, pad)), np.pad(master, (0, pad)),
+                                         [np.pad(m, (0, pad)) for m in moments])
+            new_master, new_moments, scalars_out = self._chunk.fn(
+                grad, master, moments, self.scalars, scale)
+            new_master = np.asarray(new_master)[:n]
+            for part, values in zip(self.parts, [new_master, *new_moments], strict=True):
+                writes.append(self.store.write(f"{name}.{part}", start,
+                                               np.asarray(values)[:n]))
+            while len(writes) > self.buffer_count * len(self.parts):
+                writes.popleft().result()
+            if sink is not None:
+                sink(name, start, new_master)
+        for f in writes:
+            f.result()
+        self.scalars = [np.asarray(x) for x in scalars_out]
+
+    def read(self, name: str, part: str = "master") -> np.ndarray:
+        """One array's ``part`` (``master``, ``m0``, ...) whole: for tests and export."""
+        return self.store.read_now(f"{name}.{part}", 0, self.sizes[name])
+
+    def close(self, *, remove: bool = True) -> None:
+        """Close (and by default delete) the swap files."""
+        self.store.close(remove=remove)
