@@ -21,15 +21,19 @@ from zjax.partition.gather import quantized_all_gather
 from zjax.planning import collective_bytes
 
 
-@pytest.mark.parametrize(("shape", "dim", "block"), [((8, 40), 0, 16), ((6, 64), 1, 256)])
-def test_quantized_gather_is_within_half_a_step_per_block(shape, dim, block):
+@pytest.mark.parametrize(("shape", "dim", "block", "scale"), [
+    ((8, 40), 0, 16, jnp.float32), ((6, 64), 1, 256, jnp.float32),
+    ((8, 40), 0, 16, jnp.bfloat16)])
+def test_quantized_gather_is_within_half_a_step_per_block(shape, dim, block, scale):
+    """A bfloat16 scale is rounded up: a step up to 1/128 coarser."""
     x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     x[0, :3] = 0  # zero blocks and tiny values survive
     mesh = zjax.make_mesh()
     spec = P("data") if dim == 0 else P(None, "data")
 
     def gathered(shard):
-        return quantized_all_gather(shard, "data", axis=dim, block=block, dtype=jnp.float32)
+        return quantized_all_gather(shard, "data", axis=dim, block=block, dtype=jnp.float32,
+                                    scale_dtype=scale)
 
     f = jax.shard_map(gathered, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)
     got = np.asarray(jax.jit(f)(jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))))
@@ -37,19 +41,21 @@ def test_quantized_gather_is_within_half_a_step_per_block(shape, dim, block):
     n = mesh.shape["data"]
     for shard_got, shard in zip(np.split(got, n, axis=dim), np.split(x, n, axis=dim),
                                 strict=True):
-        step = np.abs(shard).max() / 127
+        step = np.abs(shard).max() / 127 * (1 if scale == jnp.float32 else 1 + 2**-7)
         assert np.abs(shard_got - shard).max() <= step / 2 + 1e-6
     assert np.count_nonzero(got[0, :3]) == 0
 
 
-def test_quantized_reduce_scatter_is_the_sum_within_the_steps():
+@pytest.mark.parametrize("scale", [jnp.float32, jnp.bfloat16])
+def test_quantized_reduce_scatter_is_the_sum_within_the_steps(scale):
     from zjax.partition.gather import reduce_scatter
 
     x = np.random.default_rng(1).normal(size=(8, 16, 24)).astype(np.float32)  # per device
     mesh = zjax.make_mesh()
 
     def scattered(local, method):
-        return reduce_scatter(local[0], "data", dim=1, method=method, block=32)
+        return reduce_scatter(local[0], "data", dim=1, method=method, block=32,
+                              scale_dtype=scale)
 
     outs = {}
     for method in ("direct", "quantized"):
@@ -61,7 +67,8 @@ def test_quantized_reduce_scatter_is_the_sum_within_the_steps():
     np.testing.assert_allclose(exact.reshape(8, 16, 3), x.sum(0).reshape(16, 8, 3)
                                .transpose(1, 0, 2), rtol=1e-5, atol=1e-5)
     # 8 contributions, each off by at most half a step of its own block
-    assert np.abs(got - exact).max() <= 8 * np.abs(x).max() / 127 / 2
+    coarser = 1 if scale == jnp.float32 else 1 + 2**-7
+    assert np.abs(got - exact).max() <= 8 * np.abs(x).max() / 127 * coarser / 2
 
 
 @pytest.mark.slow
@@ -69,15 +76,19 @@ def test_quantized_gathers_move_half_the_bytes_and_track_the_loss():
     cfg = GPTConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, max_seq_len=16)
     batches = token_batches(5)
     runs = {}
-    for quantized in (False, True):
+    for quantized, scale in ((False, "float32"), (True, "float32"), (True, "bfloat16")):
         zero = zjax.ZeroConfig(stage=3, prefetch_layers=1, param_persistence_threshold=0,
-                               gather_dtype="bfloat16", quantized_weights=quantized)
+                               gather_dtype="bfloat16", quantized_weights=quantized,
+                               quantize_scale_dtype=scale)
         zstep, _, losses = train_steps(gpt_trainable(cfg), zero, batches)
         text = zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32)).compile().as_text()
-        runs[quantized] = collective_bytes(text), losses
-    (plain, plain_losses), (quant, quant_losses) = runs[False], runs[True]
-    # int8 plus a float32 scale per 256 elements, against bfloat16
-    assert quant.all_gather / plain.all_gather == pytest.approx((1 + 4 / 256) / 2, rel=0.01)
+        runs[quantized, scale] = collective_bytes(text), losses
+    (plain, plain_losses), (quant, quant_losses) = runs[False, "float32"], runs[True, "float32"]
+    # int8 plus a float32 scale per 256 elements, against bfloat16; a bfloat16 scale
+    assert quant.all_gather / plain.all_gather == pytest.approx((1 + 4 / 256) / 2, rel=0.001)
+    narrow, narrow_losses = runs[True, "bfloat16"]
+    assert narrow.all_gather / plain.all_gather == pytest.approx((1 + 2 / 256) / 2, rel=0.001)
+    np.testing.assert_allclose(narrow_losses, plain_losses, rtol=2e-3)
     assert quant.reduce_scatter == plain.reduce_scatter  # gradients are not quantized
     np.testing.assert_allclose(quant_losses, plain_losses, rtol=2e-3)
 

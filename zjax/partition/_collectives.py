@@ -69,7 +69,7 @@ RING_SCOPE = "zjax_ring_reduce_scatter"
 
 
 def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "direct",
-                   block: int = 256) -> jax.Array:
+                   block: int = 256, scale_dtype=np.float32) -> jax.Array:
     """Tiled reduce-scatter of ``x`` along ``dim`` over ``axis_name``.
 
     ``method`` (:data:`SCATTER_METHODS`):
@@ -85,14 +85,15 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "dir
       a reduce-scatter, on a compiler that would run ``direct`` as an all-reduce (libtpu).
       Sums in a different order than ``direct`` (rounding differs, not the result).
     - ``quantized``: ZeRO++'s qgZ: every device's tile for device j is quantized to blockwise
-      int8 (``block`` elements per float32 scale), an all-to-all delivers each device the
+      int8 (``block`` elements per ``scale_dtype`` scale), an all-to-all delivers each device the
       tiles meant for it, and it sums them dequantized in float32: about a quarter of a
       float32 reduce-scatter's bytes, at int8's rounding of each device's contribution.
     """
     if method == "direct":
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
     if method == "quantized":
-        return quantized_reduce_scatter(x, axis_name, dim=dim, block=block)
+        return quantized_reduce_scatter(x, axis_name, dim=dim, block=block,
+                                        scale_dtype=scale_dtype)
     n = lax.axis_size(axis_name)
     size = x.shape[dim] // n
     me = lax.axis_index(axis_name)
@@ -135,7 +136,8 @@ def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) 
 
 
 def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: str, *,
-                          method: str = "direct", block: int = 256) -> list[jax.Array]:
+                          method: str = "direct", block: int = 256,
+                          scale_dtype=np.float32) -> list[jax.Array]:
     """Tiled reduce-scatters of several values (one dtype) as one collective.
 
     The inverse layout of :func:`all_gather_bucket`: each value's tiles become rows of one
@@ -145,7 +147,7 @@ def reduce_scatter_bucket(values: list[jax.Array], dims: list[int], axis_name: s
     rows = [to_rows(v, d, n) for v, d in zip(values, dims, strict=True)]
     sizes = np.cumsum([r.shape[1] for r in rows])[:-1]
     mine = reduce_scatter(jnp.concatenate(rows, axis=1), axis_name, dim=0, method=method,
-                          block=block)[0]
+                          block=block, scale_dtype=scale_dtype)[0]
     return [part.reshape(*v.shape[:d], v.shape[d] // n, *v.shape[d + 1:])
             for part, v, d in zip(jnp.split(mine, sizes), values, dims, strict=True)]
 
@@ -169,6 +171,7 @@ class Comm:
         ZeRO++'s qwZ) instead of in ``gather_dtype``.
       block: elements per quantization block (quantized gathers, and the ``quantized``
         reduce-scatter).
+      scale_dtype: dtype of the quantization blocks' scales (float32 or bfloat16).
     """
 
     axis_name: str = "data"
@@ -179,6 +182,7 @@ class Comm:
     quantize: bool = False
     block: int = 256
     node_axis: str | None = None
+    scale_dtype: Any = np.float32
 
     @property
     def axes(self) -> str | tuple[str, str]:
@@ -213,12 +217,13 @@ def gather_levels(x: jax.Array, comm: Comm, *, axis: int, name: str | None = Non
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
     if comm.quantize:
-        parts = quantize_shard(x, comm.block)
+        parts = quantize_shard(x, comm.block, comm.scale_dtype)
         secondary = None
         if comm.node_axis is not None:
             parts = secondary = gather_rows(parts, comm.node_axis)
         parts = gather_rows(parts, comm.axis_name, tag)
-        return dequantize_rows(parts, x.shape, axis, comm.gather_dtype, tag), secondary
+        return dequantize_rows(parts, x.shape, axis, comm.gather_dtype, tag,
+                               comm.scale_dtype), secondary
     if comm.node_axis is None:
         return all_gather(x, comm.axis_name, axis=axis, name=name), None
     # kept as the gathered bits: a float view of them stacked for the backward measured as
@@ -239,14 +244,15 @@ def gather_within(secondary: Any, comm: Comm, *, axis: int, shard_shape: tuple[i
         full = tag(lax.all_gather(secondary, comm.axis_name, axis=axis, tiled=True))
         return lax.bitcast_convert_type(full, dtype) if full.dtype != dtype else full
     parts = gather_rows(secondary, comm.axis_name, tag)
-    return dequantize_rows(parts, shard_shape, axis, dtype, tag)
+    return dequantize_rows(parts, shard_shape, axis, dtype, tag, comm.scale_dtype)
 
 
 def scatter_levels(x: jax.Array, comm: Comm, *, dim: int) -> jax.Array:
     """Reduce-scatter ``x`` (in the reduce dtype) to this device's shard along ``dim``, with
     ``comm.scatter``'s method: within the node, then across nodes with ``comm.node_axis``
     (each level moves its own share; only the second leaves the node)."""
-    x = reduce_scatter(x, comm.axis_name, dim=dim, method=comm.scatter, block=comm.block)
+    kw = dict(method=comm.scatter, block=comm.block, scale_dtype=comm.scale_dtype)
+    x = reduce_scatter(x, comm.axis_name, dim=dim, **kw)
     if comm.node_axis is not None:
-        x = reduce_scatter(x, comm.node_axis, dim=dim, method=comm.scatter, block=comm.block)
+        x = reduce_scatter(x, comm.node_axis, dim=dim, **kw)
     return x

@@ -1,6 +1,6 @@
-"""ZeRO++'s quantized collectives: blockwise int8 with a float32 scale per block (symmetric,
-absmax / 127). The int8 values move as uint8 bits: XLA would otherwise move the dequantizing
-convert in front of the collective and send floats."""
+"""ZeRO++'s quantized collectives: blockwise int8 with a float32 or bfloat16 scale per block
+(symmetric, absmax / 127). The int8 values and the scales move as unsigned bits: XLA would
+otherwise move the dequantizing convert in front of the collective and send floats."""
 
 from __future__ import annotations
 
@@ -16,25 +16,36 @@ __all__ = ["dequantize_rows", "gather_rows", "quantize_shard", "quantized_all_ga
            "quantized_reduce_scatter"]
 
 
-def _quantize(rows: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+def _quantize(rows: jax.Array, block: int, scale_dtype=jnp.float32
+              ) -> tuple[jax.Array, jax.Array]:
     """Rows ``(n, m)`` -> int8 blocks ``(n, m / block, block)`` (zero-padded) and their
-    float32 scales ``(n, m / block)`` (absmax / 127, symmetric)."""
+    scales ``(n, m / block)`` in ``scale_dtype`` (absmax / 127, symmetric). A 16-bit scale is
+    rounded up (never below the absmax's): the largest element still fits in 127 steps."""
     n, m = rows.shape
     blocks = jnp.pad(rows.astype(jnp.float32), ((0, 0), (0, -m % block))).reshape(n, -1, block)
     scale = jnp.max(jnp.abs(blocks), axis=2) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(blocks / scale[..., None]), -127, 127).astype(jnp.int8)
-    return q, scale
+    if jnp.dtype(scale_dtype) != jnp.float32:
+        narrow = scale.astype(scale_dtype)
+        up = jnp.nextafter(narrow, jnp.asarray(jnp.inf, scale_dtype))
+        scale = jnp.where(narrow.astype(jnp.float32) < scale, up, narrow)
+    q = jnp.clip(jnp.round(blocks / scale.astype(jnp.float32)[..., None]), -127, 127)
+    return q.astype(jnp.int8), scale
 
 
-def quantize_shard(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """A shard as one row of int8 blocks (moved as uint8 bits) and its float32 scales:
+def _bits(scale: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(scale, {2: jnp.uint16, 4: jnp.uint32}[scale.dtype.itemsize])
+
+
+def quantize_shard(x: jax.Array, block: int, scale_dtype=jnp.float32
+                   ) -> tuple[jax.Array, jax.Array]:
+    """A shard as one row of int8 blocks (moved as uint8 bits) and its scales:
     ``(1, blocks, block)`` and ``(1, blocks)``, the input of :func:`gather_rows`."""
     flat = x.reshape(-1)
     # a small shard is one block, not a padded one
-    q, scale = _quantize(flat[None], min(block, flat.size))
-    # as uint8 bits: XLA would otherwise move the int8 -> float convert in front of the gather
-    return lax.bitcast_convert_type(q, jnp.uint8), scale
+    q, scale = _quantize(flat[None], min(block, flat.size), scale_dtype)
+    # as bits: XLA would otherwise move the int8 -> float convert in front of the gather
+    return lax.bitcast_convert_type(q, jnp.uint8), _bits(scale)
 
 
 def gather_rows(parts: tuple[jax.Array, jax.Array], axis_name: str,
@@ -48,44 +59,50 @@ def gather_rows(parts: tuple[jax.Array, jax.Array], axis_name: str,
 
 
 def dequantize_rows(parts: tuple[jax.Array, jax.Array], shard_shape, axis: int, dtype,
-                    tag=lambda v: v) -> jax.Array:
+                    tag=lambda v: v, scale_dtype=jnp.float32) -> jax.Array:
     """Every device's quantized shard (rows in shard order) as the gathered tensor."""
     bits, scale = parts
+    scale = lax.bitcast_convert_type(scale, scale_dtype)
     q_rows = tag(lax.bitcast_convert_type(bits, jnp.int8))  # (n, blocks, block)
     n, size = q_rows.shape[0], int(np.prod(shard_shape, dtype=np.int64))
-    rows = (q_rows.astype(jnp.float32) * scale[..., None]).reshape(n, -1)[:, :size]
+    rows = (q_rows.astype(jnp.float32) * scale.astype(jnp.float32)[..., None])
+    rows = rows.reshape(n, -1)[:, :size]
     return tag(from_rows(rows.astype(dtype), shard_shape, axis))
 
 
 def quantized_all_gather(x: jax.Array, axis_name: str | tuple[str, ...], *, axis: int,
-                         block: int, dtype, name: str | None = None) -> jax.Array:
+                         block: int, dtype, name: str | None = None,
+                         scale_dtype=jnp.float32) -> jax.Array:
     """Tiled all-gather of ``x`` as blockwise int8 (ZeRO++'s qwZ), dequantized to ``dtype``.
 
     The shard is flattened into blocks of ``block`` elements (the last one zero-padded); each
-    block moves as int8 with a float32 scale (its absmax / 127, symmetric rounding), so the
-    gather carries about 1 byte per element plus ``4 / block``. Rows of the devices' blocks are
+    block moves as int8 with a scale in ``scale_dtype`` (its absmax / 127, symmetric rounding),
+    so the gather carries about 1 byte per element plus ``4 / block`` (``2 / block`` with a
+    16-bit scale). Rows of the devices' blocks are
     dequantized and laid back along ``axis``. ``name`` tags what the remat policy must not save
     (the gathered int8 rows, scales and the dequantized weight: the backward re-gathers).
     A tuple ``axis_name`` gathers over each axis in turn, the last one's index major.
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
-    parts = quantize_shard(x, block)
+    parts = quantize_shard(x, block, scale_dtype)
     for a in (axis_name,) if isinstance(axis_name, str) else axis_name:
         parts = gather_rows(parts, a, tag)
-    return dequantize_rows(parts, x.shape, axis, dtype, tag)
+    return dequantize_rows(parts, x.shape, axis, dtype, tag, scale_dtype)
 
 
-def quantized_reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, block: int
-                             ) -> jax.Array:
+def quantized_reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, block: int,
+                             scale_dtype=jnp.float32) -> jax.Array:
     """ZeRO++'s qgZ: :func:`zjax.partition.gather.reduce_scatter`'s ``quantized`` method."""
     n = lax.axis_size(axis_name)
     rows = to_rows(x, dim, n)  # row j: this device's contribution to device j's tile
     m = rows.shape[1]
-    q, scale = _quantize(rows, min(block, m))
+    q, scale = _quantize(rows, min(block, m), scale_dtype)
     bits = lax.all_to_all(lax.bitcast_convert_type(q, jnp.uint8), axis_name, 0, 0,
                           tiled=True)
-    scales = lax.all_to_all(scale, axis_name, 0, 0, tiled=True)
-    got = lax.bitcast_convert_type(bits, jnp.int8).astype(jnp.float32) * scales[..., None]
+    scales = lax.bitcast_convert_type(
+        lax.all_to_all(_bits(scale), axis_name, 0, 0, tiled=True), scale_dtype)
+    got = lax.bitcast_convert_type(bits, jnp.int8).astype(jnp.float32) \
+        * scales.astype(jnp.float32)[..., None]
     mine = got.reshape(n, -1)[:, :m].sum(axis=0)  # the n contributions to this device's tile
     shard_shape = (*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:])
     return mine.reshape(shard_shape).astype(x.dtype)

@@ -67,7 +67,10 @@ class ZeroConfig:
         node; the backward re-gathers within the node only. Gradients are reduce-scattered
         within the node, then across nodes. 1 turns it off.
       quantize_block: elements per quantization block of ``quantized_weights`` and
-        ``quantized_gradients`` (the scale overhead is 4 bytes per block).
+        ``quantized_gradients`` (the scale overhead is 4 bytes per block, 2 in bfloat16).
+      quantize_scale_dtype: dtype of the blocks' scales, ``float32`` or ``bfloat16``
+        (rounded up, so a block's largest element still fits in 127 steps: its step is up
+        to 1/128 coarser).
     """
 
     stage: int = choices(0, 1, 2, 3, default=3)
@@ -84,6 +87,7 @@ class ZeroConfig:
     quantized_gradients: bool = False
     hpz_partition_size: int = positive(1)
     quantize_block: int = positive(256)
+    quantize_scale_dtype: str = choices("float32", "bfloat16", default="float32")
 
     def __post_init__(self):
         validate(self, "zero")

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from zjax._backend import Backend, backend_of
 from zjax.errors import ArgumentError, ConfigError
 from zjax.mesh import DATA, MODEL, NODE, REPLICA, split_nodes
-from zjax.partition.config import ZeroConfig
+from zjax.partition.config import ZeroConfig, resolve_dtype
 from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
 
@@ -194,7 +194,9 @@ class ShardPlan:
         dtypes, host residence, the backend's reduce-scatter)."""
         return Comm(DATA, self.zero.gather, self.reduce_dtype, self.params_on_host,
                     self.scatter, self.zero.quantized_weights, self.zero.quantize_block,
-                    NODE if NODE in self.mesh.axis_names else None)
+                    NODE if NODE in self.mesh.axis_names else None,
+                    resolve_dtype(self.zero.quantize_scale_dtype,
+                                  key="zero.quantize_scale_dtype"))
 
     @property
     def scatter(self) -> str:

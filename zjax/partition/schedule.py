@@ -296,7 +296,7 @@ def scheduled_loop(
                 mine = reduce_scatter_bucket(
                     [dws[j].astype(reduce_dtype) for j in in_bucket],
                     [spec.dims[j] - 1 for j in in_bucket], comm.axis_name,
-                    method=comm.scatter, block=comm.block)
+                    method=comm.scatter, block=comm.block, scale_dtype=comm.scale_dtype)
                 for j, dw in zip(in_bucket, mine, strict=True):
                     shards[j] = dw
             shards = [dw.astype(leaf.dtype) for dw, leaf in zip(shards, leaves, strict=True)]
