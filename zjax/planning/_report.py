@@ -93,8 +93,8 @@ class PlanReport:
         d, f, c = self.per_device, self.formula, self.collectives
         s = self.setting
         mesh = s.get("mesh") or {}
-        shape = f" (data {mesh['data']} x model {mesh['model']})" if mesh.get("model", 1) > 1 \
-            else ""
+        shape = " (" + " x ".join(f"{k} {v}" for k, v in mesh.items()) + ")" \
+            if len(mesh) > 2 or mesh.get("model", 1) > 1 else ""
         where = f" ({s['target']}: {self.device_kind})" if s.get("target") else ""
         lines = [
             f"zjax plan{where}: {self.n_params:,} parameters on {self.n_devices} devices{shape}, "
@@ -106,6 +106,9 @@ class PlanReport:
                           ("optimizer_bytes", "optimizer state"),
                           ("model_state_bytes", "model states")]:
             lines.append(f"  {name:<22}{_size(d[key]):>14}{_size(f[key]):>14}")
+        if "hpz_secondary_bytes" in f:  # part of the temp: kept from forward to backward
+            lines.append(f"  {'hpZ secondary (temp)':<22}{'':>14}"
+                         f"{_size(f['hpz_secondary_bytes']):>14}")
         lines += [
             f"  {'activations/temp':<22}{_size(d['temp_bytes']):>14}",
             f"  {'total on device':<22}{_size(d['total_bytes']):>14}",
