@@ -75,8 +75,8 @@ class _Chunk:
         self.moment = [np.shape(x) == (size,) for x in leaves]
         for x, m in zip(leaves, self.moment, strict=True):
             if not m and np.size(x) > 1:
-                raise ValueError(f"optimizer state leaf of shape {np.shape(x)} is neither "
-                                 f"per-parameter nor a scalar: not an elementwise optimizer")
+                raise ConfigError(f"an optimizer state leaf of shape {np.shape(x)} is neither "
+                                  "per-parameter nor a scalar: not an elementwise optimizer")
         self.n_moments = sum(self.moment)
         self.scalars = [np.asarray(x) for x, m in zip(leaves, self.moment, strict=True) if not m]
 
@@ -124,7 +124,7 @@ class StreamingOptimizer:
         if sub_group_size < 1 or buffer_count < 1:
             raise ValueError(f"sub_group_size {sub_group_size}, buffer_count {buffer_count}: "
                              "both must be >= 1")
-        self.sub = int(min(sub_group_size, max(sizes.values(), default=1)))
+        self.sub = max(1, int(min(sub_group_size, max(sizes.values(), default=1))))
         self.buffer_count = buffer_count
         check_elementwise(tx)
         self._chunk = _Chunk(tx, self.sub, jax.devices("cpu")[0])
