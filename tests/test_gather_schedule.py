@@ -104,6 +104,58 @@ def test_scheduled_scan_matches_plain_scan(prefetch, bucket):
     assert cb.counts["reduce_scatter"] == per_layer * L
 
 
+@pytest.mark.parametrize(("prefetch", "bucket"), [(0, False), (1, False), (1, True),
+                                                   (2, True)])
+def test_scheduled_scan_with_a_secondary_partition_matches_plain_scan(prefetch, bucket):
+    """hpZ's two levels on node 2 x data 4 (shards over ("data", "node")), per leaf and as
+    buckets: values and gradients as a plain scan; per layer the backward gathers over
+    ``data`` only, and the gradients are reduce-scattered over ``data`` then ``node``."""
+    from zjax.mesh import split_nodes
+    from zjax.partition import Comm
+
+    L, D, F = 4, 16, 32
+    rng = np.random.default_rng(2)
+    params = {"a": jnp.asarray(rng.normal(size=(L, D, F)) * 0.2, jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(L, F, D)) * 0.2, jnp.float32),
+              "s": jnp.asarray(rng.normal(size=(L, D)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(16, D)), jnp.float32)
+    dims = {"a": 2, "b": 1, "s": None}
+    spec = ScheduleSpec(dims=tuple(jax.tree.leaves(dims, is_leaf=lambda d: d is None)),
+                        prefetch=prefetch, bucket=bucket, comm=Comm(node_axis="node"))
+    mesh = split_nodes(zjax.make_mesh(), 4)
+    axes = ("data", "node")
+
+    def local(shards, x):
+        def loss(s, x):
+            return jnp.sum(scheduled_scan(_stack_fn, s, x, spec=spec) ** 2)
+        (val, (gs, gx)) = jax.value_and_grad(loss, argnums=(0, 1))(shards, x)
+        gs["s"] = jax.lax.psum(gs["s"], axes)
+        return jax.lax.psum(val, axes), gs, gx
+
+    specs = {"a": P(None, None, axes), "b": P(None, axes), "s": P()}
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P(axes)),
+                              out_specs=(P(), specs, P(axes)), check_vma=False),
+                compiler_options=dict(backend("cpu").compiler_options))
+    val, grads, gx = f(params, x)
+
+    def ref(params, x):
+        return jnp.sum(jax.lax.scan(lambda h, p: (_stack_fn(p, h), None), x, params)[0] ** 2)
+
+    ref_val, (ref_grads, ref_gx) = jax.value_and_grad(ref, argnums=(0, 1))(params, x)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, **GRADS, what="grads")
+    np.testing.assert_allclose(gx, ref_gx, **GRADS)
+    coll = collective_bytes(f.lower(params, x).compile().as_text(), mesh_axes=dict(mesh.shape))
+    sharded = (D * F + F * D) * L * 4
+    k = min(prefetch, L)
+    # across nodes: each layer once (a quarter of it), in the forward (and its k prefetches)
+    assert coll.by_axis["node"]["all_gather"] == (L + k) * sharded // L // 4
+    # within the node: the forward's second level and the backward's re-gathers
+    assert coll.by_axis["data"]["all_gather"] == 2 * sharded + k * sharded // L
+    assert coll.by_axis["data"]["reduce_scatter"] == sharded
+    assert coll.by_axis["node"]["reduce_scatter"] == sharded // 4
+
+
 class _Leaky(nnx.Module):
     """Uses a Stack's parameter outside the Stack: a shard, never gathered."""
 
