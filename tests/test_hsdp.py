@@ -6,6 +6,8 @@ bytes, not the whole model's), and checkpoints moving between 2 x 4 and 8 device
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -55,6 +57,17 @@ def test_hybrid_sharding_matches_single_device(reference, stage, replica, data, 
     for leaf, x in zip(zstep.plan.leaves, jax.tree.leaves(stored), strict=True):
         if leaf.dim is not None and leaf.model_dim is None:  # 1/data, whatever the replicas
             assert x.addressable_shards[0].data.shape[leaf.dim] == leaf.shape[leaf.dim] // data
+
+
+def test_hybrid_sharding_with_offload_matches_single_device(reference):
+    """Replica 2 x data 4 with the optimizer state and the params in host memory."""
+    from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+
+    batches, expected = reference
+    zero = dataclasses.replace(_zero(3), offload_optimizer=OptimizerOffloadConfig(device="host"),
+                               offload_param=OffloadConfig(device="host"))
+    _, state, losses = train_steps(gpt_trainable(), zero, batches, mesh=_mesh(2, 4))
+    assert_matches_reference(losses, state, expected)
 
 
 def test_replica_all_reduce_moves_the_shards_only():
