@@ -1,8 +1,8 @@
-"""Bytes by link class for ZeRO-3, hybrid sharding and ZeRO++'s quantized collectives.
+"""Bytes by link class for ZeRO-3, hybrid sharding and ZeRO++ (qwZ, qgZ, hpZ).
 
 Compiles a 7.46B GPT (``configs/gpt-7b.yaml``'s width, d_model 4096, with 36 layers to its 32)
-for H hosts x D devices
-(simulated CPU devices; nothing allocated) and reports, per variant, the collective bytes per
+for H hosts x D devices (simulated CPU devices; nothing allocated) and reports, per variant,
+the collective bytes per
 step inside a host and between hosts (``zjax plan --hosts``), and the per-device model state
 and temp of the compiled step:
 
