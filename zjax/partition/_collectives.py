@@ -211,9 +211,9 @@ def gather_levels(x: jax.Array, comm: Comm, *, axis: int, name: str | None = Non
     The secondary partition is None without ``comm.node_axis``; with it, it is what this
     device holds after the gather across nodes (a ``1 / k`` slice, or its int8 rows and
     scales with ``comm.quantize``), from which :func:`gather_within` rebuilds the weight.
-    ``name`` tags the whole weight (and the within-node gather) for the remat policy; the
-    secondary partition is left untagged, so a remat keeps it and gathers within the node
-    again.
+    ``name`` tags the whole weight (and the within-node gather) for the remat policy. The
+    scheduled layer scan keeps the secondary partition for its backward itself; the gather
+    primitive's remat sees one call and runs both levels again.
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
     if comm.quantize:

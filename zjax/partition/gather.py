@@ -91,8 +91,8 @@ def _is_float(dtype) -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _zjax_gather(x, dim: int, comm: Comm):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
-    # the gathered value itself (the custom call's output would otherwise be saved); hpZ's
-    # secondary partition is left untagged, so a remat keeps it and re-gathers within the node
+    # the gathered value itself (the custom call's output would otherwise be saved). With hpZ
+    # the remat runs both levels again (measured: the tied head's weight crosses nodes twice)
     shard = x if comm.quantize else x.astype(comm.gather_dtype)
     return gather_levels(shard, comm, axis=dim, name=GATHERED)[0]
 
