@@ -199,13 +199,15 @@ def test_hpz_compiles_and_keeps_the_backward_gathers_on_the_host(name):
     of 4 GPUs) and libtpu (v5p:2x2x2, whose 2 hosts the mesh interleaves along data until
     the plan puts the axis in process order): the forward's gathers across hosts carry a
     quarter of a weight per device, the backward's stay on the host; the gradients cross
-    hosts at their second level only."""
+    hosts at their second level only (a quarter of the first's bytes)."""
     zstep, _, rep = _compiled(name, "zero.stage=3", "zero.hpz_partition_size=4",
                               "zero.reduce_dtype=float32")
     assert zstep.plan.n_node == 2
     inter, intra = rep.collectives_by_link["inter_host"], rep.collectives_by_link["intra_host"]
     assert 0 < inter["all_gather"] < intra["all_gather"] / 3
-    assert 0 < inter["reduce_scatter"] < intra["reduce_scatter"] / 3
+    # a quarter, and on GPU (per leaf) one more layer: the first backward iteration's zeros
+    layers = 2  # BASE
+    assert 0 < inter["reduce_scatter"] <= intra["reduce_scatter"] * (layers + 1) / layers / 4
 
 
 @pytest.mark.slow
