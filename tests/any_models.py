@@ -240,6 +240,22 @@ def zero3_step(name, *, n_layers=3, d=32, f=128, gather_dtype="float32", micro_b
     return zstep, init, loss
 
 
+def train_and_compare(zstep, init, loss, n=5):
+    """``n`` steps of ``zstep`` against single-device optax on the same token batches:
+    params (the master, where stored apart) and optimizer state within float32 tolerance."""
+    from helpers import FP32, assert_trees_close, reference_run
+    from models import token_batches
+
+    batches = token_batches(n, batch=16, seq=8)
+    state = zstep.init(jax.random.key(0))
+    for b in batches:
+        state, _ = zstep.step(state, zstep.put_batch(b))
+    ref_params, ref_opt, _ = reference_run(init, loss, TX, batches)
+    params = state.master if state.master is not None else state.params
+    assert_trees_close(params, ref_params, **FP32, what="params")
+    assert_trees_close(state.opt_state, ref_opt, **FP32, what="opt_state")
+
+
 def compiled_step(zstep, batch=16, seq=8):
     """The step compiled for token batches; a model that falls back to gathering everything
     at once is an error."""

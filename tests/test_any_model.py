@@ -11,10 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from any_models import MODELS, TX, compiled_step, jax_flat, psi_bytes, zero3_step
+from any_models import (
+    MODELS,
+    TX,
+    compiled_step,
+    jax_flat,
+    psi_bytes,
+    train_and_compare,
+    zero3_step,
+)
 from helpers import FP32, assert_trees_close, reference_run
 from jax.sharding import PartitionSpec as P
-from models import token_batches
 
 import zjax
 from zjax.errors import GatherFallbackWarning
@@ -27,34 +34,23 @@ from zjax.planning import collective_bytes, unordered_collectives
 SCANNED = {"jax_scan", "linen_scan", "eqx_scan"}
 
 
-def _train_and_compare(zstep, init, loss, n=5):
-    batches = token_batches(n, batch=16, seq=8)
-    state = zstep.init(jax.random.key(0))
-    for b in batches:
-        state, _ = zstep.step(state, zstep.put_batch(b))
-    ref_params, ref_opt, _ = reference_run(init, loss, TX, batches)
-    params = state.master if state.master is not None else state.params
-    assert_trees_close(params, ref_params, **FP32, what="params")
-    assert_trees_close(state.opt_state, ref_opt, **FP32, what="opt_state")
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_stage3_equals_single_device_optax(name):
-    _train_and_compare(*zero3_step(name, prefetch_layers=1))
+    train_and_compare(*zero3_step(name, prefetch_layers=1))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "prefetch"), [("jax_loop", 0), ("linen_scan", 2)])
 def test_stage3_equals_optax_at_other_prefetch_depths(name, prefetch):
-    _train_and_compare(*zero3_step(name, n_layers=4, prefetch_layers=prefetch))
+    train_and_compare(*zero3_step(name, n_layers=4, prefetch_layers=prefetch))
 
 
 @pytest.mark.slow
 def test_with_gradient_accumulation_and_offload():
     """Micro-batches around unrolled segments; params and Adam state in host memory around a
     scheduled loop."""
-    _train_and_compare(*zero3_step("jax_loop", micro_batches=2))
-    _train_and_compare(*zero3_step("eqx_scan", offload_optimizer=OptimizerOffloadConfig(
+    train_and_compare(*zero3_step("jax_loop", micro_batches=2))
+    train_and_compare(*zero3_step("eqx_scan", offload_optimizer=OptimizerOffloadConfig(
         device="host"), offload_param=OffloadConfig(device="host")))
 
 
@@ -85,7 +81,7 @@ def test_a_model_without_layers_trains_whole_with_a_warning():
                            zero=ZeroConfig(stage=3, param_persistence_threshold=0,
                                            gather_dtype="float32"))
     with pytest.warns(GatherFallbackWarning, match="no layer structure"):
-        _train_and_compare(zstep, init, loss, n=3)
+        train_and_compare(zstep, init, loss, n=3)
 
 
 def test_a_program_the_transform_cannot_rewrite_falls_back_with_the_cause(monkeypatch):
@@ -97,7 +93,7 @@ def test_a_program_the_transform_cannot_rewrite_falls_back_with_the_cause(monkey
     monkeypatch.setattr(transform, "_execute", broken)
     zstep, init, loss = zero3_step("jax_loop")
     with pytest.warns(GatherFallbackWarning, match="NotImplementedError: a primitive it does"):
-        _train_and_compare(zstep, init, loss, n=2)
+        train_and_compare(zstep, init, loss, n=2)
 
 
 def test_gather_tree_with_none_entries():

@@ -11,11 +11,9 @@ import jax
 import numpy as np
 import pytest
 from helpers import (
-    FP32,
     ROOT,
     adam_moments,
     assert_matches_reference,
-    assert_trees_close,
     latest_checkpoint,
     make_tx,
     reference_run,
@@ -163,7 +161,7 @@ def test_batch_slices_follow_node_and_data():
 def test_hpz_for_models_zjax_does_not_own(name, offload):
     """The gather-on-use transform's unrolled segments and scheduled scans under hpZ (and
     with params and optimizer state in host memory): equal to single-device optax."""
-    from any_models import TX, zero3_step
+    from any_models import train_and_compare, zero3_step
 
     from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 
@@ -171,23 +169,13 @@ def test_hpz_for_models_zjax_does_not_own(name, offload):
                  offload_param=OffloadConfig(device="host")) if offload else {}
     zstep, init, loss = zero3_step(name, hpz_partition_size=4, prefetch_layers=1, **extra)
     assert zstep.plan.n_node == 2
-    batches = token_batches(5, batch=16, seq=8)
-    state = zstep.init(jax.random.key(0))
-    for b in batches:
-        state, _ = zstep.step(state, zstep.put_batch(b))
-    ref_params, ref_opt, _ = reference_run(init, loss, TX, batches)
-    params = state.master if state.master is not None else state.params
-    assert_trees_close(params, ref_params, **FP32, what="params")
-    assert_trees_close(state.opt_state, ref_opt, **FP32, what="opt_state")
+    train_and_compare(zstep, init, loss)
 
 
 def test_checkpoints_move_between_hpz_and_plain_layouts(tmp_path):
     """An hpZ run's checkpoint (shards over node x data) restores bitwise as plain stage 3
     and on one device, and a plain run's restores under hpZ: the swap of layouts is Orbax's
     resharding, params and moments alike."""
-    from zjax import build_step
-    from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
-
     overrides = ["train.steps=2", "train.eval_every=0", "checkpoint.every=2",
                  "logging.progress=false"]
     hpz = ["zero.hpz_partition_size=4"]
@@ -199,13 +187,6 @@ def test_checkpoints_move_between_hpz_and_plain_layouts(tmp_path):
         again = latest_checkpoint(tmp_path / run, other)
         assert again[0] == step == 2
         jax.tree.map(np.testing.assert_array_equal, again[1], written)
-    zstep = build_step(load_config(ROOT / "configs/tiny.yaml", ["mesh.data=1"]),
-                       jax.devices()[:1])
-    ckpt = Checkpointer(tmp_path / "hpz" / "checkpoints", CheckpointConfig())
-    try:
-        _, state, _, _ = ckpt.restore_latest(zstep)
-    finally:
-        ckpt.close()
-    single = jax.tree.map(np.asarray, to_canonical(state, zstep))
-    jax.tree.map(np.testing.assert_array_equal, single,
+    single = latest_checkpoint(tmp_path / "hpz", ["mesh.data=1"], devices=jax.devices()[:1])
+    jax.tree.map(np.testing.assert_array_equal, single[1],
                  latest_checkpoint(tmp_path / "hpz", hpz)[1])

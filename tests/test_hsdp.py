@@ -130,15 +130,5 @@ def test_checkpoint_moves_between_hybrid_and_plain_meshes(tmp_path):
         assert other[0] == step == 2
         jax.tree.map(np.testing.assert_array_equal, other[1], hybrid)
     # and on a single device
-    from zjax import build_step
-    from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
-
-    zstep = build_step(load_config(ROOT / "configs/tiny.yaml", ["mesh.data=1"]),
-                       jax.devices()[:1])
-    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", CheckpointConfig())
-    try:
-        _, state, _, _ = ckpt.restore_latest(zstep)
-    finally:
-        ckpt.close()
-    single = jax.tree.map(np.asarray, to_canonical(state, zstep))
+    single = latest_checkpoint(tmp_path / "run", ["mesh.data=1"], devices=jax.devices()[:1])[1]
     jax.tree.map(np.testing.assert_array_equal, single, hybrid)
