@@ -70,23 +70,19 @@ def dequantize_rows(parts: tuple[jax.Array, jax.Array], shard_shape, axis: int, 
     return tag(from_rows(rows.astype(dtype), shard_shape, axis))
 
 
-def quantized_all_gather(x: jax.Array, axis_name: str | tuple[str, ...], *, axis: int,
-                         block: int, dtype, name: str | None = None,
-                         scale_dtype=jnp.float32) -> jax.Array:
+def quantized_all_gather(x: jax.Array, axis_name: str, *, axis: int, block: int, dtype,
+                         name: str | None = None, scale_dtype=jnp.float32) -> jax.Array:
     """Tiled all-gather of ``x`` as blockwise int8 (ZeRO++'s qwZ), dequantized to ``dtype``.
 
     The shard is flattened into blocks of ``block`` elements (the last one zero-padded); each
     block moves as int8 with a scale in ``scale_dtype`` (its absmax / 127, symmetric rounding),
     so the gather carries about 1 byte per element plus ``4 / block`` (``2 / block`` with a
-    16-bit scale). Rows of the devices' blocks are
-    dequantized and laid back along ``axis``. ``name`` tags what the remat policy must not save
-    (the gathered int8 rows, scales and the dequantized weight: the backward re-gathers).
-    A tuple ``axis_name`` gathers over each axis in turn, the last one's index major.
+    16-bit scale). Rows of the devices' blocks are dequantized and laid back along ``axis``.
+    ``name`` tags what the remat policy must not save (the gathered int8 rows, scales and the
+    dequantized weight: the backward re-gathers).
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
-    parts = quantize_shard(x, block, scale_dtype)
-    for a in (axis_name,) if isinstance(axis_name, str) else axis_name:
-        parts = gather_rows(parts, a, tag)
+    parts = gather_rows(quantize_shard(x, block, scale_dtype), axis_name, tag)
     return dequantize_rows(parts, x.shape, axis, dtype, tag, scale_dtype)
 
 
