@@ -117,8 +117,16 @@ def test_what_zjax_cannot_do_is_refused_naming_the_key(ds, match):
         from_deepspeed(ds, n_data=8)
 
 
-def test_nvme_offload_gets_zjaxs_own_error():
-    with pytest.raises(zjax.ConfigError, match=r"zero.offload_optimizer.device: 'nvme'"):
+def test_nvme_offload_maps_its_keys_and_needs_a_path():
+    """ZeRO-Infinity's optimizer keys land in zjax's; without nvme_path zjax's own error."""
+    cfg, _ = _config({"zero_optimization": {
+        "stage": 3, "sub_group_size": 1_000_000,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme",
+                              "buffer_count": 5, "pipeline_read": True}}})
+    section = cfg.zero.offload_optimizer
+    assert (section.device, section.nvme_path, section.buffer_count) == ("nvme", "/local_nvme", 5)
+    assert cfg.zero.sub_group_size == 1_000_000
+    with pytest.raises(zjax.ConfigError, match=r"zero.offload_optimizer.nvme_path: required"):
         _config({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
 
 

@@ -15,6 +15,7 @@ _EXPORTS = {
     "CheckpointError": "zjax.errors",
     "Config": "zjax.config",
     "ConfigError": "zjax.errors",
+    "NvmeError": "zjax.errors",
     "GatherFallbackWarning": "zjax.errors",
     "LanguageModel": "zjax.loop",
     "Loop": "zjax.loop",
@@ -56,6 +57,7 @@ __all__ = [
     "MeshConfig",
     "NonFiniteError",
     "NotGatheredError",
+    "NvmeError",
     "PlanReport",
     "Preempted",
     "ShardPlan",
@@ -105,6 +107,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         GatherFallbackWarning,
         NonFiniteError,
         NotGatheredError,
+        NvmeError,
         ZjaxError,
     )
     from zjax.loop import LanguageModel, Loop

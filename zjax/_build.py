@@ -60,11 +60,14 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
     if isinstance(devices, Target):
         devices = devices.devices
     mesh = make_mesh(config.mesh, devices=None if devices is None else list(devices))
-    tx = make_optimizer(config.optimizer, total_steps=config.train.steps)
+    # the NVMe optimizer updates sub-groups apart: the step clips, by the norm of the whole
+    nvme = config.zero.offload_optimizer.nvme
+    tx = make_optimizer(config.optimizer, total_steps=config.train.steps, clip_in_step=nvme)
     with config_keys():
         return make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
                          micro_batches=config.train.grad_accum,
-                         skip_nonfinite=config.train.on_nonfinite == "skip")
+                         skip_nonfinite=config.train.on_nonfinite == "skip",
+                         clip_norm=config.optimizer.clip_norm if nvme else None)
 
 
 def abstract_batch(config: Config, *, loop: Loop | None = None) -> jax.ShapeDtypeStruct:

@@ -123,8 +123,10 @@ class MetricsLog:
         self.writer.write(row)  # process 0 with a run directory; else a no-op
         evals = f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
         if "loss" in row:
-            self.info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step", s.step, row["loss"],
-                      evals, row["tokens_per_s"], row["step_time_s"])
+            nvme = (f" | NVMe read {row['nvme_read_gbs']:.2f} / write "
+                    f"{row['nvme_write_gbs']:.2f} GB/s" if "nvme_read_gbs" in row else "")
+            self.info("step %5d | loss %.4f%s | %8.0f tok/s | %.3f s/step%s", s.step, row["loss"],
+                      evals, row["tokens_per_s"], row["step_time_s"], nvme)
         else:
             self.info("step %5d%s", s.step, evals)
 

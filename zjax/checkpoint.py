@@ -32,10 +32,13 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from zjax._checkpoint_config import CheckpointConfig
+from zjax._ckpt_tree import canonical, on_disk, read_leaf, write_step
 from zjax._digest import leaf_name, tree_digests
+from zjax._export_io import nested
 from zjax.errors import CheckpointError, DamagedCheckpoint, first_line, is_damage
 from zjax.offload import to_device
 from zjax.step import TrainState, ZeroStep
+from zjax.step._nvme_io import canonical_leaves, restore_canonical
 
 __all__ = ["CheckpointConfig", "Checkpointer", "from_canonical", "to_canonical"]
 
@@ -45,15 +48,19 @@ log = logging.getLogger("zjax")
 
 
 def to_canonical(state: TrainState, zstep: ZeroStep) -> dict:
-    """The stage-independent form: float32 master params, optax state, step."""
+    """The stage-independent form: float32 master params, optax state, step.
+
+    With the optimizer on NVMe this reads the whole state from the swap files into device
+    memory (for tests and small models; checkpoints stream it leaf by leaf)."""
+    if zstep.nvme is not None:
+        leaves = [x for _, x in canonical_leaves(zstep.nvme, state, zstep.canonical)]
+        return jax.tree.unflatten(jax.tree.structure(zstep.canonical), leaves)
     master = state.master if zstep.plan.has_master else state.params
     return {"step": state.step, "params": master, "opt_state": state.opt_state}
 
 
 def _abstract_canonical(zstep: ZeroStep) -> dict:
-    a = zstep.abstract_state
-    master = a.master if zstep.plan.has_master else a.params
-    return {"step": a.step, "params": master, "opt_state": a.opt_state}
+    return zstep.canonical
 
 
 def from_canonical(tree: dict, zstep: ZeroStep) -> TrainState:
@@ -128,8 +135,11 @@ class Checkpointer:
 
         The digests of every array and of ``data_state`` go into the ``meta`` item.
         """
-        canonical = to_canonical(state, zstep)
         data_state = data_state if data_state is not None else {}
+        if zstep.nvme is not None:  # not in memory: written leaf by leaf, synchronously
+            self._save_streamed(step, state, zstep, data_state, meta)
+            return
+        canonical = to_canonical(state, zstep)
         meta = {**(meta or {}), "digests": {"state": tree_digests(canonical),
                                             "data": _json_digest(data_state)}}
         args = ocp.args.Composite(
@@ -138,6 +148,20 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
         )
         self.manager.save(step, args=args, force=True)
+
+    def _save_streamed(self, step: int, state: TrainState, zstep: ZeroStep, data_state: Any,
+                       meta: dict | None) -> None:
+        """The NVMe optimizer's state, one canonical leaf in memory at a time."""
+        self.manager.wait_until_finished()
+        meta = meta or {}
+        items = {"data": data_state, "meta": lambda digests: {
+            **meta, "digests": {"state": digests, "data": _json_digest(data_state)}}}
+        write_step(self.directory, step,
+                   canonical_leaves(zstep.nvme, state, zstep.canonical), items)
+        self.manager.reload()
+        steps = self.steps()
+        for old in steps[:max(0, len(steps) - self.config.keep)]:
+            self.manager.delete(old)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -155,22 +179,55 @@ class Checkpointer:
         """
         out = self._read(step, zstep)
         self._verify(step, out)
+        if zstep.nvme is not None:
+            recorded = ((out["meta"] or {}).get("digests") or {}).get("state")
+            return self._read_streamed(step, zstep, recorded), out["data"], out["meta"]
         return from_canonical(out["state"], zstep), out["data"], out["meta"]
 
     def _read(self, step: int, zstep: ZeroStep) -> dict:
-        """The checkpoint's items as stored; DamagedCheckpoint if its files cannot be read."""
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract_canonical(zstep)),
-            data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore(),
-        )
+        """The checkpoint's items as stored; DamagedCheckpoint if its files cannot be read.
+
+        With the optimizer on NVMe the state is not read here (:meth:`_read_streamed`)."""
+        items = {"data": ocp.args.JsonRestore(), "meta": ocp.args.JsonRestore()}
         try:
-            return self.manager.restore(step, args=args)
+            if zstep.nvme is None:  # in the layout found on disk (see zjax._ckpt_tree)
+                target = on_disk(self._meta_tree(step), zstep.canonical)
+                items["state"] = ocp.args.StandardRestore(target)
+            out = dict(self.manager.restore(step, args=ocp.args.Composite(**items)))
+            if zstep.nvme is None:
+                out["state"] = canonical(out["state"], zstep.canonical)
+            return out
         except Exception as e:
             if not is_damage(e):
                 raise
             raise DamagedCheckpoint(f"step {step}: it cannot be read ({type(e).__name__}: "
                                     f"{first_line(e)})") from e
+
+    def _meta_tree(self, step: int) -> Any:
+        return self.manager.item_metadata(step)["state"].tree
+
+    def _read_streamed(self, step: int, zstep: ZeroStep, recorded: dict | None) -> TrainState:
+        """Restore ``step`` into fresh NVMe swap files, one leaf at a time, each checked
+        against its recorded digest."""
+        state_dir = self.directory / str(step) / "state"
+        meta_tree = self._meta_tree(step)
+
+        def read(keys, target):
+            try:
+                x = read_leaf(state_dir, meta_tree, keys, target)
+            except Exception as e:
+                if not is_damage(e):
+                    raise
+                raise DamagedCheckpoint(f"step {step}: leaf {'/'.join(keys)} cannot be read "
+                                        f"({type(e).__name__}: {first_line(e)})") from e
+            name = "/".join(keys)
+            if (recorded is not None and name in recorded
+                    and tree_digests(nested([(keys, x)]))[name] != recorded[name]):
+                raise DamagedCheckpoint(f"step {step}: leaf {name} reads back other values "
+                                        "than were written (checksum mismatch)")
+            return x
+
+        return restore_canonical(zstep.nvme, zstep.canonical, read)
 
     def _verify(self, step: int, out: dict) -> None:
         """Compare what was read with the digests recorded at save time (collective)."""
@@ -179,6 +236,8 @@ class Checkpointer:
             return
         if _json_digest(out["data"]) != recorded.get("data"):
             raise DamagedCheckpoint(f"step {step}: the data iterator's state reads back altered")
+        if "state" not in out:  # read leaf by leaf, and checked as it was (NVMe)
+            return
         digests = tree_digests(out["state"])
         unknown = sorted(set(digests) - set(recorded.get("state") or {}))
         if unknown:  # named another way when it was saved: it cannot be checked, not damage
@@ -272,9 +331,16 @@ class Checkpointer:
                 continue
             try:
                 self._verify(step, out)  # the same answer on every process
+                if zstep.nvme is not None:
+                    recorded = ((out["meta"] or {}).get("digests") or {}).get("state")
+                    state = self._read_streamed(step, zstep, recorded)
             except DamagedCheckpoint as e:
-                self._set_aside(step, e)
+                damage = e
+            if _any_process(damage is not None):
+                self._set_aside(step, damage or "another process could not read it")
                 continue
+            if zstep.nvme is not None:
+                return step, state, out["data"], out["meta"]
             state = from_canonical(out["state"], zstep)
             jax.block_until_ready(state)
             return step, state, out["data"], out["meta"]

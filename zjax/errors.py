@@ -48,6 +48,10 @@ class CheckpointError(ZjaxError, OSError):
     """A checkpoint cannot be read, written or matched to the current run."""
 
 
+class NvmeError(ZjaxError, OSError):
+    """The NVMe swap files could not be read or written (a full or failing disk)."""
+
+
 class NotGatheredError(ZjaxError, ValueError):
     """A model used a sharded parameter without gathering it first."""
 

@@ -40,8 +40,17 @@ def make_schedule(cfg: OptimizerConfig, *, total_steps: int) -> optax.Schedule:
     return optax.linear_schedule(0.0, cfg.lr, max(1, cfg.warmup_steps))
 
 
-def make_optimizer(cfg: OptimizerConfig, *, total_steps: int) -> optax.GradientTransformation:
-    """The optimizer on :func:`make_schedule`, with optional global-norm clipping."""
+def make_optimizer(cfg: OptimizerConfig, *, total_steps: int,
+                   clip_in_step: bool = False) -> optax.GradientTransformation:
+    """The optimizer on :func:`make_schedule`, with optional global-norm clipping.
+
+    Args:
+      cfg: the ``optimizer`` section.
+      total_steps: the schedule's length.
+      clip_in_step: leave ``cfg.clip_norm`` to the train step (``make_step(clip_norm=)``),
+        so that the transform is elementwise, as the NVMe optimizer needs: an identity takes
+        the clip's place, so the state (and a checkpoint of it) is the same as with the clip.
+    """
     lr = make_schedule(cfg, total_steps=total_steps)
     if cfg.name == "adamw":
         opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -51,4 +60,5 @@ def make_optimizer(cfg: OptimizerConfig, *, total_steps: int) -> optax.GradientT
         opt = optax.sgd(lr)
     if cfg.clip_norm is None:
         return opt
-    return optax.chain(clip_by_global_norm(cfg.clip_norm), opt)
+    clip = optax.identity() if clip_in_step else clip_by_global_norm(cfg.clip_norm)
+    return optax.chain(clip, opt)

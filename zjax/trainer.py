@@ -143,6 +143,14 @@ def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) 
 def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: RunDir | None,
                  info) -> TrainResult:
     zstep = build_step(config, loop=loop)
+    try:
+        return _run_steps(zstep, loop, config, ckpt, run, info)
+    finally:
+        zstep.close()  # NVMe swap files are a working area: removed, never reused
+
+
+def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer | None,
+               run: RunDir | None, info) -> TrainResult:
     train_data, eval_data, put = _data(loop, config, zstep)
     # before compiling: a checkpoint of another model or optimizer is an error at once
     restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
@@ -250,13 +258,14 @@ def _memory_row(zstep: ZeroStep, compiled, config: Config, info) -> tuple[dict, 
     # memory_analysis() does not tell host from device bytes on CPU: the plan counts by kind
     memory["state_host_bytes"] = planned.per_device["host_bytes"]
     memory["state_device_bytes"] = memory["state_bytes"] - memory["state_host_bytes"]
+    memory["state_nvme_bytes"] = planned.per_device["nvme_bytes"]
     # predicted (the ZeRO paper's formula) beside what the compiled step holds
     memory["model_state_bytes"] = planned.per_device["model_state_bytes"]
     memory["predicted_model_state_bytes"] = planned.formula["model_state_bytes"]
-    info("compiled step, per device: state %.2f MiB on device + %.2f MiB in host memory, "
-         "temp %.2f MiB, peak %.2f MiB", memory["state_device_bytes"] / 2**20,
-         memory["state_host_bytes"] / 2**20, memory["memory_temp_bytes"] / 2**20,
-         memory["memory_peak_bytes"] / 2**20)
+    info("compiled step, per device: state %.2f MiB on device + %.2f MiB in host memory + "
+         "%.2f MiB on NVMe, temp %.2f MiB, peak %.2f MiB", memory["state_device_bytes"] / 2**20,
+         memory["state_host_bytes"] / 2**20, memory["state_nvme_bytes"] / 2**20,
+         memory["memory_temp_bytes"] / 2**20, memory["memory_peak_bytes"] / 2**20)
     return memory, planned
 
 

@@ -30,7 +30,6 @@ _ZERO_IGNORED = {
     "allgather_bucket_size": "XLA sizes its collectives; zjax moves a layer at a time",
     "reduce_bucket_size": "XLA sizes its collectives; zjax reduce-scatters a layer at a time",
     "round_robin_gradients": "no CPU-offload gradient copy loop to reorder under XLA",
-    "sub_group_size": "the optax update runs on the whole sharded tree in one program",
     "stage3_max_reuse_distance": "each layer is gathered for its use and again for the "
                                  "backward; XLA frees a gathered layer after its last use",
     "stage3_gather_16bit_weights_on_model_save": "`zjax export` always writes gathered weights",
@@ -44,12 +43,13 @@ _ZERO_IGNORED = {
     "cpu_offload": "use offload_optimizer",
 }
 _OFFLOAD_IGNORED = {
-    "buffer_count": "no staging buffers: JAX moves arrays by memory kind",
     "buffer_size": "no staging buffers: JAX moves arrays by memory kind",
     "max_in_cpu": "every offloaded leaf lives in host memory",
     "fast_init": "optimizer state is created in its place (sharded, in host memory)",
-    "pipeline_read": "NVMe only", "pipeline_write": "NVMe only", "pipeline": "NVMe only",
-    "nvme_path": "NVMe only", "ratio": "the whole optimizer state is offloaded",
+    "pipeline_read": "the NVMe optimizer always reads ahead (buffer_count sub-groups)",
+    "pipeline_write": "the NVMe optimizer always writes behind (buffer_count sub-groups)",
+    "pipeline": "the NVMe optimizer always overlaps reads, updates and writes",
+    "ratio": "the whole optimizer state is offloaded",
 }
 _TOP_IGNORED = {
     "wall_clock_breakdown": "zjax logs step time and tokens/s",
@@ -139,17 +139,22 @@ def _offload(r: _Reader, section: str, d: dict) -> None:
         where = f"zero_optimization.{section}.{key}"
         if key == "device":
             device = {"cpu": "host", "none": "none"}.get(str(value), str(value))
-            r.set(f"{zkey}.device", device)  # nvme: zjax's own error says it is not yet there
+            r.set(f"{zkey}.device", device)
         elif key == "pin_memory":
             r.set(f"{zkey}.pin_memory", bool(value))
+        elif key == "nvme_path":
+            r.set(f"{zkey}.nvme_path", None if value is None else str(value))
+        elif key == "buffer_count":
+            r.set(f"{zkey}.buffer_count", _number(where, value, int))
         elif key in _OFFLOAD_IGNORED:
             r.ignore(where, _OFFLOAD_IGNORED[key])
         else:
-            raise r.unknown(where, ["device", "pin_memory", *_OFFLOAD_IGNORED])
+            raise r.unknown(where, ["device", "pin_memory", "nvme_path", "buffer_count",
+                                    *_OFFLOAD_IGNORED])
 
 
 def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
-    direct = {"stage": ("zero.stage", int),
+    direct = {"stage": ("zero.stage", int), "sub_group_size": ("zero.sub_group_size", int),
               "stage3_param_persistence_threshold": ("zero.param_persistence_threshold", int),
               "stage3_max_live_parameters": ("zero.max_live_parameters", int)}
     for key, value in d.items():

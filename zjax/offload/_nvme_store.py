@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zjax.errors import ConfigError
+from zjax.errors import ConfigError, NvmeError
 
 __all__ = ["NvmeStore", "check_nvme_path"]
 
@@ -93,10 +93,13 @@ class NvmeStore:
         out = np.empty(count, np.float32) if out is None else out
         view, done = memoryview(out).cast("B"), 0
         while done < out.nbytes:
-            n = os.preadv(self._fds[name], [view[done:]], offset + done)
+            try:
+                n = os.preadv(self._fds[name], [view[done:]], offset + done)
+            except OSError as e:
+                raise NvmeError(f"{self.key}: reading {self.file(name)} failed ({e})") from e
             if n == 0:
-                raise OSError(f"{self.file(name)}: unexpected end of file at byte "
-                              f"{offset + done}")
+                raise NvmeError(f"{self.key}: {self.file(name)}: unexpected end of file at "
+                                f"byte {offset + done} (was it removed or cut while in use?)")
             done += n
         self.read_bytes += out.nbytes
         return out
@@ -110,8 +113,8 @@ class NvmeStore:
             try:
                 done += os.pwrite(self._fds[name], view[done:], offset + done)
             except OSError as e:  # ENOSPC: a disk that filled under another writer
-                raise OSError(f"{self.key}: writing {self.file(name)} failed ({e}); the swap "
-                              f"files need {self.nbytes / 2**30:.2f} GiB") from e
+                raise NvmeError(f"{self.key}: writing {self.file(name)} failed ({e}); the "
+                                f"swap files need {self.nbytes / 2**30:.2f} GiB") from e
         self.written_bytes += values.nbytes
 
     def read(self, name: str, start: int, count: int) -> concurrent.futures.Future:

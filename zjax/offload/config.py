@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from zjax._schema import validate
+from zjax._schema import positive, validate
 from zjax.errors import ConfigError, did_you_mean
 
 __all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig"]
 
-DEVICES = ("none", "host")
-_LATER = {"nvme": "NVMe offload (ZeRO-Infinity) is not supported yet"}
+DEVICES = ("none", "host", "nvme")
 _ALIASES = {"cpu": "host"}  # DeepSpeed's name for the same tier
 
 
 def _check_device(key: str, device: str) -> str:
     device = _ALIASES.get(device, device)
-    if device in _LATER:
-        raise ConfigError(f"{key}: {device!r}: {_LATER[device]}; choose one of "
-                          f"{', '.join(DEVICES)}")
     if device not in DEVICES:
         raise ConfigError(f"{key}: {device!r} is not allowed{did_you_mean(device, DEVICES)}; "
                           f"choose one of {', '.join(DEVICES)} ('cpu' is read as 'host')")
@@ -31,18 +27,27 @@ class OffloadConfig:
 
     Attributes:
       device: ``none`` keeps it in device memory; ``host`` keeps it in host memory (JAX memory
-        kind ``pinned_host``) and brings it in as the step needs it. ``cpu`` is read as
-        ``host``; ``nvme`` is not supported yet.
+        kind ``pinned_host``) and brings it in as the step needs it; ``nvme`` keeps it in
+        files under ``nvme_path`` (ZeRO-Infinity). ``cpu`` is read as ``host``.
       pin_memory: page-locked host memory (``pinned_host``, fast DMA) rather than pageable
         (``unpinned_host``), as DeepSpeed's ``pin_memory``.
+      nvme_path: with ``device: nvme``, the directory of the swap files (a local NVMe disk);
+        each process writes its own devices' shards there.
+      buffer_count: with ``device: nvme``, sub-groups read ahead and written behind the one
+        being updated (and I/O threads).
     """
 
     device: str = "none"
     pin_memory: bool = True
+    nvme_path: str | None = None
+    buffer_count: int = positive(4)
 
     def __post_init__(self):
         validate(self, self._key("")[:-1])
         object.__setattr__(self, "device", _check_device(self._key("device"), self.device))
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(f"{self._key('nvme_path')}: required with device: nvme (the "
+                              "directory of the swap files, on a local NVMe disk)")
 
     def _key(self, name: str) -> str:
         return f"zero.offload_param.{name}"
@@ -50,6 +55,11 @@ class OffloadConfig:
     @property
     def enabled(self) -> bool:
         return self.device == "host"
+
+    @property
+    def nvme(self) -> bool:
+        """Whether it lives in swap files under ``nvme_path``."""
+        return self.device == "nvme"
 
     @property
     def memory_kind(self) -> str:
@@ -75,9 +85,10 @@ class OptimizerOffloadConfig(OffloadConfig):
             raise ConfigError(
                 f"zero.offload_optimizer.update_on: {self.update_on!r} is not allowed"
                 f"{did_you_mean(self.update_on, ('device', 'host'))}; choose one of device, host")
-        if self.update_on == "host" and not self.enabled:
+        if self.update_on == "host" and not (self.enabled or self.nvme):
             raise ConfigError("zero.offload_optimizer.update_on: 'host' needs "
-                              "zero.offload_optimizer.device: host")
+                              "zero.offload_optimizer.device: host (with nvme the update "
+                              "always runs on the host)")
 
     def _key(self, name: str) -> str:
         return f"zero.offload_optimizer.{name}"

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ import optax
 from zjax.errors import ConfigError
 from zjax.offload._nvme_store import NvmeStore
 
-__all__ = ["StreamingOptimizer", "check_elementwise"]
+__all__ = ["StreamStats", "StreamingOptimizer", "check_elementwise"]
 
 Sliceable = object  # anything with ``x[a:b]`` convertible by ``np.asarray``: numpy, jax, memmap
 
@@ -106,6 +108,22 @@ class _Chunk:
             return self._init(master)
 
 
+class StreamStats(NamedTuple):
+    """What one streamed update did.
+
+    Attributes:
+      finite: every new master value and optimizer state value is finite.
+      seconds: wall time of the update (reads, host updates, writes).
+      read_bytes: bytes read from the swap files.
+      written_bytes: bytes written to them.
+    """
+
+    finite: bool
+    seconds: float
+    read_bytes: int
+    written_bytes: int
+
+
 class StreamingOptimizer:
     """Float32 master params and their optimizer state in swap files, updated by streaming.
 
@@ -169,7 +187,7 @@ class StreamingOptimizer:
 
     def update(self, grads: Mapping[str, Sliceable],
                sink: Callable[[str, int, np.ndarray], None] | None = None, *,
-               grad_scale: float = 1.0) -> None:
+               grad_scale: float = 1.0) -> StreamStats:
         """One optimizer step over every array, streamed by sub-group.
 
         Args:
@@ -177,7 +195,12 @@ class StreamingOptimizer:
           sink: ``sink(name, start, new_master_values)`` receives the new master params of
             each sub-group (to cast and send to the device); None discards them.
           grad_scale: multiplies every gradient first (a global clipping factor).
+
+        Returns:
+          :class:`StreamStats`.
         """
+        t0, read0, written0 = time.perf_counter(), self.store.read_bytes, self.store.written_bytes
+        finite = True
         groups = list(self._groups())
         reads = collections.deque(self._read(*g) for g in groups[:self.buffer_count])
         writes: collections.deque = collections.deque()
@@ -196,8 +219,9 @@ class StreamingOptimizer:
                 grad, master, moments, self.scalars, scale)
             new_master = np.asarray(new_master)[:n]
             for part, values in zip(self.parts, [new_master, *new_moments], strict=True):
-                writes.append(self.store.write(f"{name}.{part}", start,
-                                               np.asarray(values)[:n]))
+                values = np.asarray(values)[:n]
+                finite = finite and bool(np.isfinite(values).all())
+                writes.append(self.store.write(f"{name}.{part}", start, values))
             while len(writes) > self.buffer_count * len(self.parts):
                 writes.popleft().result()
             if sink is not None:
@@ -205,6 +229,21 @@ class StreamingOptimizer:
         for f in writes:
             f.result()
         self.scalars = [np.asarray(x) for x in scalars_out]
+        return StreamStats(finite, time.perf_counter() - t0, self.store.read_bytes - read0,
+                           self.store.written_bytes - written0)
+
+    def write(self, name: str, part: str, values: Sliceable) -> None:
+        """Set one array's ``part`` from ``values`` (sliced by sub-group: a checkpoint's
+        restore), ``buffer_count`` writes in flight."""
+        pending: collections.deque = collections.deque()
+        for start in range(0, self.sizes[name], self.sub):
+            n = min(self.sub, self.sizes[name] - start)
+            chunk = np.asarray(values[start:start + n], np.float32)
+            pending.append(self.store.write(f"{name}.{part}", start, chunk))
+            while len(pending) > self.buffer_count:
+                pending.popleft().result()
+        for f in pending:
+            f.result()
 
     def read(self, name: str, part: str = "master") -> np.ndarray:
         """One array's ``part`` (``master``, ``m0``, ...) whole: for tests and export."""

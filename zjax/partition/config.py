@@ -47,7 +47,9 @@ class ZeroConfig:
       max_live_parameters: cap on gathered parameter elements alive at once (DeepSpeed
         ``stage3_max_live_parameters``); lowers the prefetch depth if needed.
       offload_optimizer: optimizer state in host memory between steps (stages 1-3), and
-        optionally the update run on the host (DeepSpeed ``offload_optimizer``).
+        optionally the update run on the host (DeepSpeed ``offload_optimizer``); or, with
+        ``device: nvme``, the float32 master and the optimizer state in swap files, updated
+        on the host by streamed sub-groups (ZeRO-Infinity, :mod:`zjax.offload.nvme`).
       offload_param: float32 master params in host memory between steps (DeepSpeed
         ``offload_param``): at stage 3 each layer's shard is brought in as it is gathered;
         at stages 1-2 the master is brought in for the update only.
@@ -66,6 +68,9 @@ class ZeroConfig:
         kept for the backward: 2 Psi / k bytes in a 16-bit ``gather_dtype``), then within the
         node; the backward re-gathers within the node only. Gradients are reduce-scattered
         within the node, then across nodes. 1 turns it off.
+      sub_group_size: elements of the master that the NVMe optimizer reads, updates and
+        writes at once (DeepSpeed ``sub_group_size``); host memory holds about
+        ``2 x buffer_count`` of them per state array.
       quantize_block: elements per quantization block of ``quantized_weights`` and
         ``quantized_gradients`` (the scale overhead is 4 bytes per block, 2 in bfloat16).
       quantize_scale_dtype: dtype of the blocks' scales, ``float32`` or ``bfloat16``
@@ -86,6 +91,7 @@ class ZeroConfig:
     quantized_weights: bool = False
     quantized_gradients: bool = False
     hpz_partition_size: int = positive(1)
+    sub_group_size: int = positive(1 << 24)
     quantize_block: int = positive(256)
     quantize_scale_dtype: str = choices("float32", "bfloat16", default="float32")
 
@@ -94,10 +100,11 @@ class ZeroConfig:
         resolve_dtype(self.gather_dtype, key="zero.gather_dtype")
         resolve_dtype(self.reduce_dtype, key="zero.reduce_dtype")
         for key in ("offload_optimizer", "offload_param"):
-            if self.stage == 0 and getattr(self, key).enabled:
+            section = getattr(self, key)
+            if self.stage == 0 and (section.enabled or section.nvme):
                 raise ConfigError(
-                    f"zero.{key}.device: host needs a sharded state (stage 1, 2 or 3), but "
-                    "zero.stage is 0; raise zero.stage or set the device to none")
+                    f"zero.{key}.device: {section.device} needs a sharded state (stage 1, 2 "
+                    "or 3), but zero.stage is 0; raise zero.stage or set the device to none")
         if self.quantized_weights and self.stage < 3:
             raise ConfigError(f"zero.quantized_weights: quantizes stage 3's weight gathers, "
                               f"but zero.stage is {self.stage}; set zero.stage: 3")

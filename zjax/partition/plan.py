@@ -264,15 +264,25 @@ class ShardPlan:
         return self.sharded_specs if self.zero.stage >= 1 else self.replicated_specs
 
     def stored_param_dtype(self, leaf: LeafPlan) -> np.dtype:
-        """Stage 3 stores the master (no working copy); stages 0-2 a working copy."""
-        if self.zero.stage == 3 or not np.issubdtype(leaf.dtype, np.floating):
+        """Stage 3 stores the master (no working copy); stages 0-2 a working copy. With the
+        master on NVMe, stage 3 stores its sharded leaves in ``gather_dtype`` (what their
+        gather casts them to anyway); persistent leaves stay float32."""
+        if not np.issubdtype(leaf.dtype, np.floating):
+            return leaf.dtype
+        if self.zero.stage == 3 and not (self.opt_on_nvme and leaf.dim is not None):
             return leaf.dtype
         return self.zero.gather
 
     @property
+    def opt_on_nvme(self) -> bool:
+        """Whether the float32 master and the optimizer state live in NVMe swap files."""
+        return self.zero.offload_optimizer.nvme
+
+    @property
     def has_master(self) -> bool:
-        """Whether a float32 master is stored apart (stages 0-2, narrower working dtype)."""
-        return self.zero.stage < 3 and any(
+        """Whether a float32 master is stored apart on the device or in host memory (stages
+        0-2, narrower working dtype; never with the master on NVMe)."""
+        return not self.opt_on_nvme and self.zero.stage < 3 and any(
             self.stored_param_dtype(leaf) != leaf.dtype for leaf in self.leaves
         )
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from zjax._flops import flops_per_token, peak_flops
 from zjax.errors import ConfigError
 from zjax.partition import nbytes
@@ -37,8 +39,9 @@ class PlanReport:
       per_device: ``params_bytes`` (stored params), ``grads_bytes`` (reduced gradients in
         ``zero.reduce_dtype``, transient), ``optimizer_bytes`` (float32 master and optax state),
         ``model_state_bytes`` (their sum), ``temp_bytes`` (compiled temporaries: activations,
-        gathered weights, gradients), ``host_bytes`` (state in host memory) and
-        ``total_bytes`` (compiled peak in device memory).
+        gathered weights, gradients), ``host_bytes`` (state in host memory),
+        ``nvme_bytes`` (master and optimizer state in NVMe swap files, part of
+        ``optimizer_bytes``) and ``total_bytes`` (compiled peak in device memory).
       collectives: ``all_gather_bytes``, ``reduce_scatter_bytes``, ``all_reduce_bytes``
         (tensor bytes per step, read off the compiled HLO) and ``wire_bytes`` (what a ring
         moves: an all-reduce counts twice), the autotuner's measure of communication.
@@ -114,6 +117,8 @@ class PlanReport:
             f"  {'total on device':<22}{_size(d['total_bytes']):>14}",
             f"  {'in host memory':<22}{_size(d['host_bytes']):>14}",
         ]
+        if d.get("nvme_bytes"):
+            lines.append(f"  {'on NVMe':<22}{_size(d['nvme_bytes']):>14}")
         if d.get("capacity_bytes"):
             lines.append(f"  {'device memory':<22}{_size(d['capacity_bytes']):>14}"
                          f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
@@ -178,12 +183,17 @@ def _state_bytes(zstep: ZeroStep) -> dict[str, int]:
     plan, a = zstep.plan, zstep.abstract_state
     reduce = plan.zero.reduce  # the configured dtype: the one an accelerator reduces in
     optimizer = nbytes(a.opt_state) + nbytes(a.master)
+    # with the optimizer on NVMe: the float32 master and the per-parameter state, in files
+    nvme = 0 if zstep.nvme is None else nbytes(
+        (zstep.canonical["params"], [x for x in jax.tree.leaves(zstep.canonical["opt_state"])
+                                     if x.ndim]))
     return {
         "params_bytes": nbytes(a.params),
         "grads_bytes": sum(plan.leaf_bytes(leaf, reduce, plan.zero.stage >= 2)
                            for leaf in plan.leaves),
-        "optimizer_bytes": optimizer,
+        "optimizer_bytes": optimizer + nvme,
         "host_bytes": nbytes(a, memory="host"),
+        "nvme_bytes": nvme,
     }
 
 
@@ -247,12 +257,13 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     per_device = {k: state[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
     per_device["model_state_bytes"] = sum(per_device.values())
     per_device.update(_compiled_bytes(compiled, state["host_bytes"]))
+    per_device["nvme_bytes"] = state["nvme_bytes"]
     capacity = per_device["capacity_bytes"] = target.capacity_bytes if target else None
     coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape),
                             decomposed=plan.backend.decomposes_collectives,
                             hosts=host_of_devices(plan.mesh, hosts))
     # K of the paper: float32 master plus the optimizer's per-parameter state
-    k = 4 + nbytes(zstep.abstract_state.opt_state, per_device=False) / max(1, n_params)
+    k = 4 + nbytes(zstep.canonical["opt_state"], per_device=False) / max(1, n_params)
     return PlanReport(
         n_params=n_params,
         n_devices=plan.n_batch * plan.n_model,
@@ -315,6 +326,8 @@ def _offload_name(zero) -> str:
     if zero.offload_optimizer.enabled:
         parts.append("optimizer" + ("(update on host)" if zero.offload_optimizer.update_on_host
                                     else ""))
+    if zero.offload_optimizer.nvme:
+        parts.append("optimizer(nvme)")
     if zero.offload_param.enabled:
         parts.append("param")
     return "+".join(parts) or "none"

@@ -23,10 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError, ConfigError
 from zjax.mesh import batch_axes
-from zjax.offload import check_memory_kind
+from zjax.offload import check_memory_kind, on_host
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.step._grads import sharded_grads, sharded_loss
+from zjax.step._nvme import NvmeOptimizer, nvme_parts
 from zjax.step._state import TrainState, make_init, state_from, state_layout
 from zjax.step._update import apply_update, host_update_errors, store
 from zjax.trainable import Trainable
@@ -53,6 +54,11 @@ class ZeroStep:
         fine-tune's start), placed as :attr:`params_shardings` says; they are donated.
       params_shardings: where :attr:`from_params` takes its params: float32 shards placed as
         the master copy (split over ``data`` from stage 1).
+      canonical: the checkpoint's form of the state, abstract: ``{"step", "params" (float32
+        master), "opt_state"}``, the same whatever the stage, mesh or offload.
+      nvme: with ``zero.offload_optimizer.device: nvme``, the
+        :class:`~zjax.step._nvme.NvmeOptimizer` that owns the swap files (the state's master
+        and optimizer state live there, not in :attr:`abstract_state`); else None.
     """
 
     plan: ShardPlan
@@ -64,6 +70,13 @@ class ZeroStep:
     evaluate: Callable[[Any, Any], jax.Array]
     from_params: Callable[[Any], TrainState]
     params_shardings: Any
+    canonical: dict | None = None
+    nvme: NvmeOptimizer | None = None
+
+    def close(self) -> None:
+        """Release what the step holds outside the state (NVMe swap files: removed)."""
+        if self.nvme is not None:
+            self.nvme.close()
 
     @property
     def params_target(self) -> Any:
@@ -101,6 +114,18 @@ def _check_batch(shape, n_batch: int, replica: int = 1) -> None:
 
 def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
     zero = plan.zero
+    if zero.offload_param.nvme:
+        raise ConfigError(
+            "zero.offload_param.device: nvme is not built: the compiled step takes every stored "
+            "param as an input, so they would all be in host memory at once, which is "
+            "offload_param.device: host (use that); streaming each layer from NVMe inside the "
+            "layer scan is not implemented. zero.offload_optimizer.device: nvme puts the "
+            "float32 master and the optimizer state on NVMe")
+    if plan.opt_on_nvme and zero.offload_param.enabled and zero.stage < 3:
+        raise ConfigError(
+            f"zero.offload_param.device: host at stage {zero.stage} offloads the float32 "
+            "master, which zero.offload_optimizer.device: nvme already keeps on NVMe; set "
+            "offload_param.device: none (or use stage 3, where it offloads the working params)")
     if zero.offload_param.enabled and zero.stage < 3 and not plan.has_master:
         raise ConfigError(
             f"zero.offload_param.device: host at stage {zero.stage} offloads the float32 master, "
@@ -126,6 +151,7 @@ def make_step(
     mesh: Mesh,
     micro_batches: int = 1,
     skip_nonfinite: bool = False,
+    clip_norm: float | None = None,
 ) -> ZeroStep:
     """Build the sharded init and train step for ``trainable`` under ``zero`` on ``mesh``.
 
@@ -139,6 +165,9 @@ def make_step(
       skip_nonfinite: drop an update whose loss, gradients or new params are not finite (the
         state stays as it was; the metric ``finite`` is False). Without it the update is
         applied and ``finite`` reports it.
+      clip_norm: scale the mean gradient down to this global norm before ``tx`` (optax's
+        ``clip_by_global_norm``, taken out of the transform: with
+        ``zero.offload_optimizer.device: nvme`` the transform must be elementwise).
 
     Returns:
       A :class:`ZeroStep`.
@@ -149,10 +178,15 @@ def make_step(
                      stacked=trainable.stacked, logical_axes=trainable.logical_axes)
     mesh = plan.mesh  # hpZ splits the data axis into (node, data)
     _check_offload(plan, mesh)
+    batch_sharding = NamedSharding(mesh, P(batch_axes(mesh)))
+    grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
+    params_shardings = plan.shardings(plan.state_specs)
+    if plan.opt_on_nvme:
+        return _nvme_step(trainable, tx, plan, grads_fn, batch_sharding, params_shardings,
+                          clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
     init = make_init(trainable.init, tx, plan)
     layout = state_layout(plan, tx, init)
-    shardings, batch_sharding = layout.shardings, NamedSharding(mesh, P(batch_axes(mesh)))
-    grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
+    shardings = layout.shardings
 
     def step_fn(state: TrainState, batch):
         _check_batch(batch.shape, plan.n_batch, plan.n_replica)
@@ -160,7 +194,8 @@ def make_step(
         with host_update_errors(plan):
             updated = apply_update(tx, grads, count, loss_sum, state.opt_state,
                                    state.master if plan.has_master else state.params,
-                                   plan=plan, skip_nonfinite=skip_nonfinite)
+                                   plan=plan, skip_nonfinite=skip_nonfinite,
+                                   clip_norm=clip_norm)
         metrics = {"loss": loss_sum / count, "grad_norm": updated.grad_norm,
                    "param_norm": updated.param_norm, "finite": updated.finite, "count": count,
                    **{k: v / count for k, v in extra.items()}}
@@ -171,9 +206,27 @@ def make_step(
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0,
                    compiler_options=dict(plan.backend.compiler_options))
-    params_shardings = plan.shardings(plan.state_specs)
     from_params = jax.jit(state_from(tx, plan), in_shardings=(params_shardings,),
                           out_shardings=shardings, donate_argnums=0)
+    a = layout.abstract
+    canonical = {"step": a.step, "params": a.master if plan.has_master else a.params,
+                 "opt_state": a.opt_state}
     return ZeroStep(plan, shardings, layout.abstract, batch_sharding,
                     jax.jit(init, out_shardings=shardings), step, evaluate, from_params,
-                    params_shardings)
+                    params_shardings, canonical)
+
+
+def _nvme_step(trainable: Trainable, tx: optax.GradientTransformation, plan: ShardPlan,
+               grads_fn, batch_sharding: NamedSharding, params_shardings, *,
+               clip_norm: float | None, skip_nonfinite: bool) -> ZeroStep:
+    """The step with the master and optimizer state on NVMe (:mod:`zjax.step._nvme`)."""
+    param_shardings = plan.shardings(plan.param_specs)
+    if plan.params_on_host:
+        param_shardings = on_host(param_shardings, plan.zero.offload_param.memory_kind)
+    parts = nvme_parts(trainable.init, tx, plan, grads_fn, param_shardings, batch_sharding,
+                       clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
+    evaluate = jax.jit(sharded_loss(trainable, plan, plan.mesh),
+                       in_shardings=(param_shardings, batch_sharding))
+    return ZeroStep(plan, parts.shardings, parts.abstract, batch_sharding, parts.init,
+                    parts.step, evaluate, parts.from_params, params_shardings,
+                    parts.canonical, parts.engine)

@@ -44,12 +44,13 @@ def _all_finite(tree) -> jax.Array:
 
 def apply_update(tx: optax.GradientTransformation, grad_sums: Any, count: jax.Array,
                  loss_sum: jax.Array, opt_state: Any, params: Any, *, plan: ShardPlan,
-                 skip_nonfinite: bool = False) -> Updated:
+                 skip_nonfinite: bool = False, clip_norm: float | None = None) -> Updated:
     """The optax update of float32 ``params`` by the mean gradient ``grad_sums / count``.
 
     Runs on the device, or on the host with ``zero.offload_optimizer.update_on: host``.
     ``finite``: loss, gradients, new params and optimizer state are all finite; with
     ``skip_nonfinite`` a non-finite update is dropped (the old params and state return).
+    ``clip_norm``: the mean gradient is scaled down to this global norm before ``tx``.
     """
     on_host_update = plan.zero.offload_optimizer.update_on_host
     own_shard = plan.shardings(plan.state_specs)
@@ -61,9 +62,12 @@ def apply_update(tx: optax.GradientTransformation, grad_sums: Any, count: jax.Ar
     with on_host_compute(on_host_update):
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, own_shard)
+        norm = global_norm(grads)  # not optax's: it cannot run on the host
+        if clip_norm is not None:
+            scale = jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         updates, new_opt = tx.update(grads, opt_state, params)
         new = optax.apply_updates(params, updates)
-        norm = global_norm(grads)  # not optax's: it cannot run on the host
         param_norm = global_norm(new)
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(norm) & _all_finite((new, new_opt))
         if skip_nonfinite:

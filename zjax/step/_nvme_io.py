@@ -1,0 +1,96 @@
+"""The NVMe optimizer's state in and out of a checkpoint, one canonical leaf at a time.
+
+A checkpoint holds the canonical tree (``{"step", "params", "opt_state"}``, float32 master and
+the optax state, global shapes), whatever the offload: the NVMe run's checkpoint restores onto
+a run in device memory and the other way round. Here each leaf is built from the swap files
+(the shards this process holds, one leaf in memory at a time) or written into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zjax._ckpt_tree import leaf_keys
+from zjax.step._nvme import NvmeOptimizer
+from zjax.step._nvme_engine import LeafShards, Slices, shard_data
+from zjax.step._state import TrainState
+
+__all__ = ["canonical_leaves", "restore_canonical"]
+
+
+def _what(engine: NvmeOptimizer, canonical: dict) -> Iterator[tuple[tuple[str, ...], Any, tuple]]:
+    """``(keys, abstract leaf, (part, index))`` of each canonical leaf: part ``step``,
+    ``master``, ``m<k>`` (index: the param leaf) or ``scalar`` (index: the count)."""
+    entries = iter(engine.state_map.entries)
+    j = 0
+    for path, a in jax.tree_util.tree_flatten_with_path(canonical)[0]:
+        keys = leaf_keys(path)
+        if keys[0] == "step":
+            yield keys, a, ("step", 0)
+        elif keys[0] == "params":
+            yield keys, a, ("master", j)
+            j += 1
+        else:
+            yield keys, a, next(entries)
+
+
+def _from_files(engine: NvmeOptimizer, leaf: LeafShards, part: str) -> jax.Array:
+    """A leaf's ``part`` as a global array laid out as ``leaf.state``, read from the files."""
+    shard_shape = leaf.state.shard_shape(leaf.shape)
+    on: dict = {}
+    for name, devices in zip(leaf.names, leaf.devices, strict=True):
+        host = engine.opt.read(name, part).reshape(shard_shape)
+        on.update({d: jax.device_put(host, d) for d in devices})
+        del host
+    devices = list(leaf.state.addressable_devices_indices_map(leaf.shape))
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.state,
+                                                    [on[d] for d in devices])
+
+
+def canonical_leaves(engine: NvmeOptimizer, state: TrainState, canonical: dict
+                     ) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
+    """``(keys, global array)`` of every canonical leaf of ``state``, each built when asked
+    for (the master and moments from the swap files, the counts from the host)."""
+    if int(state.step) != engine.step:
+        raise RuntimeError(f"saving step {int(state.step)}, but the NVMe swap files hold step "
+                           f"{engine.step}")
+    for keys, a, (part, i) in _what(engine, canonical):
+        if part == "step":
+            yield keys, state.step
+        elif part == "scalar":
+            yield keys, jax.device_put(np.asarray(engine.opt.scalars[i], a.dtype), a.sharding)
+        else:
+            yield keys, _from_files(engine, engine.leaves[i], part)
+
+
+def restore_canonical(engine: NvmeOptimizer, canonical: dict,
+                      read: Callable[[tuple[str, ...], jax.ShapeDtypeStruct], jax.Array]
+                      ) -> TrainState:
+    """Fill fresh swap files from a checkpoint, one leaf at a time: ``read(keys, target)``
+    returns the leaf ``keys`` laid out as ``target``. Returns the state on the devices."""
+    opt = engine.open()
+    params, scalars = [None] * len(engine.leaves), list(opt.scalars)
+    step, sumsq = 0, 0.0
+    for keys, a, (part, i) in _what(engine, canonical):
+        x = read(keys, a)
+        if part == "step":
+            step = int(x)
+        elif part == "scalar":
+            scalars[i] = np.asarray(x)
+        else:
+            leaf = engine.leaves[i]
+            for name, data in shard_data(x, leaf):
+                opt.write(name, part, Slices(data))
+            if part == "master":
+                sumsq += float(jnp.sum(jnp.square(x)))
+                params[i] = jax.jit(lambda m, d=leaf.stored: m.astype(d),
+                                    out_shardings=leaf.param)(x)
+        del x
+    opt.scalars = scalars
+    engine.param_norm = float(np.sqrt(sumsq))
+    return engine.started(jax.tree.unflatten(engine.treedef, params), step)
