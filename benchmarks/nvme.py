@@ -7,10 +7,15 @@
 2. :class:`zjax.offload.StreamingOptimizer` (Adam) on a state of ``--params`` float32
    parameters (master and two moments: 12 bytes each): the swap files' pages evicted before
    each timed update, the achieved read and write GB/s over the update, and its time beside
-   the same optax update in memory (jitted on the host, whole arrays).
+   the same optax update in memory (jitted on the host, whole arrays). The stream reads and
+   writes at once, so beside each direction against its own raw figure, ``disk_busy`` is
+   the time the raw disk would need for both, sequentially, over the update's time.
+3. With ``--train``: the train step of a GPT of ``--params`` (stage 3 on 8 simulated CPU
+   devices) with the optimizer in device memory, in host memory (``offload_optimizer:
+   host``) and on NVMe: median step time and the NVMe metrics of the step.
 
 Prints one JSON object. Usage: ``python benchmarks/nvme.py [--path DIR] [--params 200e6]
-[--sub-group 4194304] [--buffers 4] [--steps 3]``.
+[--sub-group 4194304] [--buffers 4] [--steps 3] [--train]``.
 """
 
 from __future__ import annotations
@@ -128,6 +133,52 @@ def in_memory(n: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def train_steps(directory: str, n: int, sub: int, buffers: int, steps: int) -> dict:
+    """Median step time (and the NVMe step's metrics) of a ~``n``-parameter GPT."""
+    import jax
+
+    from zjax import build_step
+    from zjax.config import load_config
+
+    d_model = 1024
+    n_layers = max(1, round(n / (12 * d_model**2)))
+    shape = [f"model.d_model={d_model}", f"model.n_layers={n_layers}", "model.n_heads=16",
+             f"model.d_ff={4 * d_model}", "model.max_seq_len=64", "data.seq_len=64",
+             "data.batch_size=8", "train.steps=1000", "zero.stage=3"]
+    variants = {"device": [], "host": ["zero.offload_optimizer.device=host"],
+                "nvme": ["zero.offload_optimizer.device=nvme",
+                         f"zero.offload_optimizer.nvme_path={directory}",
+                         f"zero.offload_optimizer.buffer_count={buffers}",
+                         f"zero.sub_group_size={sub}"]}
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out: dict = {"n_layers": n_layers, "d_model": d_model}
+    rng = np.random.default_rng(0)
+    for name, extra in variants.items():
+        zstep = build_step(load_config(os.path.join(root, "configs/tiny.yaml"), [*shape, *extra]))
+        try:
+            state = zstep.init(jax.random.key(0))
+            batch = zstep.put_batch(rng.integers(0, 256, (8, 65)).astype(np.int32))
+            compiled = zstep.lower(jax.ShapeDtypeStruct(batch.shape, batch.dtype)).compile()
+            state, _ = compiled(state, batch)  # warm
+            times, metrics = [], []
+            for _ in range(steps):
+                t = time.perf_counter()
+                state, m = compiled(state, batch)
+                jax.block_until_ready(state)
+                times.append(time.perf_counter() - t)
+                metrics.append({k: float(v) for k, v in m.items() if k.startswith("nvme")})
+            out[name] = {"step_s": statistics.median(times),
+                         **{k: statistics.median(m[k] for m in metrics) for k in metrics[0]}}
+            out["n_params"] = sum(leaf.size for leaf in zstep.plan.leaves)
+            print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
+        finally:
+            del state
+            zstep.close()
+    for name in ("host", "nvme"):
+        out[name]["vs_device"] = out[name]["step_s"] / out["device"]["step_s"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", default=None, help="directory on the disk to test (default: a "
@@ -136,19 +187,29 @@ def main() -> None:
     p.add_argument("--sub-group", type=int, default=1 << 22)
     p.add_argument("--buffers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--train", action="store_true", help="also time the train step")
     args = p.parse_args()
     n = int(args.params)
+    if args.train:  # before jax is imported
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from zjax.mesh import simulate_cpu_devices
+
+        simulate_cpu_devices(8)
     with tempfile.TemporaryDirectory(dir=args.path) as d:
         raw = raw_bandwidth(d, min(4 << 30, 12 * n))
         print(f"raw: write {raw['write_gbs']:.2f} GB/s, read {raw['read_gbs']:.2f} GB/s",
               file=sys.stderr, flush=True)
         nvme = engine(d, n, args.sub_group, args.buffers, args.steps)
+        train = train_steps(d, n, args.sub_group, args.buffers, args.steps) if args.train \
+            else None
     memory_s = in_memory(n, args.steps)
     nvme["read_vs_raw"] = nvme["read_gbs"] / raw["read_gbs"]
     nvme["write_vs_raw"] = nvme["write_gbs"] / raw["write_gbs"]
+    nvme["disk_busy"] = nvme["read_vs_raw"] + nvme["write_vs_raw"]
     nvme["step_vs_in_memory"] = nvme["step_s"] / memory_s
     print(json.dumps({"params": n, "sub_group": args.sub_group, "buffers": args.buffers,
-                      "raw": raw, "nvme": nvme, "in_memory_step_s": memory_s}, indent=1))
+                      "raw": raw, "nvme": nvme, "in_memory_step_s": memory_s,
+                      **({"train": train} if train else {})}, indent=1))
 
 
 if __name__ == "__main__":

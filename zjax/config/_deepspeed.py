@@ -142,6 +142,8 @@ def _offload(r: _Reader, section: str, d: dict) -> None:
             r.set(f"{zkey}.device", device)
         elif key == "pin_memory":
             r.set(f"{zkey}.pin_memory", bool(value))
+        elif key in ("nvme_path", "buffer_count") and section == "offload_param":
+            r.ignore(where, "parameters on NVMe are not built (zjax refuses device: nvme there)")
         elif key == "nvme_path":
             r.set(f"{zkey}.nvme_path", None if value is None else str(value))
         elif key == "buffer_count":

@@ -27,27 +27,24 @@ class OffloadConfig:
 
     Attributes:
       device: ``none`` keeps it in device memory; ``host`` keeps it in host memory (JAX memory
-        kind ``pinned_host``) and brings it in as the step needs it; ``nvme`` keeps it in
-        files under ``nvme_path`` (ZeRO-Infinity). ``cpu`` is read as ``host``.
+        kind ``pinned_host``) and brings it in as the step needs it; ``nvme`` (the optimizer
+        state only, ZeRO-Infinity) keeps it in swap files. ``cpu`` is read as ``host``.
       pin_memory: page-locked host memory (``pinned_host``, fast DMA) rather than pageable
         (``unpinned_host``), as DeepSpeed's ``pin_memory``.
-      nvme_path: with ``device: nvme``, the directory of the swap files (a local NVMe disk);
-        each process writes its own devices' shards there.
-      buffer_count: with ``device: nvme``, sub-groups read ahead and written behind the one
-        being updated (and I/O threads).
     """
 
     device: str = "none"
     pin_memory: bool = True
-    nvme_path: str | None = None
-    buffer_count: int = positive(4)
 
     def __post_init__(self):
         validate(self, self._key("")[:-1])
         object.__setattr__(self, "device", _check_device(self._key("device"), self.device))
-        if self.device == "nvme" and not self.nvme_path:
-            raise ConfigError(f"{self._key('nvme_path')}: required with device: nvme (the "
-                              "directory of the swap files, on a local NVMe disk)")
+        if self.nvme and not isinstance(self, OptimizerOffloadConfig):
+            raise ConfigError(
+                f"{self._key('device')}: nvme is not built for params: the compiled step takes "
+                "every stored param as an input, so they would all be in host memory at once, "
+                "which is device: host (use that). zero.offload_optimizer.device: nvme puts the "
+                "float32 master and the optimizer state on NVMe")
 
     def _key(self, name: str) -> str:
         return f"zero.offload_param.{name}"
@@ -72,15 +69,24 @@ class OptimizerOffloadConfig(OffloadConfig):
     """Where the optimizer state lives and where its update runs (DeepSpeed ``offload_optimizer``).
 
     Attributes:
+      nvme_path: with ``device: nvme``, the directory of the swap files (a local NVMe disk);
+        each process writes its own devices' shards there.
+      buffer_count: with ``device: nvme``, sub-groups read ahead and written behind the one
+        being updated (and I/O threads).
       update_on: ``device`` brings the offloaded state in for the update and sends it back;
         ``host`` runs the optax update itself on the host (``compute_on("device_host")``), so
         the moments never occupy device memory.
     """
 
+    nvme_path: str | None = None
+    buffer_count: int = positive(4)
     update_on: str = "device"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.nvme and not self.nvme_path:
+            raise ConfigError(f"{self._key('nvme_path')}: required with device: nvme (the "
+                              "directory of the swap files, on a local NVMe disk)")
         if self.update_on not in ("device", "host"):
             raise ConfigError(
                 f"zero.offload_optimizer.update_on: {self.update_on!r} is not allowed"

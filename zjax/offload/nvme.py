@@ -173,7 +173,7 @@ class StreamingOptimizer:
         pending: collections.deque = collections.deque()
         for name, start, n in self._groups():
             master = np.asarray(params[name][start:start + n], np.float32)
-            moments = self._chunk.init(np.pad(master, (0, self.sub - n)))
+            moments = self._chunk.init(master)
             for part, values in zip(self.parts, [master, *moments], strict=True):
                 pending.append(self.store.write(f"{name}.{part}", start,
                                                 np.asarray(values)[:n]))
@@ -211,10 +211,7 @@ class StreamingOptimizer:
             if j + self.buffer_count < len(groups):
                 reads.append(self._read(*groups[j + self.buffer_count]))
             grad = np.asarray(grads[name][start:start + n], np.float32)
-            pad = self.sub - n  # one compiled shape: the last sub-group is padded
-            if pad:
-                grad, master, moments = (np.pad(grad, (0, pad)), np.pad(master, (0, pad)),
-                                         [np.pad(m, (0, pad)) for m in moments])
+            # a short last sub-group is updated as it is (one more compiled shape), not padded
             new_master, new_moments, scalars_out = self._chunk.fn(
                 grad, master, moments, self.scalars, scale)
             new_master = np.asarray(new_master)[:n]

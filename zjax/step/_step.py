@@ -114,13 +114,6 @@ def _check_batch(shape, n_batch: int, replica: int = 1) -> None:
 
 def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
     zero = plan.zero
-    if zero.offload_param.nvme:
-        raise ConfigError(
-            "zero.offload_param.device: nvme is not built: the compiled step takes every stored "
-            "param as an input, so they would all be in host memory at once, which is "
-            "offload_param.device: host (use that); streaming each layer from NVMe inside the "
-            "layer scan is not implemented. zero.offload_optimizer.device: nvme puts the "
-            "float32 master and the optimizer state on NVMe")
     if plan.opt_on_nvme and zero.offload_param.enabled and zero.stage < 3:
         raise ConfigError(
             f"zero.offload_param.device: host at stage {zero.stage} offloads the float32 "
