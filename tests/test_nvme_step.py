@@ -122,17 +122,23 @@ def test_swap_files_hold_the_bytes_the_plan_predicts(tmp_path):
 
 
 def test_bad_nvme_input_is_refused_before_the_first_step(tmp_path, monkeypatch):
-    """Missing, not a directory, too little free space, an optimizer that is not
+    """Missing, not a directory, too little free space (checked when the swap files are
+    created: at init or restore, before the step compiles), an optimizer that is not
     elementwise, params on NVMe: a ConfigError naming the key (and path and bytes)."""
     base = load_config(ROOT / "configs/tiny.yaml", SMALL)
+
+    def start(path):
+        zstep = build_step(load_config(ROOT / "configs/tiny.yaml", [*SMALL, *_nvme(path)]))
+        return zstep.init(jax.random.key(0))
+
     for path, match in [(tmp_path / "absent", r"nvme_path: '.*absent' does not exist.* GiB"),
                         (ROOT / "README.md", r"nvme_path: '.*README.md' is not a directory")]:
         with pytest.raises(zjax.ConfigError, match=match):
-            build_step(load_config(ROOT / "configs/tiny.yaml", [*SMALL, *_nvme(path)]))
+            start(path)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
     with pytest.raises(zjax.ConfigError, match=r"has 0.00 GiB free, but the swap files need"):
-        build_step(load_config(ROOT / "configs/tiny.yaml", [*SMALL, *_nvme(tmp_path)]))
+        start(tmp_path)
     monkeypatch.undo()
     zero = load_config(ROOT / "configs/tiny.yaml", [*SMALL, *_nvme(tmp_path)]).zero
     with pytest.raises(zjax.ConfigError, match="not elementwise"):  # optax's clip inside tx

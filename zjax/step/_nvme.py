@@ -26,7 +26,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from zjax.errors import ConfigError
-from zjax.offload import check_memory_kind, global_norm
+from zjax.offload import global_norm
 from zjax.offload._nvme_store import check_nvme_path
 from zjax.offload.nvme import StreamingOptimizer, check_elementwise
 from zjax.partition.plan import ShardPlan
@@ -109,10 +109,6 @@ class NvmeOptimizer:
         self.treedef = jax.tree.structure(abstract_master)
         self.opt: StreamingOptimizer | None = None
         self.step, self.param_norm = -1, float("nan")
-        check_nvme_path(self.section.nvme_path, self.nbytes, key=KEY)
-        if zero.offload_param.enabled:
-            check_memory_kind(plan.mesh, zero.offload_param.memory_kind,
-                              key="zero.offload_param.pin_memory")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -125,8 +121,15 @@ class NvmeOptimizer:
         return 4 * self.n_parts * sum(self.sizes.values())
 
     def open(self) -> StreamingOptimizer:
-        """Fresh swap files (what a previous run left there is never read)."""
+        """Fresh swap files (what a previous run left there is never read).
+
+        Raises:
+          ConfigError: ``nvme_path`` is missing, not a writable directory, or has less free
+            space than the files need (checked here, not when the step is built, so that
+            ``zjax plan`` can plan for another machine's disk).
+        """
         self.close()
+        check_nvme_path(self.section.nvme_path, self.nbytes, key=KEY)
         self.opt = StreamingOptimizer(self.tx, self.sizes, self.section.nvme_path,
                                       sub_group_size=self.sub_group_size,
                                       buffer_count=self.section.buffer_count, key=KEY)
