@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import time
@@ -256,4 +257,28 @@ def test_checkpoints_move_between_nvme_and_memory(tmp_path):
         step, got = _final_ckpt(tmp_path / run, ["zero.gather_dtype=float32"])
         assert step == 6
         assert_trees_close(got["params"], ref["params"], **GRADS, what=f"{run}: master")
+    assert not list(nv.iterdir())
+
+
+@pytest.mark.slow
+def test_a_damaged_nvme_checkpoint_is_set_aside_for_the_one_before(tmp_path, caplog):
+    """Step 4's arrays replaced by step 2's (every file reads, the values are not the ones
+    recorded): the leaf-by-leaf restore into the swap files sees the checksum, moves step 4
+    aside, and resumes from step 2."""
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    run = tmp_path / "run"
+    cfg = lambda steps: load_config(ROOT / "configs/tiny.yaml", [
+        *FAST, *_nvme(nv), f"train.steps={steps}", "checkpoint.every=2"])
+    zjax.train("lm", cfg(4), run_dir=run)
+    ckpts = run / "checkpoints"
+    shutil.rmtree(ckpts / "4" / "state")
+    shutil.copytree(ckpts / "2" / "state", ckpts / "4" / "state")
+    with caplog.at_level("INFO", logger="zjax"):
+        result = zjax.train("lm", cfg(5), run_dir=run)
+    assert re.search(r"checkpoint at step 4 .* is damaged \(DamagedCheckpoint: step 4: leaf "
+                     r"\S+ reads back other values", caplog.text), caplog.text[-2000:]
+    assert "resuming from the checkpoint at step 2" in caplog.text
+    assert (run / "damaged-checkpoint-4").is_dir()
+    assert [r["step"] for r in result.history][-1] == 5
     assert not list(nv.iterdir())
