@@ -12,7 +12,7 @@ puts the result back, and :func:`leaf_target` selects a single leaf to read.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +36,24 @@ def leaf_keys(path) -> tuple[str, ...]:
     return tuple(leaf_name([k]) for k in path)
 
 
-def on_disk(meta_tree: Any, abstract: Any) -> Any:
-    """``abstract``'s leaves in the on-disk layout ``meta_tree`` (Orbax's metadata tree:
-    nested dicts and lists, None for empty nodes)."""
-    by_name = dict(_names(abstract))
+def _layout_map(meta_tree: Any, leaf: Callable[[tuple[str, ...]], Any]) -> Any:
+    """``meta_tree``'s layout (nested dicts and lists, None for empty nodes) with each leaf
+    replaced by ``leaf(its keys)``."""
 
     def walk(node, prefix):
         if isinstance(node, dict):
             return {k: walk(v, (*prefix, str(k))) for k, v in node.items()}
         if isinstance(node, list | tuple):
             return [walk(v, (*prefix, str(i))) for i, v in enumerate(node)]
-        if node is None:
-            return None
-        return by_name["/".join(prefix)]
+        return None if node is None else leaf(prefix)
 
     return walk(meta_tree, ())
+
+
+def on_disk(meta_tree: Any, abstract: Any) -> Any:
+    """``abstract``'s leaves in the on-disk layout ``meta_tree`` (Orbax's metadata tree)."""
+    by_name = dict(_names(abstract))
+    return _layout_map(meta_tree, lambda keys: by_name["/".join(keys)])
 
 
 def canonical(restored: Any, abstract: Any) -> Any:
@@ -63,17 +66,7 @@ def canonical(restored: Any, abstract: Any) -> Any:
 def leaf_target(meta_tree: Any, keys: tuple[str, ...], value: Any) -> Any:
     """A restore item of ``meta_tree``'s layout that holds ``value`` at ``keys`` and Orbax's
     placeholder (not read) at every other leaf."""
-
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            return {k: walk(v, (*prefix, str(k))) for k, v in node.items()}
-        if isinstance(node, list | tuple):
-            return [walk(v, (*prefix, str(i))) for i, v in enumerate(node)]
-        if node is None:
-            return None
-        return value if prefix == keys else ocp.PLACEHOLDER
-
-    return walk(meta_tree, ())
+    return _layout_map(meta_tree, lambda at: value if at == keys else ocp.PLACEHOLDER)
 
 
 def read_leaf(state_dir: Path, meta_tree: Any, keys: tuple[str, ...],

@@ -1,5 +1,5 @@
 """Host offload (ZeRO-Offload) through JAX memory kinds, and the NVMe tier's streaming
-optimizer engine (ZeRO-Infinity; not wired into the train step yet)."""
+optimizer engine (ZeRO-Infinity; the step that uses it is `zjax.step._nvme`)."""
 
 from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 from zjax.offload.host import (
