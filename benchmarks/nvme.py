@@ -9,7 +9,9 @@
    each timed update, the achieved read and write GB/s over the update, and its time beside
    the same optax update in memory (jitted on the host, whole arrays). The stream reads and
    writes at once, so beside each direction against its own raw figure, ``disk_busy`` is
-   the time the raw disk would need for both, sequentially, over the update's time.
+   the time the raw disk would need for both, sequentially, over the update's time, and
+   ``total_vs_duplex`` the stream's read + write GB/s over the disk's own when one thread
+   reads a file while another writes one.
 3. With ``--train``: the train step of a GPT of ``--params`` (stage 3 on 8 simulated CPU
    devices) with the optimizer in device memory, in host memory (``offload_optimizer:
    host``) and on NVMe: median step time and the NVMe metrics of the step.
@@ -71,8 +73,58 @@ def raw_bandwidth(directory: str, nbytes: int) -> dict:
     finally:
         os.close(fd)
         os.unlink(path)
-    return {"o_direct": bool(direct), "bytes": nbytes, "write_gbs": nbytes / write_s / 1e9,
-            "read_gbs": nbytes / read_s / 1e9}
+    out = {"o_direct": bool(direct), "bytes": nbytes, "write_gbs": nbytes / write_s / 1e9,
+           "read_gbs": nbytes / read_s / 1e9}
+    out.update(_duplex(directory, nbytes, direct))
+    return out
+
+
+def _duplex(directory: str, nbytes: int, direct: int) -> dict:
+    """Read one file while writing another, each from its own thread (what the stream asks of
+    the disk): GB/s each way, and over both."""
+    import threading
+
+    src, dst = (os.path.join(directory, f"zjax-bench.{n}") for n in ("src", "dst"))
+    buf = mmap.mmap(-1, BLOCK)
+    buf.write(np.random.default_rng(1).bytes(BLOCK))
+    fd = os.open(src, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+    for off in range(0, nbytes, BLOCK):
+        os.pwrite(fd, buf, off)
+    os.fsync(fd)
+    os.close(fd)
+    _evict(src)
+    seconds = {}
+
+    def read():
+        rbuf = mmap.mmap(-1, BLOCK)
+        fd = os.open(src, os.O_RDONLY | direct)
+        t = time.perf_counter()
+        for off in range(0, nbytes, BLOCK):
+            os.preadv(fd, [rbuf], off)
+        seconds["read"] = time.perf_counter() - t
+        os.close(fd)
+
+    def write():
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+        t = time.perf_counter()
+        for off in range(0, nbytes, BLOCK):
+            os.pwrite(fd, buf, off)
+        os.fsync(fd)
+        seconds["write"] = time.perf_counter() - t
+        os.close(fd)
+
+    threads = [threading.Thread(target=read), threading.Thread(target=write)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    both = time.perf_counter() - t
+    os.unlink(src)
+    os.unlink(dst)
+    return {"duplex_read_gbs": nbytes / seconds["read"] / 1e9,
+            "duplex_write_gbs": nbytes / seconds["write"] / 1e9,
+            "duplex_total_gbs": 2 * nbytes / both / 1e9}
 
 
 class _Grad:
@@ -206,6 +258,8 @@ def main() -> None:
     nvme["read_vs_raw"] = nvme["read_gbs"] / raw["read_gbs"]
     nvme["write_vs_raw"] = nvme["write_gbs"] / raw["write_gbs"]
     nvme["disk_busy"] = nvme["read_vs_raw"] + nvme["write_vs_raw"]
+    # against the disk reading and writing at once, as the stream does
+    nvme["total_vs_duplex"] = (nvme["read_gbs"] + nvme["write_gbs"]) / raw["duplex_total_gbs"]
     nvme["step_vs_in_memory"] = nvme["step_s"] / memory_s
     print(json.dumps({"params": n, "sub_group": args.sub_group, "buffers": args.buffers,
                       "raw": raw, "nvme": nvme, "in_memory_step_s": memory_s,

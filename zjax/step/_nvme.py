@@ -6,9 +6,10 @@ One step is:
 1. a compiled program: loss and gradients as the in-memory step computes them, the mean
    gradient laid out as each device's own shard (float32), its global norm;
 2. on the host, :class:`~zjax.offload.nvme.StreamingOptimizer` walks every shard by
-   sub-groups: reads master and moments from the swap files, fetches the gradient slice
-   from the device, runs the optax update, writes the state back and sends the new master
-   values, cast, to the devices (:mod:`zjax.step._nvme_engine`).
+   sub-groups: reads master and moments from the swap files (each process its own, named by
+   its index), fetches the gradient slice from the device, runs the optax update, writes the
+   state back and sends the new master values, cast, to the devices
+   (:mod:`zjax.step._nvme_engine`).
 
 Global-norm clipping is the step's (``clip_norm``): the norm is computed on the device before
 the stream and scales every gradient; the optax transform itself must be elementwise.

@@ -35,7 +35,8 @@ class LeafShards(NamedTuple):
       state: its own-shard float32 sharding (the master's and optimizer state's layout).
       param: the sharding the step takes its working copy in.
       stored: the working copy's dtype.
-      names: swap-file names of the distinct shards this process holds, in order.
+      names: swap-file names of the distinct shards this process holds, in order
+        (``p<process>.<leaf>.<shard>``: processes sharing a directory never share a file).
       devices: for each name, this process's devices that hold that shard.
       sizes: for each name, the shard's elements.
       owned: for each name, whether this process counts it in global sums (one process
@@ -69,8 +70,10 @@ def leaf_shards(i: int, shape, state: NamedSharding, param: NamedSharding,
         k = _key(index, shape)
         first[k] = min(first.get(k, device.id), device.id)
     keys = list(groups)
+    process = jax.process_index()
     return LeafShards(
-        shape, state, param, np.dtype(stored), [f"{i}.{k}" for k in range(len(keys))],
+        shape, state, param, np.dtype(stored),
+        [f"p{process}.{i}.{k}" for k in range(len(keys))],
         [groups[k] for k in keys],
         [int(np.prod([b - a for a, b in k], dtype=np.int64)) for k in keys],
         [any(d.id == first[k] for d in groups[k]) for k in keys])
