@@ -56,7 +56,7 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
             out.append(np.asarray(u))
         return np.concatenate(out)
 
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         whole = run(slice(0, 16)).reshape(2, 16)
         halves = np.concatenate([run(slice(0, 8)).reshape(2, 8), run(slice(8, 16)).reshape(2, 8)],
                                 axis=1)
@@ -145,7 +145,7 @@ class StreamingOptimizer:
         self.sub = max(1, int(min(sub_group_size, max(sizes.values(), default=1))))
         self.buffer_count = buffer_count
         check_elementwise(tx)
-        self._chunk = _Chunk(tx, self.sub, jax.devices("cpu")[0])
+        self._chunk = _Chunk(tx, self.sub, jax.local_devices(backend="cpu")[0])
         self.scalars = self._chunk.scalars
         self.sizes = dict(sizes)
         files = {f"{name}.{part}": size for name, size in self.sizes.items()

@@ -25,13 +25,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ConfigError
 from zjax.offload import global_norm
 from zjax.offload._nvme_store import check_nvme_path
 from zjax.offload.nvme import StreamingOptimizer, check_elementwise
 from zjax.partition.plan import ShardPlan
-from zjax.step._nvme_engine import LeafShards, ParamBuilder, Slices, leaf_shards, shard_data
+from zjax.step._nvme_engine import (
+    LeafShards,
+    ParamBuilder,
+    Slices,
+    leaf_shards,
+    local_value,
+    shard_data,
+)
 from zjax.step._state import TrainState
 
 __all__ = ["NvmeOptimizer", "NvmeParts", "NvmeStep", "StateMap", "clip_scale", "nvme_layout",
@@ -143,7 +152,8 @@ class NvmeOptimizer:
         opt.write_initial({name: Slices(x) for a, leaf in zip(jax.tree.leaves(master),
                                                                self.leaves, strict=True)
                            for name, x in shard_data(a, leaf)})
-        self.param_norm = float(jax.jit(global_norm)(master))
+        norm = jax.jit(global_norm, out_shardings=self.replicated)(master)
+        self.param_norm = float(local_value(norm))
         return self.started(self.working(master), step)
 
     def working(self, master: Any) -> Any:
@@ -156,7 +166,15 @@ class NvmeOptimizer:
 
     def started(self, params: Any, step: int) -> TrainState:
         self.step = step
-        return TrainState(jnp.asarray(step, jnp.int32), params, None, None)
+        return TrainState(self.step_array(step), params, None, None)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.plan.mesh, P())
+
+    def step_array(self, step: int) -> jax.Array:
+        """``step`` as the in-memory state holds it: an int32 replicated over the mesh."""
+        return jax.device_put(np.int32(step), self.replicated)
 
     def update(self, params: Any, grads: Any, *, grad_scale: float):
         """One streamed optimizer step: ``(new working params, param norm, StreamStats)``.
@@ -197,8 +215,9 @@ def grads_program(grads_fn: Callable, plan: ShardPlan, param_shardings: Any,
         return grads, {"loss_sum": loss_sum, "count": count, "extra": extra,
                        "grad_norm": global_norm(grads)}
 
+    # the sums replicated over the whole mesh: each process reads them from its own devices
     return jax.jit(fn, in_shardings=(param_shardings, batch_sharding),
-                   out_shardings=(own, None),
+                   out_shardings=(own, NamedSharding(plan.mesh, P())),
                    compiler_options=dict(plan.backend.compiler_options))
 
 
@@ -223,12 +242,13 @@ class NvmeStep:
         return _Lowered(self, self.program.lower(abstract_state.params, batch))
 
     def __call__(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
-        step = int(state.step)
+        step = int(local_value(state.step))
         if step != self.engine.step:
             raise RuntimeError(f"this state is at step {step}, but the NVMe swap files hold "
                                f"step {self.engine.step}: only the newest state can step")
         grads, sums = self._run(state.params, batch)
-        loss_sum, count, norm = (float(sums[k]) for k in ("loss_sum", "count", "grad_norm"))
+        loss_sum, count, norm = (float(local_value(sums[k]))
+                                 for k in ("loss_sum", "count", "grad_norm"))
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
         nvme = {"nvme_read_gbs": 0.0, "nvme_write_gbs": 0.0, "nvme_update_s": 0.0}
         if finite or not self.skip_nonfinite:
@@ -244,8 +264,9 @@ class NvmeStep:
         self.engine.step = step + 1
         metrics = {"loss": loss_sum / count, "grad_norm": norm, "param_norm": param_norm,
                    "finite": finite, "count": count,
-                   **{k: float(v) / count for k, v in sums["extra"].items()}, **nvme}
-        return (TrainState(jnp.asarray(step + 1, jnp.int32), params, None, None),
+                   **{k: float(local_value(v)) / count for k, v in sums["extra"].items()},
+                   **nvme}
+        return (TrainState(self.engine.step_array(step + 1), params, None, None),
                 {k: jnp.asarray(v) for k, v in metrics.items()})
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,13 @@ from jax.sharding import NamedSharding
 
 from zjax.partition.gather import UINT
 
-__all__ = ["LeafShards", "ParamBuilder", "Slices", "leaf_shards"]
+__all__ = ["LeafShards", "ParamBuilder", "Slices", "leaf_shards", "local_value"]
+
+
+def local_value(x: Any) -> np.ndarray:
+    """The value of a replicated array from this process's first shard (a global array may
+    span other processes' devices, which ``float(x)`` refuses)."""
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
 
 
 class LeafShards(NamedTuple):

@@ -17,7 +17,7 @@ import numpy as np
 
 from zjax._ckpt_tree import leaf_keys
 from zjax.step._nvme import NvmeOptimizer
-from zjax.step._nvme_engine import LeafShards, Slices, shard_data
+from zjax.step._nvme_engine import LeafShards, Slices, local_value, shard_data
 from zjax.step._state import TrainState
 
 __all__ = ["canonical_leaves", "restore_canonical"]
@@ -56,8 +56,9 @@ def canonical_leaves(engine: NvmeOptimizer, state: TrainState, canonical: dict
                      ) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
     """``(keys, global array)`` of every canonical leaf of ``state``, each built when asked
     for (the master and moments from the swap files, the counts from the host)."""
-    if int(state.step) != engine.step:
-        raise RuntimeError(f"saving step {int(state.step)}, but the NVMe swap files hold step "
+    step = int(local_value(state.step))
+    if step != engine.step:
+        raise RuntimeError(f"saving step {step}, but the NVMe swap files hold step "
                            f"{engine.step}")
     for keys, a, (part, i) in _what(engine, canonical):
         if part == "step":
@@ -79,15 +80,16 @@ def restore_canonical(engine: NvmeOptimizer, canonical: dict,
     for keys, a, (part, i) in _what(engine, canonical):
         x = read(keys, a)
         if part == "step":
-            step = int(x)
+            step = int(local_value(x))
         elif part == "scalar":
-            scalars[i] = np.asarray(x)
+            scalars[i] = local_value(x)
         else:
             leaf = engine.leaves[i]
             for name, data in shard_data(x, leaf):
                 opt.write(name, part, Slices(data))
             if part == "master":
-                sumsq += float(jnp.sum(jnp.square(x)))
+                sumsq += float(local_value(jax.jit(lambda m: jnp.sum(jnp.square(m)),
+                                                   out_shardings=engine.replicated)(x)))
                 params[i] = jax.jit(lambda m, d=leaf.stored: m.astype(d),
                                     out_shardings=leaf.param)(x)
         del x
