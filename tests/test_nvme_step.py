@@ -199,8 +199,10 @@ def _final_ckpt(run, overrides=()):
 
 @pytest.mark.slow
 def test_kill9_mid_stream_resumes_bit_for_bit(tmp_path):
-    """SIGKILL while training (the stream is most of a step); the resumed run's final
-    checkpoint equals a straight run's bit for bit; swap files removed at the end."""
+    """SIGKILL mid-run, after the checkpoint of step 4, inside some later step (where the
+    stream may be writing the swap files: they are torn, and never read again); the resumed
+    run's final checkpoint equals a straight run's bit for bit; swap files removed at the end.
+    """
     args = [*FAST, "train.steps=8", "checkpoint.every=2", "zero.sub_group_size=4096"]
     straight_nv, killed_nv = tmp_path / "nv1", tmp_path / "nv2"
     straight_nv.mkdir()
