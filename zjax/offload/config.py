@@ -72,7 +72,8 @@ class OptimizerOffloadConfig(OffloadConfig):
       nvme_path: with ``device: nvme``, the directory of the swap files (a local NVMe disk);
         each process writes its own devices' shards there.
       buffer_count: with ``device: nvme``, sub-groups read ahead and written behind the one
-        being updated (and I/O threads).
+        being updated (and I/O threads). Its buffers are ordinary host memory: ``pin_memory``
+        does not apply to them.
       update_on: ``device`` brings the offloaded state in for the update and sends it back;
         ``host`` runs the optax update itself on the host (``compute_on("device_host")``), so
         the moments never occupy device memory.
