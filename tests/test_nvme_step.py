@@ -235,13 +235,24 @@ def test_kill9_mid_stream_resumes_bit_for_bit(tmp_path):
     assert not list(killed_nv.iterdir()) and not list(straight_nv.iterdir())
 
 
+def _damage(step_dir: Path, other: Path) -> None:
+    """Replace ``step_dir``'s arrays by ``other``'s: every file reads, but the values are not
+    the ones ``step_dir`` recorded."""
+    shutil.rmtree(step_dir / "state")
+    shutil.copytree(other / "state", step_dir / "state")
+
+
 @pytest.mark.slow
-def test_checkpoints_move_between_nvme_and_memory(tmp_path):
+def test_checkpoints_move_between_nvme_and_memory_and_damage_is_seen_both_ways(tmp_path,
+                                                                               caplog):
     """An NVMe run's checkpoint resumes in memory, and an in-memory one on NVMe: 6 steps
-    either way end as an in-memory run's 6 (FP32)."""
+    either way end as an in-memory run's 6 (GRADS). In both, with step 6 removed, step 4 is
+    damaged (step 2's arrays in its place): the in-memory restore of the NVMe-written
+    checkpoint and the leaf-by-leaf restore into the swap files both see the checksums, set
+    step 4 aside and resume from step 2."""
     nv = tmp_path / "nv"
     nv.mkdir()
-    mem = [*FAST, "train.steps=6", "checkpoint.every=3", "zero.gather_dtype=float32"]
+    mem = [*FAST, "train.steps=6", "checkpoint.every=2", "zero.gather_dtype=float32"]
 
     def train(run, *extra):
         cfg = load_config(ROOT / "configs/tiny.yaml", [*mem, *extra])
@@ -249,38 +260,21 @@ def test_checkpoints_move_between_nvme_and_memory(tmp_path):
 
     train(tmp_path / "ref")
     train(tmp_path / "a", *_nvme(nv))
-    shutil.rmtree(tmp_path / "a" / "checkpoints" / "6")
-    train(tmp_path / "a")  # the NVMe run's checkpoint of step 3, in memory
     shutil.copytree(tmp_path / "ref", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "6")
-    train(tmp_path / "b", *_nvme(nv))  # the in-memory checkpoint of step 3, on NVMe
+    for run, extra in (("a", ()), ("b", _nvme(nv))):  # NVMe -> memory, memory -> NVMe
+        ckpts = tmp_path / run / "checkpoints"
+        shutil.rmtree(ckpts / "6")
+        _damage(ckpts / "4", ckpts / "2")
+        caplog.clear()
+        with caplog.at_level("INFO", logger="zjax"):
+            train(tmp_path / run, *extra)
+        assert re.search(r"checkpoint at step 4 .* is damaged \(DamagedCheckpoint: step 4: "
+                         r"leaf \S+ reads back other values", caplog.text), caplog.text[-2000:]
+        assert "resuming from the checkpoint at step 2" in caplog.text
+        assert (tmp_path / run / "damaged-checkpoint-4").is_dir()
     _, ref = _final_ckpt(tmp_path / "ref", ["zero.gather_dtype=float32"])
     for run in ("a", "b"):
         step, got = _final_ckpt(tmp_path / run, ["zero.gather_dtype=float32"])
         assert step == 6
         assert_trees_close(got["params"], ref["params"], **GRADS, what=f"{run}: master")
-    assert not list(nv.iterdir())
-
-
-@pytest.mark.slow
-def test_a_damaged_nvme_checkpoint_is_set_aside_for_the_one_before(tmp_path, caplog):
-    """Step 4's arrays replaced by step 2's (every file reads, the values are not the ones
-    recorded): the leaf-by-leaf restore into the swap files sees the checksum, moves step 4
-    aside, and resumes from step 2."""
-    nv = tmp_path / "nv"
-    nv.mkdir()
-    run = tmp_path / "run"
-    cfg = lambda steps: load_config(ROOT / "configs/tiny.yaml", [
-        *FAST, *_nvme(nv), f"train.steps={steps}", "checkpoint.every=2"])
-    zjax.train("lm", cfg(4), run_dir=run)
-    ckpts = run / "checkpoints"
-    shutil.rmtree(ckpts / "4" / "state")
-    shutil.copytree(ckpts / "2" / "state", ckpts / "4" / "state")
-    with caplog.at_level("INFO", logger="zjax"):
-        result = zjax.train("lm", cfg(5), run_dir=run)
-    assert re.search(r"checkpoint at step 4 .* is damaged \(DamagedCheckpoint: step 4: leaf "
-                     r"\S+ reads back other values", caplog.text), caplog.text[-2000:]
-    assert "resuming from the checkpoint at step 2" in caplog.text
-    assert (run / "damaged-checkpoint-4").is_dir()
-    assert [r["step"] for r in result.history][-1] == 5
     assert not list(nv.iterdir())
