@@ -174,3 +174,10 @@ def start_zjax(*args: str, cwd: Path = ROOT, env: dict | None = None,
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
     return subprocess.Popen(zjax_cmd(*args), cwd=cwd, env=cli_env() if env is None else env,
                             text=True, **popen)
+
+
+def nvme_overrides(path: Path, sub: int = 1000) -> list[str]:
+    """Config overrides that put the optimizer on NVMe under ``path`` (small sub-groups and
+    two buffers, so that even the tiny model streams many sub-groups)."""
+    return ["zero.offload_optimizer.device=nvme", f"zero.offload_optimizer.nvme_path={path}",
+            "zero.offload_optimizer.buffer_count=2", f"zero.sub_group_size={sub}"]

@@ -22,8 +22,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 
-from zjax.partition.gather import UINT
-
 __all__ = ["LeafShards", "ParamBuilder", "Slices", "leaf_shards", "local_value"]
 
 
@@ -119,19 +117,6 @@ def shard_data(x: jax.Array, leaf: LeafShards) -> Iterator[tuple[str, jax.Array]
         yield name, on[devices[0]]
 
 
-def _relayout(sharding: NamedSharding) -> Callable:
-    """Own-shard working copy -> the step's layout: all-gathered as unsigned bits (XLA would
-    otherwise move a convert across the gather), placed in the param sharding's memory."""
-
-    def move(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        bits = lax.bitcast_convert_type(x, UINT[x.dtype.itemsize])
-        return lax.bitcast_convert_type(bits, x.dtype)
-
-    return jax.jit(move, out_shardings=sharding)
-
-
 class ParamBuilder:
     """Builds the new working params from the streamed master, a sub-group at a time.
 
@@ -172,7 +157,8 @@ class ParamBuilder:
         devices = list(leaf.state.addressable_devices_indices_map(leaf.shape))
         x = jax.make_array_from_single_device_arrays(
             leaf.shape, leaf.state, [self.buffers.pop((j, d)) for d in devices])
-        self.done[j] = x if leaf.param == leaf.state else _relayout(leaf.param)(x)
+        # stages 0-2 all-gather the working copy; offload_param: host moves it to host memory
+        self.done[j] = x if leaf.param == leaf.state else jax.device_put(x, leaf.param)
 
     def result(self) -> list[jax.Array]:
         """The new working param of every leaf (all shards must have been put)."""
