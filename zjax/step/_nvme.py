@@ -196,8 +196,10 @@ class NvmeOptimizer:
         build = ParamBuilder(self.leaves)
         stats = self.opt.update(sources, build.put, grad_scale=grad_scale)
         sumsq = build.sumsq
-        if jax.process_count() > 1:
-            sumsq = float(np.sum(multihost_utils.process_allgather(np.float64(sumsq))))
+        if jax.process_count() > 1:  # every process must agree on the norm and on `finite`
+            both = multihost_utils.process_allgather(np.array([sumsq, stats.finite], np.float64))
+            sumsq = float(both[:, 0].sum())
+            stats = stats._replace(finite=bool(both[:, 1].all()))
         self.param_norm = float(np.sqrt(sumsq))
         return jax.tree.unflatten(self.treedef, build.result()), self.param_norm, stats
 
