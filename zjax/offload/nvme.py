@@ -68,8 +68,9 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
 
 
 class _Chunk:
-    """The optax update of one sub-group, jitted once for the host; the state's leaves split
-    into per-parameter ones (moments, files) and the rest (step counts, kept in memory)."""
+    """The optax update of one sub-group, jitted for the host (once per sub-group length); the
+    state's leaves split into per-parameter ones (moments, files) and the rest (step counts,
+    kept in memory)."""
 
     def __init__(self, tx: optax.GradientTransformation, size: int, device):
         template = tx.init(jnp.zeros((size,), jnp.float32))

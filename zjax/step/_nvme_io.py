@@ -8,6 +8,7 @@ a run in device memory and the other way round. Here each leaf is built from the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,12 @@ from zjax.step._nvme_engine import LeafShards, Slices, local_value, shard_data
 from zjax.step._state import TrainState
 
 __all__ = ["canonical_leaves", "restore_canonical"]
+
+
+@functools.lru_cache(maxsize=8)
+def _sum_squares(replicated) -> Callable:
+    """One compiled sum of squares (replicated result) for every leaf, not one per leaf."""
+    return jax.jit(lambda m: jnp.sum(jnp.square(m)), out_shardings=replicated)
 
 
 def _what(engine: NvmeOptimizer, canonical: dict) -> Iterator[tuple[tuple[str, ...], Any, tuple]]:
@@ -88,10 +95,8 @@ def restore_canonical(engine: NvmeOptimizer, canonical: dict,
             for name, data in shard_data(x, leaf):
                 opt.write(name, part, Slices(data))
             if part == "master":
-                sumsq += float(local_value(jax.jit(lambda m: jnp.sum(jnp.square(m)),
-                                                   out_shardings=engine.replicated)(x)))
-                params[i] = jax.jit(lambda m, d=leaf.stored: m.astype(d),
-                                    out_shardings=leaf.param)(x)
+                sumsq += float(local_value(_sum_squares(engine.replicated)(x)))
+                params[i] = jax.device_put(x.astype(leaf.stored), leaf.param)
         del x
     opt.scalars = scalars
     engine.param_norm = float(np.sqrt(sumsq))
