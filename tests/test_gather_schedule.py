@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import zjax
 from zjax._backend import backend
 from zjax.nn import Stack
-from zjax.partition import REMAT_POLICY, ScheduleSpec, gather_tree, scheduled_scan
+from zjax.partition import REMAT_POLICY, Comm, ScheduleSpec, gather_tree, scheduled_scan
 from zjax.planning import collective_bytes
 
 N = 8
@@ -211,3 +211,19 @@ def test_reduce_scatter_methods_are_the_same_sum(dim, method):
         assert text.count("collective-permute(") == N - 1
         assert cb.reduce_scatter == N * 16 * 24 * 4 and cb.counts["reduce_scatter"] == 1
         assert cb.collective_permute == 0 and cb.wire == cb.reduce_scatter
+
+
+def test_a_cast_kept_in_the_loop_gives_the_converts_values():
+    """``Comm.keep_casts_in_loops`` (libtpu) rounds before it converts: float32 -> bfloat16
+    bit for bit as ``astype`` (ties to even, float32 denormals, inf, nan); to float16, whose
+    denormals ``reduce_precision`` would flush, it converts plainly."""
+    rng = np.random.default_rng(0)
+    scaled = rng.normal(size=4096) * 10.0 ** rng.integers(-40, 39, 4096)
+    special = [1.00390625, 1.01171875, 3e-5, 1e-40, np.inf, -np.inf, np.nan]
+    x = jnp.asarray(np.concatenate([scaled, special]).astype(np.float32))
+    for dtype in (jnp.bfloat16, jnp.float16):
+        kept = Comm(gather_dtype=dtype, keep_casts_in_loops=True).cast(x)
+        want = x.astype(dtype)
+        assert kept.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(kept).view(np.uint16),
+                                      np.asarray(want).view(np.uint16))

@@ -172,6 +172,9 @@ class Comm:
       block: elements per quantization block (quantized gathers, and the ``quantized``
         reduce-scatter).
       scale_dtype: dtype of the quantization blocks' scales (float32 or bfloat16).
+      keep_casts_in_loops: :meth:`cast` rounds with ``reduce_precision`` before it converts
+        (``Backend.hoists_loop_casts``: libtpu hoists a plain convert of a layer's slice out
+        of the layer loop and converts the whole stack up front).
     """
 
     axis_name: str = "data"
@@ -183,6 +186,23 @@ class Comm:
     block: int = 256
     node_axis: str | None = None
     scale_dtype: Any = np.float32
+    keep_casts_in_loops: bool = False
+
+    def cast(self, w: jax.Array) -> jax.Array:
+        """A floating ``w`` in ``gather_dtype``.
+
+        With :attr:`keep_casts_in_loops`, rounded to that dtype's mantissa first: the values
+        the convert gives anyway, through an op the compiler does not move out of the loop
+        that slices ``w``, so the convert stays there too. Only where the target has the
+        exponent range of ``w`` (float32 -> bfloat16): ``reduce_precision`` flushes what
+        would be float16 denormals to zero.
+        """
+        dtype = np.dtype(self.gather_dtype or w.dtype)
+        info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else None
+        if (self.keep_casts_in_loops and info is not None and dtype != w.dtype
+                and info.nexp >= jnp.finfo(w.dtype).nexp):
+            w = lax.reduce_precision(w, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        return w.astype(dtype)
 
     @property
     def axes(self) -> str | tuple[str, str]:

@@ -196,7 +196,8 @@ class ShardPlan:
                     self.scatter, self.zero.quantized_weights, self.zero.quantize_block,
                     NODE if NODE in self.mesh.axis_names else None,
                     resolve_dtype(self.zero.quantize_scale_dtype,
-                                  key="zero.quantize_scale_dtype"))
+                                  key="zero.quantize_scale_dtype"),
+                    keep_casts_in_loops=self.backend.hoists_loop_casts is not None)
 
     @property
     def scatter(self) -> str:

@@ -9,7 +9,9 @@ One ``jax.custom_vjp`` over the whole stack (params stacked ``[L, ...]``, held a
   reduce-scatters ``dW_i`` into the shard gradient at once.
 
 So the gathered working set is ``1 + k`` layers forward and ``2 + k`` backward (the layer's
-gathered weights, its full-size gradient, and the prefetched ones) whatever L is. Both passes
+gathered weights, its full-size gradient, and the prefetched ones) whatever L is. The
+backward's prefetch must arrive before its layer's VJP starts: it overlaps the recomputed
+forward, and its buffers are not in flight across the VJP, where the step's peak is. Both passes
 are one loop over all L layers, with nothing unrolled around them: a layer unrolled outside a
 loop gets temporaries of its own on every backend (measured: one unrolled layer costs as much
 temp as 4 gathered layers on H100 at d_model 1024, 4k tokens per device; three of them put
@@ -190,7 +192,7 @@ def scheduled_loop(
             w, sec = to_device(_slice(leaf, i)), None
             floating = jnp.issubdtype(w.dtype, jnp.floating)
             if floating and not (comm.quantize and dim is not None):
-                w = w.astype(gather_dtype)  # (quantized from the float32 shard itself)
+                w = comm.cast(w)  # (quantized from the float32 shard itself)
             if dim is not None and not b:
                 c = comm if floating else dataclasses.replace(comm, quantize=False)
                 w, sec = gather_levels(w, c, axis=dim - 1)
@@ -221,7 +223,7 @@ def scheduled_loop(
                 continue
             if dim is None:  # never communicated: sliced and cast
                 w = to_device(_slice(leaf, i))
-                out.append(w.astype(gather_dtype) if _is_float(w) else w)
+                out.append(comm.cast(w) if _is_float(w) else w)
                 continue
             floating = _is_float(leaf)
             c = comm if floating else dataclasses.replace(comm, quantize=False)
@@ -296,8 +298,14 @@ def scheduled_loop(
             """The layer's carry cotangent, its weights' gradient shards, its xs cotangent,
             and ``nxt`` (the prefetched weights), complete before the gradient leaves."""
             out, vjp = jax.vjp(apply, ws, consts, h_i, x_i)
-            dy_i = jax.tree.map(_cotangent, out[1], dy_i)
-            dws, dc, dh, dx_i = vjp((jax.tree.map(_cotangent, out[0], dy), dy_i))
+            ct = (jax.tree.map(_cotangent, out[0], dy), jax.tree.map(_cotangent, out[1], dy_i))
+            if nxt is not None:
+                # the prefetch is done before the layer's VJP starts: it arrives during the
+                # recomputed forward, so its buffers are free before the VJP's peak instead of
+                # in flight across it (d_model 1024, 16 layers, 4k tokens per device, prefetch
+                # 1: temp H100 622.7 -> 602.8 MB, v5p 849.9 -> 809.3 MB; overlap unchanged)
+                ct, nxt = lax.optimization_barrier((ct, nxt))
+            dws, dc, dh, dx_i = vjp(ct)
             if nxt is not None:
                 # the prefetch is done before the reduce-scatter starts: libtpu runs one
                 # asynchronous collective at a time and otherwise leaves the gather
