@@ -51,6 +51,8 @@ class Backend:
       hoists_loop_casts: the compiler moves the cast of a layer's slice to the gather dtype
         out of the layer loop (converting the whole stack up front and holding that copy);
         the cast is made with a rounding first (``Comm.keep_casts_in_loops``).
+      prefetch_before_vjp: the backward of a layer scan waits for its prefetched weights
+        before the layer's VJP (``Comm.prefetch_before_vjp``).
       no_host_update: refuse ``zero.offload_optimizer.update_on: host`` (the compiler crashes).
       decomposes_collectives: the compiler writes a reduce-scatter as an all-reduce whose
         result is dynamic-sliced, and a small all-gather as an all-reduce of a zero-padded
@@ -66,6 +68,7 @@ class Backend:
     scatter_via_ring: Quirk | None = None
     bucket_layer_gathers: Quirk | None = None
     hoists_loop_casts: Quirk | None = None
+    prefetch_before_vjp: Quirk | None = None
     no_host_update: Quirk | None = None
     decomposes_collectives: bool = False
 
@@ -138,8 +141,8 @@ _TPU = Backend(
         "libtpu runs one asynchronous collective fusion at a time and leaves the gathers it "
         "cannot fit between a layer's ops synchronous; one bucket per layer is hidden "
         "behind the whole previous layer. v5p:2x2x2, d_model 1024, 16 layers, prefetch 1: "
-        "gather bytes overlapped 61% -> 97%, temp 811 -> 809 MB (with the backward's "
-        "prefetch done before the layer's VJP; 847 -> 898 MB before that); "
+        "gather bytes overlapped 61% -> 97%, temp 811 -> 809 MB (with prefetch_before_vjp; "
+        "847 -> 898 MB without it); "
         "prefetch 2: 94%. Without prefetch a bucket cannot overlap (0%), so it is unused",
         "measured here: benchmarks/tpu_flags.py, benchmarks/zero_step.py --target v5p:2x2x2"),
     hoists_loop_casts=Quirk(
@@ -152,6 +155,17 @@ _TPU = Backend(
         "prefetch 1 (GSPMD FSDP with bf16 compute: 839 MB). XLA:GPU keeps the convert in the "
         "loop (H100 temp unchanged)",
         "measured here: benchmarks/zero_step.py --target v5p:2x2x2 --variants"),
+    prefetch_before_vjp=Quirk(
+        "libtpu keeps the backward's prefetch (with the layer bucket: its rows, flat copy "
+        "and split leaves) in flight across the layer's VJP, where the step peaks; tied to "
+        "the VJP's cotangent, it arrives during the recomputed forward. Stage 3, prefetch "
+        "1, bf16 reduce, temp: v5p:2x2x2 d_model 1024, 16 layers, 4k tokens per device "
+        "850 -> 809 MB (overlap 97% either way), 256 tokens per device 331 -> 287 MB; the "
+        "7B template on v5p:4x4x4 42.66 -> 42.49 GB. On H100 the same barrier is mixed "
+        "(623 -> 603 MB at d_model 1024, 4k tokens; 242 -> 258 MB at 256 tokens; the 7B "
+        "template on h100:8x8 30.0 -> 32.5 GB), so the GPU record does not set it",
+        "measured here: benchmarks/zero_step.py --target T --variants, zjax plan "
+        "configs/gpt-7b.yaml --target T"),
     no_host_update=Quirk(
         "libtpu 0.0.42 cannot compile an optimizer update placed on the host with "
         "compute_on('device_host'): SIGILL in xla::HostOffloader::WalkDownHostMemoryOffloadPaths "

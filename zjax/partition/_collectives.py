@@ -175,6 +175,8 @@ class Comm:
       keep_casts_in_loops: :meth:`cast` rounds with ``reduce_precision`` before it converts
         (``Backend.hoists_loop_casts``: libtpu hoists a plain convert of a layer's slice out
         of the layer loop and converts the whole stack up front).
+      prefetch_before_vjp: the scheduled scan's backward waits for its prefetched weights
+        before it starts the layer's VJP (``Backend.prefetch_before_vjp``).
     """
 
     axis_name: str = "data"
@@ -187,6 +189,7 @@ class Comm:
     node_axis: str | None = None
     scale_dtype: Any = np.float32
     keep_casts_in_loops: bool = False
+    prefetch_before_vjp: bool = False
 
     def cast(self, w: jax.Array) -> jax.Array:
         """A floating ``w`` in ``gather_dtype``.

@@ -197,7 +197,8 @@ class ShardPlan:
                     NODE if NODE in self.mesh.axis_names else None,
                     resolve_dtype(self.zero.quantize_scale_dtype,
                                   key="zero.quantize_scale_dtype"),
-                    keep_casts_in_loops=self.backend.hoists_loop_casts is not None)
+                    keep_casts_in_loops=self.backend.hoists_loop_casts is not None,
+                    prefetch_before_vjp=self.backend.prefetch_before_vjp is not None)
 
     @property
     def scatter(self) -> str:

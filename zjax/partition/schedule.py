@@ -9,9 +9,10 @@ One ``jax.custom_vjp`` over the whole stack (params stacked ``[L, ...]``, held a
   reduce-scatters ``dW_i`` into the shard gradient at once.
 
 So the gathered working set is ``1 + k`` layers forward and ``2 + k`` backward (the layer's
-gathered weights, its full-size gradient, and the prefetched ones) whatever L is. The
-backward's prefetch must arrive before its layer's VJP starts: it overlaps the recomputed
-forward, and its buffers are not in flight across the VJP, where the step's peak is. Both passes
+gathered weights, its full-size gradient, and the prefetched ones) whatever L is. On TPU
+(``Comm.prefetch_before_vjp``) the backward's prefetch must arrive before its layer's VJP
+starts: it overlaps the recomputed forward, and its buffers are not in flight across the
+VJP, where the step's peak is. Both passes
 are one loop over all L layers, with nothing unrolled around them: a layer unrolled outside a
 loop gets temporaries of its own on every backend (measured: one unrolled layer costs as much
 temp as 4 gathered layers on H100 at d_model 1024, 4k tokens per device; three of them put
@@ -299,11 +300,9 @@ def scheduled_loop(
             and ``nxt`` (the prefetched weights), complete before the gradient leaves."""
             out, vjp = jax.vjp(apply, ws, consts, h_i, x_i)
             ct = (jax.tree.map(_cotangent, out[0], dy), jax.tree.map(_cotangent, out[1], dy_i))
-            if nxt is not None:
-                # the prefetch is done before the layer's VJP starts: it arrives during the
-                # recomputed forward, so its buffers are free before the VJP's peak instead of
-                # in flight across it (d_model 1024, 16 layers, 4k tokens per device, prefetch
-                # 1: temp H100 622.7 -> 602.8 MB, v5p 849.9 -> 809.3 MB; overlap unchanged)
+            if nxt is not None and comm.prefetch_before_vjp:
+                # the prefetch arrives during the recomputed forward, not in flight across
+                # the VJP, where the step peaks (Backend.prefetch_before_vjp: TPU)
                 ct, nxt = lax.optimization_barrier((ct, nxt))
             dws, dc, dh, dx_i = vjp(ct)
             if nxt is not None:
