@@ -14,6 +14,7 @@ Tolerances (documented once, used everywhere):
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -181,3 +182,31 @@ def nvme_overrides(path: Path, sub: int = 1000) -> list[str]:
     two buffers, so that even the tiny model streams many sub-groups)."""
     return ["zero.offload_optimizer.device=nvme", f"zero.offload_optimizer.nvme_path={path}",
             "zero.offload_optimizer.buffer_count=2", f"zero.sub_group_size={sub}"]
+
+
+# the tiny GPT compiled for a target: 2 layers so each compile takes seconds; every leaf sharded
+TARGET_BASE = ("model.n_layers=2", "data.seq_len=64", "zero.param_persistence_threshold=0")
+
+
+@functools.cache
+def compiled_for(name: str, *overrides: str, file: str = "configs/tiny.yaml"):
+    """(zstep, compiled, report) of the tiny GPT's (or ``file``'s) step compiled for target
+    ``name`` (``cpu``: the simulated devices), with ``TARGET_BASE`` and ``overrides``."""
+    import zjax
+    from zjax.planning import report
+    from zjax.targets import target
+
+    config = zjax.load_config(file, [*TARGET_BASE, *overrides])
+    zstep = zjax.build_step(config, None if name == "cpu" else target(name))
+    compiled = zstep.lower(zjax.abstract_batch(config)).compile()
+    return zstep, compiled, report(zstep, compiled,
+                                  target=None if name == "cpu" else target(name))
+
+
+def sharded_params(zstep, *, layer: bool = False) -> int:
+    """Ψ over the sharded leaves, per model slice (what one device gathers over ``data``);
+    with ``layer``, of one layer of the stack."""
+    plan = zstep.plan
+    return sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
+               // (leaf.shape[0] if layer else 1)
+               for leaf in plan.leaves if leaf.dim is not None and (leaf.stacked or not layer))

@@ -6,26 +6,21 @@ the target's compile-only devices, and the figures are the real compiler's.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
 import subprocess
 
 import numpy as np
 import pytest
-from helpers import cli_env, run_zjax
+from helpers import TARGET_BASE, cli_env, compiled_for, run_zjax, sharded_params
 
 import zjax
-from zjax import _backend
 from zjax._backend import backend
 from zjax._flops import peak_flops
-from zjax.planning import collective_bytes, compiled_memory, report
+from zjax.planning import collective_bytes, compiled_memory
 from zjax.targets import target
 
 GPU, TPU = "h100:8", "v5p:2x2x2"
-# the tiny GPT, 2 layers so each compile takes seconds; every leaf sharded
-BASE = ["model.n_layers=2", "data.seq_len=64", "zero.param_persistence_threshold=0"]
 SETTINGS = {
     "stage0": ["zero.stage=0"],
     "stage1": ["zero.stage=1"],
@@ -36,47 +31,8 @@ SETTINGS = {
 }
 
 
-@functools.cache
-def _compiled(name: str, *overrides: str, file: str = "configs/tiny.yaml"):
-    """(zstep, compiled, report) of the tiny GPT's (or ``file``'s) step compiled for ``name``."""
-    config = zjax.load_config(file, [*BASE, *overrides])
-    zstep = zjax.build_step(config, None if name == "cpu" else target(name))
-    compiled = zstep.lower(zjax.abstract_batch(config)).compile()
-    return zstep, compiled, report(zstep, compiled,
-                                  target=None if name == "cpu" else target(name))
-
-
-def test_accelerator_records_hold_no_cpu_workaround():
-    cpu = backend("cpu")
-    assert cpu.workarounds(), "the CPU record lost its workarounds"
-    for platform in ("gpu", "cuda", "tpu"):
-        record = backend(platform)
-        leaked = set(record.workarounds()) & set(cpu.workarounds())
-        assert not leaked, f"{platform} carries CPU workarounds {leaked}"
-        assert not set(record.compiler_options) & set(cpu.compiler_options)
-    assert set(backend("gpu").workarounds()) == set()
-    tpu = {k for k in backend("tpu").workarounds() if not k.startswith("compiler_options.")}
-    assert tpu == {"no_host_update", "bucket_layer_gathers", "scatter_via_ring",
-                   "hoists_loop_casts", "prefetch_before_vjp"}
-    # TPU's options are the async-collective flags that make gathers overlap (measured)
-    assert all("async" in k or "overlap" in k for k in backend("tpu").compiler_options)
-
-
-@pytest.mark.parametrize("name", [GPU, TPU])
-def test_targets_are_compile_only_devices_of_their_chip(name):
-    t = target(name)
-    assert len(t.devices) == 8 and t.platform == t.devices[0].platform
-    assert t.device_kind == ("NVIDIA H100 80GB HBM3" if name == GPU else "TPU v5")
-    assert t.capacity_bytes == (84942979072 if name == GPU else 95 * 10**9)
-    assert target("h200:8").capacity_bytes == 151397597184
-    assert target("h100:2x4").hosts == 2 and len(target("h100:2x4").devices) == 8
-
-
-@pytest.mark.parametrize("bad, why", [("h10:8", "did you mean 'h100'"), ("h100:x", "GPU count"),
-                                      ("v5p:3x3", "not a v5p topology"), ("", "no known chip")])
-def test_unknown_targets_are_config_errors(bad, why):
-    with pytest.raises(zjax.ConfigError, match=why):
-        target(bad)
+_compiled = compiled_for
+_sharded_params = sharded_params
 
 
 @pytest.mark.slow
@@ -92,15 +48,6 @@ def test_every_stage_compiles_and_plans_the_compiled_memory(name, setting):
                                            + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
     assert r.setting["target"] == name and r.fits_device is True
     assert r.per_device["capacity_bytes"] == target(name).capacity_bytes
-
-
-def _sharded_params(zstep, *, layer: bool = False) -> int:
-    """Ψ over the sharded leaves, per model slice (what one device gathers over ``data``);
-    with ``layer``, of one layer of the stack."""
-    plan = zstep.plan
-    return sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
-               // (leaf.shape[0] if layer else 1)
-               for leaf in plan.leaves if leaf.dim is not None and (leaf.stacked or not layer))
 
 
 @pytest.mark.slow
@@ -188,51 +135,6 @@ def test_accelerators_overlap_the_zero_collectives_with_compute_and_cpu_cannot()
     assert tpu.overlap["reduce_scatter"] >= 0.9, tpu.overlap
 
 
-# a layer big enough that the compilers' schedulers overlap its gathers (as in the test above)
-WIDE = ("zero.stage=3", "model.d_model=512", "model.d_ff=2048", "model.n_layers=4",
-        "zero.reduce_dtype=bfloat16")
-
-
-def _temp_without(quirk: str, *overrides: str, monkeypatch) -> int:
-    """Temp of the tiny GPT's step compiled for v5p with the TPU record's ``quirk`` off."""
-    monkeypatch.setitem(_backend._BACKENDS, "tpu",
-                        dataclasses.replace(backend("tpu"), **{quirk: None}))
-    config = zjax.load_config("configs/tiny.yaml", [*BASE, *overrides])
-    compiled = zjax.build_step(config, target(TPU)).lower(zjax.abstract_batch(config)).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
-
-
-@pytest.mark.slow
-def test_tpu_casts_each_layer_inside_the_loops(monkeypatch):
-    """libtpu moves a layer's float32 -> bf16 convert out of the layer loops and holds the
-    whole stack in bf16 through them; rounding first (``Backend.hoists_loop_casts``) keeps
-    it per layer and saves that copy of the stack's shards."""
-    overrides = (*WIDE, "zero.prefetch_layers=1")
-    zstep, kept, _ = _compiled(TPU, *overrides)
-    plan = zstep.plan
-    stack_bf16 = sum(leaf.size for leaf in plan.leaves
-                     if leaf.stacked and leaf.dim is not None) // plan.n_data * 2
-    saved = (_temp_without("hoists_loop_casts", *overrides, monkeypatch=monkeypatch)
-             - kept.memory_analysis().temp_size_in_bytes)
-    assert saved >= 0.9 * stack_bf16, (saved, stack_bf16)
-
-
-@pytest.mark.slow
-def test_tpu_prefetch_arrives_before_the_vjp(monkeypatch):
-    """libtpu keeps the backward's prefetch in flight across its layer's VJP, where the step
-    peaks, unless the prefetch is tied to the VJP's cotangent (``Backend.prefetch_before_vjp``):
-    at d_model 1024 and 4k tokens per device the tie saves more temp than a gathered layer
-    (447 against 492 MB; one layer is 25 MB)."""
-    overrides = ("zero.stage=3", "zero.reduce_dtype=bfloat16", "zero.prefetch_layers=1",
-                 "model.d_model=1024", "model.d_ff=4096", "model.n_layers=4",
-                 "data.seq_len=512", "model.max_seq_len=512", "data.batch_size=64")
-    zstep, tied, _ = _compiled(TPU, *overrides)
-    layer = _sharded_params(zstep, layer=True) * 2  # bf16
-    saved = (_temp_without("prefetch_before_vjp", *overrides, monkeypatch=monkeypatch)
-             - tied.memory_analysis().temp_size_in_bytes)
-    assert saved > layer, (saved, layer)
-
-
 OFFLOAD = {
     "optimizer": ["zero.offload_optimizer.device=host"],
     "param": ["zero.offload_param.device=host"],
@@ -254,7 +156,7 @@ def test_hpz_compiles_and_keeps_the_backward_gathers_on_the_host(name):
     inter, intra = rep.collectives_by_link["inter_host"], rep.collectives_by_link["intra_host"]
     assert 0 < inter["all_gather"] < intra["all_gather"] / 3
     # a quarter, and on GPU (per leaf) one more layer: the first backward iteration's zeros
-    layers = 2  # BASE
+    layers = 2  # TARGET_BASE
     assert 0 < inter["reduce_scatter"] <= intra["reduce_scatter"] * (layers + 1) / layers / 4
 
 
@@ -347,7 +249,7 @@ def test_model_flops_and_the_peak_of_every_targets_chip():
     plan's model FLOPs are 6N + 12 L d T per token (PaLM's MFU numerator)."""
     for name in ("h100:8", "h200:8", TPU, "v5e:2x2", "v6e:2x4", "v4:2x2x1"):
         assert peak_flops(target(name).device_kind), name
-    config = zjax.load_config("configs/tiny.yaml", BASE)
+    config = zjax.load_config("configs/tiny.yaml", list(TARGET_BASE))
     report = zjax.plan(config, target=GPU)
     m = config.model
     per_token = 6 * report.n_params + 12 * m.n_layers * m.d_model * config.data.seq_len

@@ -161,11 +161,14 @@ _TPU = Backend(
         "the VJP's cotangent, it arrives during the recomputed forward. Stage 3, prefetch "
         "1, bf16 reduce, temp: v5p:2x2x2 d_model 1024, 16 layers, 4k tokens per device "
         "850 -> 809 MB (overlap 97% either way), 256 tokens per device 331 -> 287 MB; the "
-        "7B template on v5p:4x4x4 42.66 -> 42.49 GB. On H100 the same barrier is mixed "
+        "7B template on v5p:4x4x4 42.66 -> 42.49 GB, d_model 2048 (4 layers, 4k tokens) "
+        "1377 -> 1294 MB, d_model 768 (8 layers, 4k tokens) 382 -> 364 MB; but 355 -> 392 "
+        "MB for that model with every leaf sharded (zero.param_persistence_threshold 0: "
+        "benchmarks/tpu_quirk.py). On H100 the same barrier is mixed "
         "(623 -> 603 MB at d_model 1024, 4k tokens; 242 -> 258 MB at 256 tokens; the 7B "
         "template on h100:8x8 30.0 -> 32.5 GB), so the GPU record does not set it",
         "measured here: benchmarks/zero_step.py --target T --variants, zjax plan "
-        "configs/gpt-7b.yaml --target T"),
+        "configs/gpt-7b.yaml --target T, benchmarks/tpu_quirk.py"),
     no_host_update=Quirk(
         "libtpu 0.0.42 cannot compile an optimizer update placed on the host with "
         "compute_on('device_host'): SIGILL in xla::HostOffloader::WalkDownHostMemoryOffloadPaths "
