@@ -62,9 +62,11 @@ def _stack_fn(p, h):
     return h + jnp.tanh(h @ p["a"]) @ p["b"] * p["s"]
 
 
-@pytest.mark.parametrize(("prefetch", "bucket"), [(0, False), (1, False), (2, False),
-                                                   (3, False), (0, True), (1, True), (2, True)])
-def test_scheduled_scan_matches_plain_scan(prefetch, bucket):
+@pytest.mark.parametrize(("prefetch", "bucket", "tpu"), [
+    (0, False, False), (1, False, False), (2, False, False), (3, False, False),
+    (0, True, False), (1, True, False), (2, True, False),
+    (1, True, True), (2, False, True)])  # tpu: the TPU record's Comm flags
+def test_scheduled_scan_matches_plain_scan(prefetch, bucket, tpu):
     L, D, F = 4, 16, 32
     rng = np.random.default_rng(1)
     params = {"a": jnp.asarray(rng.normal(size=(L, D, F)) * 0.2, jnp.float32),
@@ -73,7 +75,8 @@ def test_scheduled_scan_matches_plain_scan(prefetch, bucket):
     x = jnp.asarray(rng.normal(size=(16, D)), jnp.float32)
     dims = {"a": 2, "b": 1, "s": None}
     leaves_dims = tuple(jax.tree.leaves(dims, is_leaf=lambda d: d is None))
-    spec = ScheduleSpec(dims=leaves_dims, prefetch=prefetch, bucket=bucket)
+    comm = Comm(prefetch_before_vjp=tpu, keep_casts_in_loops=tpu)
+    spec = ScheduleSpec(dims=leaves_dims, prefetch=prefetch, bucket=bucket, comm=comm)
 
     def ref(params, x):
         return jnp.sum(jax.lax.scan(lambda h, p: (_stack_fn(p, h), None), x, params)[0] ** 2)
@@ -227,3 +230,4 @@ def test_a_cast_kept_in_the_loop_gives_the_converts_values():
         assert kept.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(kept).view(np.uint16),
                                       np.asarray(want).view(np.uint16))
+

@@ -35,6 +35,39 @@ _compiled = compiled_for
 _sharded_params = sharded_params
 
 
+def test_accelerator_records_hold_no_cpu_workaround():
+    cpu = backend("cpu")
+    assert cpu.workarounds(), "the CPU record lost its workarounds"
+    for platform in ("gpu", "cuda", "tpu"):
+        record = backend(platform)
+        leaked = set(record.workarounds()) & set(cpu.workarounds())
+        assert not leaked, f"{platform} carries CPU workarounds {leaked}"
+        assert not set(record.compiler_options) & set(cpu.compiler_options)
+    assert set(backend("gpu").workarounds()) == set()
+    tpu = {k for k in backend("tpu").workarounds() if not k.startswith("compiler_options.")}
+    assert tpu == {"no_host_update", "bucket_layer_gathers", "scatter_via_ring",
+                   "hoists_loop_casts", "prefetch_before_vjp"}
+    # TPU's options are the async-collective flags that make gathers overlap (measured)
+    assert all("async" in k or "overlap" in k for k in backend("tpu").compiler_options)
+
+
+@pytest.mark.parametrize("name", [GPU, TPU])
+def test_targets_are_compile_only_devices_of_their_chip(name):
+    t = target(name)
+    assert len(t.devices) == 8 and t.platform == t.devices[0].platform
+    assert t.device_kind == ("NVIDIA H100 80GB HBM3" if name == GPU else "TPU v5")
+    assert t.capacity_bytes == (84942979072 if name == GPU else 95 * 10**9)
+    assert target("h200:8").capacity_bytes == 151397597184
+    assert target("h100:2x4").hosts == 2 and len(target("h100:2x4").devices) == 8
+
+
+@pytest.mark.parametrize("bad, why", [("h10:8", "did you mean 'h100'"), ("h100:x", "GPU count"),
+                                      ("v5p:3x3", "not a v5p topology"), ("", "no known chip")])
+def test_unknown_targets_are_config_errors(bad, why):
+    with pytest.raises(zjax.ConfigError, match=why):
+        target(bad)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", [GPU, TPU])

@@ -10,9 +10,8 @@ One ``jax.custom_vjp`` over the whole stack (params stacked ``[L, ...]``, held a
 
 So the gathered working set is ``1 + k`` layers forward and ``2 + k`` backward (the layer's
 gathered weights, its full-size gradient, and the prefetched ones) whatever L is. On TPU
-(``Comm.prefetch_before_vjp``) the backward's prefetch must arrive before its layer's VJP
-starts: it overlaps the recomputed forward, and its buffers are not in flight across the
-VJP, where the step's peak is. Both passes
+(``Comm.prefetch_before_vjp``) the backward's prefetch arrives before its layer's VJP starts,
+during the recomputed forward, not in flight across the VJP, where the step peaks. Both passes
 are one loop over all L layers, with nothing unrolled around them: a layer unrolled outside a
 loop gets temporaries of its own on every backend (measured: one unrolled layer costs as much
 temp as 4 gathered layers on H100 at d_model 1024, 4k tokens per device; three of them put
