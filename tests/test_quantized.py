@@ -114,14 +114,15 @@ def test_quantized_gradients_move_a_quarter_and_track_the_loss(stage):
 
 @pytest.mark.slow
 def test_quantized_training_matches_plain_eval_loss(tmp_path):
-    """The tiny config, 60 steps: the eval loss with qwZ and qgZ (and with hpZ over 4 as
-    well) within 2% of stage 3's (300 steps: see the README's figures)."""
+    """The tiny config, 40 steps: the eval loss with qwZ and qgZ (and with hpZ over 4 as
+    well) within 2% of stage 3's (0.96% and 0.70% off; 300 steps: see the README's
+    figures)."""
     finals = {}
     for quantized, hpz in (("false", 1), ("true", 1), ("true", 4)):
         config = load_config(ROOT / "configs/tiny.yaml", [
             "zero.stage=3", f"zero.quantized_weights={quantized}",
             f"zero.quantized_gradients={quantized}", f"zero.hpz_partition_size={hpz}",
-            "train.steps=60", "train.eval_every=60", "logging.progress=false"])
+            "train.steps=40", "train.eval_every=40", "logging.progress=false"])
         finals[quantized, hpz] = zjax.train(None, config).history[-1]["eval_loss"]
     for key in (("true", 1), ("true", 4)):
         assert finals[key] == pytest.approx(finals["false", 1], rel=0.02), finals
