@@ -142,7 +142,7 @@ _TPU = Backend(
         "cannot fit between a layer's ops synchronous; one bucket per layer is hidden "
         "behind the whole previous layer. v5p:2x2x2, d_model 1024, 16 layers, prefetch 1: "
         "gather bytes overlapped 61% -> 97%, temp 811 -> 809 MB (with prefetch_before_vjp; "
-        "847 -> 898 MB without it); "
+        "794 -> 850 MB without it); "
         "prefetch 2: 94%. Without prefetch a bucket cannot overlap (0%), so it is unused",
         "measured here: benchmarks/tpu_flags.py, benchmarks/zero_step.py --target v5p:2x2x2"),
     hoists_loop_casts=Quirk(
@@ -161,10 +161,10 @@ _TPU = Backend(
         "the VJP's cotangent, it arrives during the recomputed forward. Stage 3, prefetch "
         "1, bf16 reduce, temp: v5p:2x2x2 d_model 1024, 16 layers, 4k tokens per device "
         "850 -> 809 MB (overlap 97% either way), 256 tokens per device 331 -> 287 MB; the "
-        "7B template on v5p:4x4x4 42.66 -> 42.49 GB, d_model 2048 (4 layers, 4k tokens) "
-        "1377 -> 1294 MB, d_model 768 (8 layers, 4k tokens) 382 -> 364 MB; but 355 -> 392 "
-        "MB for that model with every leaf sharded (zero.param_persistence_threshold 0: "
-        "benchmarks/tpu_quirk.py). On H100 the same barrier is mixed "
+        "7B template on v5p:4x4x4 42.66 -> 42.49 GB, d_model 768 (8 layers, 4k tokens) 382 "
+        "-> 364 MB; with every leaf sharded (zero.param_persistence_threshold 0: "
+        "benchmarks/tpu_quirk.py) d_model 2048 (4 layers, 4k tokens) 1377 -> 1294 MB, but "
+        "d_model 768 355 -> 392 MB. On H100 the same barrier is mixed "
         "(623 -> 603 MB at d_model 1024, 4k tokens; 242 -> 258 MB at 256 tokens; the 7B "
         "template on h100:8x8 30.0 -> 32.5 GB), so the GPU record does not set it",
         "measured here: benchmarks/zero_step.py --target T --variants, zjax plan "
