@@ -5,9 +5,13 @@ memory bounded by the buffers while the state on disk is many times larger."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import optax
@@ -82,8 +86,10 @@ def test_swap_files_hold_the_state_bytes_and_are_removed(tmp_path):
     sizes = {"a": 1000, "b": 3}
     tx = optax.adam(1e-3)
     opt = StreamingOptimizer(tx, sizes, tmp_path, sub_group_size=128)
-    files = list(tmp_path.iterdir())
+    files = list(tmp_path.rglob("*.swp"))
     assert len(files) == 2 * 3  # master and two moments each
+    assert {f.parent for f in files} == {opt.store.path}  # the store's own directory
+    assert opt.store.path.parent == tmp_path
     assert sum(f.stat().st_size for f in files) == opt.nbytes == 1003 * 3 * 4
     opt.close()
     assert not list(tmp_path.iterdir())
@@ -100,7 +106,91 @@ def test_a_bad_nvme_path_is_a_clear_error(tmp_path):
     with pytest.raises(zjax.ConfigError, match=rf"{key}: .* GiB free, but the swap files "
                                                r"need 393216.00 GiB"):
         StreamingOptimizer(tx, {"a": 2**45}, tmp_path, key=key)
-    assert not [f for f in tmp_path.iterdir() if f.suffix == ".swp"]
+    assert not list(tmp_path.rglob("*.swp"))
+
+
+def _stream(opt, rng, sizes, steps=3):
+    """``steps`` updates of ``opt`` with gradients from ``rng``: the master values."""
+    for _ in range(steps):
+        opt.update(_arrays(rng, sizes))
+    return {k: opt.read(k) for k in sizes}
+
+
+def test_two_runs_on_one_path_never_share_a_file(tmp_path):
+    """Two optimizers with the same array names under one ``nvme_path`` (two runs of one
+    config), stepped in turn: the first one's master is bitwise the master it has alone."""
+    sizes, tx = {"w.0": 300, "b.0": 7}, optax.adam(1e-2)
+    params = _arrays(np.random.default_rng(0), sizes)
+    alone_path, shared = tmp_path / "alone", tmp_path / "shared"
+    alone_path.mkdir()
+    shared.mkdir()
+    alone = StreamingOptimizer(tx, sizes, alone_path, sub_group_size=64)
+    alone.write_initial(params)
+    expected = _stream(alone, np.random.default_rng(1), sizes)
+    alone.close()
+    first = StreamingOptimizer(tx, sizes, shared, sub_group_size=64)
+    second = StreamingOptimizer(tx, sizes, shared, sub_group_size=64)
+    assert first.store.path != second.store.path
+    first.write_initial(params)
+    second.write_initial(_arrays(np.random.default_rng(2), sizes))
+    rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(3)
+    for _ in range(3):
+        first.update(_arrays(rng_a, sizes))
+        second.update(_arrays(rng_b, sizes))
+    for k in sizes:
+        np.testing.assert_array_equal(first.read(k), expected[k])
+    first.close()
+    assert second.store.path.is_dir()  # closing one run leaves the other's files
+    second.close()
+    assert not list(shared.iterdir())
+
+
+HOLDER = textwrap.dedent("""
+    import os, signal, sys, time
+    import optax
+    from zjax.offload.nvme import StreamingOptimizer
+
+    opt = StreamingOptimizer(optax.adam(1e-3), {"w": 100}, sys.argv[1])
+    print(opt.store.path, flush=True)
+    if sys.argv[2] == "die":
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: its directory stays
+    time.sleep(600)
+""")
+
+
+def test_a_dead_runs_swap_files_are_removed_and_a_live_runs_kept(tmp_path, caplog):
+    """A run killed with its swap files on disk, and a run still alive, under one path: the
+    next store there removes the dead run's directory (logging whose it was) and leaves the
+    live one's alone; a lack of space names the live run that holds it."""
+    def holder(mode):
+        return subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), mode],
+                                stdout=subprocess.PIPE, text=True,
+                                env=cli_env(JAX_PLATFORMS="cpu"), cwd=ROOT)
+
+    live = holder("live")  # first: its own store would remove the dead one's directory
+    try:
+        live_dir = Path(live.stdout.readline().strip())
+        dead = holder("die")
+        dead_dir = Path(dead.stdout.readline().strip())
+        dead.wait(timeout=120)
+        assert dead_dir.is_dir() and live_dir.is_dir() and dead_dir != live_dir
+        before = {f.name: f.read_bytes() for f in live_dir.iterdir()}
+        with caplog.at_level(logging.INFO, logger="zjax"):
+            opt = StreamingOptimizer(optax.adam(1e-3), {"w": 100}, tmp_path)
+        assert not dead_dir.exists()
+        assert f"pid {dead.pid} " in caplog.text and str(dead_dir) in caplog.text
+        assert {f.name: f.read_bytes() for f in live_dir.iterdir()} == before
+        opt.close()
+        usage = shutil.disk_usage(tmp_path)
+        with mock.patch.object(shutil, "disk_usage", lambda p: usage._replace(free=1000)), \
+                pytest.raises(zjax.ConfigError, match=rf"another run's swap files hold space "
+                                                      rf"there \(pid {live.pid} on "):
+            StreamingOptimizer(optax.adam(1e-3), {"w": 10**6}, tmp_path)
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+    StreamingOptimizer(optax.adam(1e-3), {"w": 100}, tmp_path).close()  # now it is dead too
+    assert not list(tmp_path.iterdir())
 
 
 BOUNDED = textwrap.dedent("""

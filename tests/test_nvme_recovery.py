@@ -93,11 +93,12 @@ def test_kill9_mid_stream_resumes_bit_for_bit(tmp_path):
     time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    assert list(killed_nv.iterdir())  # the killed run's (torn) swap files: never read
+    assert list(killed_nv.rglob("*.swp"))  # the killed run's (torn) swap files: never read
     proc = run_zjax("train", "configs/tiny.yaml", *args, *nvme_overrides(killed_nv, 4096),
                     "--run-dir", str(run))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from the checkpoint at step" in proc.stdout + proc.stderr
+    assert "removed the swap files of a run that ended without removing them" in proc.stdout
     step, final = _final_ckpt(run)
     step_s, expected = _final_ckpt(tmp_path / "straight")
     assert step == step_s == 8

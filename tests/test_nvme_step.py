@@ -96,7 +96,7 @@ def test_swap_files_hold_the_bytes_the_plan_predicts(tmp_path):
     zstep = build_step(cfg)
     assert not zstep.plan.replicated  # every leaf sharded: no shard counted twice
     zstep.init(jax.random.key(0))
-    files = sum(p.stat().st_size for p in tmp_path.iterdir())
+    files = sum(p.stat().st_size for p in tmp_path.rglob("*.swp"))
     n_params = sum(leaf.size for leaf in zstep.plan.leaves)
     assert files == zstep.nvme.nbytes == 12 * n_params
     report = zjax.plan(cfg)
@@ -105,6 +105,44 @@ def test_swap_files_hold_the_bytes_the_plan_predicts(tmp_path):
     assert "on NVMe" in report.table()
     zstep.close()
     assert not list(tmp_path.iterdir())
+
+
+def _run(overrides, batches, *, seed):
+    """A step built from ``overrides`` and initialised with ``seed``; a generator that takes
+    one of ``batches`` per ``next`` and yields the loss, then the canonical state."""
+    cfg = load_config(ROOT / "configs/tiny.yaml", [*SMALL, *overrides])
+    zstep = build_step(cfg)
+    state = zstep.init(jax.random.key(seed))
+    for batch in batches:
+        state, metrics = zstep.step(state, zstep.put_batch(batch))
+        yield float(metrics["loss"])
+    yield jax.tree.map(np.asarray, to_canonical(state, zstep))
+    zstep.close()
+
+
+def test_two_runs_sharing_an_nvme_path_do_not_touch_each_other(tmp_path):
+    """Two runs of one config (the same swap-file names) on one ``nvme_path``, stepped in
+    turn: the first run's losses and final state are bitwise those of the same run alone."""
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (16, 33)).astype(np.int32) for _ in range(4)]
+    alone, shared = tmp_path / "alone", tmp_path / "shared"
+    alone.mkdir()
+    shared.mkdir()
+    *expected_losses, expected = _run(nvme_overrides(alone), batches, seed=0)
+    first = _run(nvme_overrides(shared), batches, seed=0)
+    second = _run(nvme_overrides(shared), batches[::-1], seed=1)
+    losses = []
+    for _ in batches:
+        losses.append(next(first))
+        next(second)
+    assert losses == expected_losses
+    state = next(first)
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(x, y)
+    next(second)
+    for run in (first, second):
+        assert next(run, None) is None  # closed: its swap files removed
+    assert not list(shared.iterdir())
 
 
 def test_bad_nvme_input_is_refused_before_the_first_step(tmp_path, monkeypatch):

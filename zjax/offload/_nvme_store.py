@@ -1,9 +1,12 @@
 """Swap files under ``nvme_path``: named flat float32 arrays read and written by element range,
 asynchronously, for the NVMe tier (ZeRO-Infinity) of the optimizer state.
 
-Each array is one preallocated file (``NAME.swp``); reads fill fresh buffers with ``os.preadv``
-and writes use ``os.pwrite`` from a thread pool (the file descriptors are shared: positional I/O
-needs no lock). Swap files are a working area, not checkpoints: a kill may tear them.
+Each array is one preallocated file (``NAME.swp``) in the store's own locked directory under
+``nvme_path`` (:mod:`zjax.offload._swap_dir`: runs sharing a path never share a file, and a dead
+run's directory is removed by the next store opened there). Reads fill fresh buffers with
+``os.preadv`` and writes use ``os.pwrite`` from a thread pool (the file descriptors are shared:
+positional I/O needs no lock). Swap files are a working area, not checkpoints: a kill may tear
+them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from zjax.errors import ConfigError, NvmeError
+from zjax.offload._swap_dir import SwapDir, remove_stale, swap_dirs
 
 __all__ = ["NvmeStore", "check_nvme_path"]
 
@@ -39,8 +43,11 @@ def check_nvme_path(path: str | os.PathLike, nbytes: int, *, key: str) -> Path:
         raise ConfigError(f"{key}: {str(p)!r} is not writable")
     free = shutil.disk_usage(p).free
     if free < nbytes:
+        others = [s for s in swap_dirs(p) if s.live]
+        held = "".join(f"; another run's swap files hold space there ({s.describe()})"
+                       for s in others[:3])
         raise ConfigError(f"{key}: {str(p)!r} has {free / 2**30:.2f} GiB free, but the swap "
-                          f"files need {nbytes / 2**30:.2f} GiB")
+                          f"files need {nbytes / 2**30:.2f} GiB{held}")
     return p
 
 
@@ -48,7 +55,8 @@ class NvmeStore:
     """Flat float32 arrays in files under ``path``, one file each, by name.
 
     Args:
-      path: the directory (checked by :func:`check_nvme_path`).
+      path: ``nvme_path`` (checked by :func:`check_nvme_path` once the swap directories of
+        dead runs there are removed); the files go in a directory of this store's own.
       sizes: elements of each array, by name (a name is a file name: no ``/``).
       threads: I/O threads (reads and writes in flight at once).
       key: the config key that named ``path`` (for errors).
@@ -58,10 +66,15 @@ class NvmeStore:
                  key: str = "nvme_path"):
         self.sizes = dict(sizes)
         self.nbytes = sum(self.sizes.values()) * _ITEM
-        self.path = check_nvme_path(path, self.nbytes, key=key)
         self.key = key
         self._fds: dict[str, int] = {}
+        self._dir: SwapDir | None = None
+        root = check_nvme_path(path, 0, key=key)
+        remove_stale(root, key=key)
+        self.root = check_nvme_path(root, self.nbytes, key=key)
         try:
+            self._dir = SwapDir(self.root)
+            self.path = self._dir.path
             for name, size in self.sizes.items():
                 if "/" in name or not name:
                     raise ValueError(f"swap file name {name!r}")
@@ -71,7 +84,7 @@ class NvmeStore:
                     os.posix_fallocate(fd, 0, size * _ITEM)
         except OSError as e:
             self.close()
-            raise ConfigError(f"{key}: cannot create swap files in {str(self.path)!r}: {e}; "
+            raise ConfigError(f"{key}: cannot create swap files in {str(self.root)!r}: {e}; "
                               f"they need {self.nbytes / 2**30:.2f} GiB") from None
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "zjax-nvme")
         self.read_bytes = self.written_bytes = 0
@@ -127,15 +140,18 @@ class NvmeStore:
         return self._pool.submit(self.write_now, name, start, values)
 
     def close(self, *, remove: bool = True) -> None:
-        """Wait for the I/O in flight, close the files and (``remove``) delete them."""
+        """Wait for the I/O in flight, close the files and (``remove``) delete them with their
+        directory; the directory's lock is released either way (a kept one is a dead run's
+        to the next store opened under the same path)."""
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
-        for name, fd in self._fds.items():
+        for fd in self._fds.values():
             os.close(fd)
-            if remove:
-                self.file(name).unlink(missing_ok=True)
         self._fds = {}
+        if self._dir is not None:
+            self._dir.close(remove=remove)
+            self._dir = None
 
     def __enter__(self) -> NvmeStore:
         return self

@@ -70,7 +70,8 @@ class OptimizerOffloadConfig(OffloadConfig):
 
     Attributes:
       nvme_path: with ``device: nvme``, the directory of the swap files (a local NVMe disk);
-        each process writes its own devices' shards there.
+        each process writes its own devices' shards into a locked directory of its own there,
+        so runs may share the path; one left by a killed run is removed by the next run.
       buffer_count: with ``device: nvme``, sub-groups read ahead and written behind the one
         being updated (and I/O threads). Its buffers are ordinary host memory: ``pin_memory``
         does not apply to them.

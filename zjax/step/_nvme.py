@@ -30,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ConfigError
 from zjax.offload import global_norm
-from zjax.offload._nvme_store import check_nvme_path
 from zjax.offload.nvme import StreamingOptimizer, check_elementwise
 from zjax.partition.plan import ShardPlan
 from zjax.step._nvme_engine import (
@@ -144,8 +143,7 @@ class NvmeOptimizer:
             space than the files need (checked here, not when the step is built, so that
             ``zjax plan`` can plan for another machine's disk).
         """
-        self.close()
-        check_nvme_path(self.section.nvme_path, self.nbytes, key=KEY)
+        self.close()  # the store checks the path (after removing dead runs' swap files there)
         self.opt = StreamingOptimizer(self.tx, self.sizes, self.section.nvme_path,
                                       sub_group_size=self.sub_group_size,
                                       buffer_count=self.section.buffer_count, key=KEY)
