@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -23,14 +25,15 @@ __all__ = ["check_out", "nested", "read_leaf", "write_orbax_leaves"]
 _CHUNK_BYTES = 16 << 20  # per stored chunk of an exported leaf
 
 
-def check_out(out: Path) -> None:
-    """Refuse an ``out`` that exists or whose parent is missing or unwritable, before any work."""
+def check_out(out: Path, *, what: str = "export") -> None:
+    """Refuse an ``out`` that exists or whose parent is missing or unwritable, before any work
+    (``what``: the command, for the messages)."""
     if out.exists() or out.is_symlink():
-        raise CheckpointError(f"export: {str(out)!r} already exists; zjax does not replace it")
+        raise CheckpointError(f"{what}: {str(out)!r} already exists; zjax does not replace it")
     parent = out.parent
     if not parent.is_dir():
         raise CheckpointError(
-            f"export: cannot write {str(out)!r}: its parent directory {str(parent)!r} "
+            f"{what}: cannot write {str(out)!r}: its parent directory {str(parent)!r} "
             f"{'is not a directory' if parent.exists() else 'does not exist'}; "
             "expected an existing, writable directory")
     try:  # a real write: permission bits do not tell for root, read-only mounts, quotas
@@ -39,7 +42,7 @@ def check_out(out: Path) -> None:
         os.unlink(probe)
     except OSError as e:
         raise CheckpointError(
-            f"export: cannot write {str(out)!r}: its parent directory {str(parent)!r} is not "
+            f"{what}: cannot write {str(out)!r}: its parent directory {str(parent)!r} is not "
             f"writable ({e.strerror or e}); expected a writable directory") from None
 
 
@@ -90,13 +93,20 @@ def read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype) ->
     return out.astype(dtype, copy=False)
 
 
-def write_orbax_leaves(out: Path, leaves: Iterable[tuple[tuple[str, ...], np.ndarray]]) -> None:
+def write_orbax_leaves(out: Path, leaves: Iterable[tuple[tuple[str, ...], np.ndarray]], *,
+                       what: str = "export", shown: Path | None = None) -> None:
     """An Orbax checkpoint at ``out`` of the nested dict whose leaves ``leaves`` yields
     (``(keys, host array)``), one leaf in host memory at a time.
 
     One Orbax partial save per leaf; the finished checkpoint's pytree directory is then moved
     to ``out``, which therefore appears whole or not at all and restores with the plain
     ``ocp.StandardCheckpointer().restore(out)``.
+
+    Raises:
+      CheckpointError: naming ``what`` and ``shown`` (default ``out``: the path the user
+        asked for), when Orbax cannot write (a full disk:
+        Tensorstore's errors are ValueErrors, and Orbax's writer threads log each one with a
+        traceback, which are silenced here); errors of ``leaves`` pass through.
     """
     work = out.parent.resolve() / f".{out.name}.zjax-export"
     shutil.rmtree(work, ignore_errors=True)  # what an interrupted export left behind
@@ -105,22 +115,36 @@ def write_orbax_leaves(out: Path, leaves: Iterable[tuple[tuple[str, ...], np.nda
             for keys, tree in leaves:
                 for key in reversed(keys):
                     tree = {key: tree}
-                ocp_v1.partial.save(work / "ckpt", tree)
+                _orbax_write(ocp_v1.partial.save, work / "ckpt", tree, out=shown or out,
+                             what=what)
                 del tree
-            ocp_v1.partial.finalize(work / "ckpt")
+            _orbax_write(ocp_v1.partial.finalize, work / "ckpt", out=shown or out, what=what)
         (work / "ckpt" / "state").rename(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _orbax_write(fn, *args, out: Path, what: str) -> None:
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)  # the writer threads' tracebacks of the error raised here
+    try:
+        fn(*args)
+    except (ValueError, RuntimeError) as e:  # Tensorstore's RESOURCE_EXHAUSTED, ...
+        code = re.search(r"os_error_code='(\d+)'", str(e))
+        why = os.strerror(int(code.group(1))) if code else first_line(e)[:300]
+        raise CheckpointError(f"{what}: cannot write {str(out)!r}: {why}") from None
+    finally:
+        absl.setLevel(level)
+
+
 def _orbax_context() -> ocp_v1.Context:
     # no defensive copy of each leaf (nothing else holds it), and bounded chunks so that
     # Tensorstore never encodes a whole large leaf into one buffer
-    opts = ocp_v1.options
-    saving = opts.ArrayOptions.Saving(
-        storage_options=opts.ArrayOptions.Saving.StorageOptions(chunk_byte_size=_CHUNK_BYTES))
-    return ocp_v1.Context(memory_options=opts.MemoryOptions(deepcopy_host_arrays=False),
-                          array_options=opts.ArrayOptions(saving=saving))
+    ctx = ocp_v1.Context()
+    ctx.memory.deepcopy_host_arrays = False
+    ctx.array.saving.storage_options.chunk_byte_size = _CHUNK_BYTES
+    return ctx
 
 
 def nested(leaves: Iterable[tuple[tuple[str, ...], Any]]) -> dict:

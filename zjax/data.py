@@ -87,9 +87,9 @@ def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
     tokens = _load_tokens(path, eval_fraction=eval_fraction, max_bytes=max_bytes,
                           tokenizer=tokenizer)
     if tokenizer is not None:
-        from zjax.tokenize import load_tokenizer
+        from zjax.tokenize import id_bound, load_tokenizer
 
-        tokens.vocab_size = max(tokens.vocab_size, load_tokenizer(tokenizer).get_vocab_size())
+        tokens.vocab_size = max(tokens.vocab_size, id_bound(load_tokenizer(tokenizer)))
     return tokens
 
 

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from zjax._ckpt_pin import Vanished, committed, listing, pinned, vanished
 from zjax._export_io import check_out, nested, read_leaf, write_orbax_leaves
 from zjax.errors import (
     CheckpointError,
@@ -49,8 +50,7 @@ def _state_dirs(run_dir: Path, *, what: str) -> list[tuple[int, Path]]:
     steps = sorted((int(p.name) for p in ckpt.iterdir() if p.name.isdigit()), reverse=True) \
         if ckpt.is_dir() else []
     found = [(step, ckpt / str(step) / "state") for step in steps
-             if (ckpt / str(step) / "commit_success.txt").exists()
-             or (ckpt / str(step) / "state" / "_METADATA").exists()]
+             if committed(ckpt / str(step) / "state")]
     if not found:
         raise CheckpointError(f"{what}: {str(run_dir)!r} holds no checkpoint (looked in {ckpt})")
     return found
@@ -120,29 +120,60 @@ def export(run_dir: str | Path, out: str | Path, *, dtype: str = "bfloat16",
             raise CheckpointError(f"export: cannot write {str(out)!r}: {e}") from None
         return out
 
-    return newest_intact(run_dir, write, what="export", nothing="nothing written")
+    return newest_intact(run_dir, write, what="export", nothing="nothing written",
+                         scratch=out.parent.resolve())
+
+
+_ATTEMPTS = 5  # listings of a run whose checkpoints rotate away while being read
 
 
 def newest_intact(run_dir: str | Path, use: Callable[[int, Path, list], T], *,
-                  what: str, nothing: str) -> T:
+                  what: str, nothing: str, scratch: Path | None = None) -> T:
     """``use(step, state_dir, params leaves)`` on the newest checkpoint of ``run_dir`` it
-    reads without :class:`DamagedCheckpoint`, warning of each damaged one (left as it is)."""
+    reads without :class:`DamagedCheckpoint`, warning of each damaged one (left as it is).
+
+    A training run may delete a checkpoint while it is read (``checkpoint.keep``). With
+    ``scratch`` (a directory on the run's filesystem) the checkpoint is first pinned: its
+    files hard-linked there, so a deletion cannot reach what is read. Without it, or across
+    filesystems, a checkpoint that vanishes is not damage: the run is listed again and its
+    newest checkpoint read, up to ``_ATTEMPTS`` times (:mod:`zjax._ckpt_pin`).
+    """
     # Orbax reads a checkpoint's metadata only through an absolute path (a relative one
     # reads as no metadata at all)
-    candidates = _state_dirs(Path(run_dir).resolve(), what=what)
+    root = Path(run_dir).resolve()
+    for _ in range(_ATTEMPTS):
+        try:
+            return _newest_intact(root, use, what=what, nothing=nothing, scratch=scratch)
+        except Vanished:
+            continue
+    raise CheckpointError(
+        f"{what}: found no finished checkpoint in {str(Path(run_dir))!r} that stayed while it "
+        f"was read ({_ATTEMPTS} tries: the run deletes them faster, checkpoint.keep); "
+        f"{nothing}. Retry, or raise checkpoint.keep")
+
+
+def _newest_intact(root: Path, use: Callable[[int, Path, list], T], *, what: str,
+                   nothing: str, scratch: Path | None) -> T:
+    candidates = _state_dirs(root, what=what)
     damaged = []
     for i, (step, state_dir) in enumerate(candidates):
+        before = listing(state_dir.parent)
         try:
-            return use(step, state_dir, _param_leaves(state_dir))
-        except DamagedCheckpoint as e:
+            with pinned(state_dir, scratch, before) as path:
+                return use(step, path, _param_leaves(path))
+        except Exception as e:
+            if isinstance(e, Vanished) or vanished(state_dir, before):
+                raise Vanished from e
+            if not isinstance(e, DamagedCheckpoint):
+                raise
             damaged.append(f"step {step}: {e}")
-            older = (f"falling back to step {candidates[i + 1][0]}" if i + 1 < len(candidates)
-                     else "no older checkpoint")
+            older = (f"falling back to step {candidates[i + 1][0]}"
+                     if i + 1 < len(candidates) else "no older checkpoint")
             log.warning("%s: checkpoint at step %d in %s is damaged (%s); %s (the run "
-                        "directory is left as it is)", what, step, state_dir.parent.parent, e,
-                        older)
+                        "directory is left as it is)", what, step, state_dir.parent.parent,
+                        e, older)
     raise CheckpointError(
-        f"{what}: no intact checkpoint in {str(Path(run_dir))!r}: all {len(damaged)} are "
+        f"{what}: no intact checkpoint in {str(root)!r}: all {len(damaged)} are "
         f"damaged (newest, {damaged[0]}); {nothing}")
 
 

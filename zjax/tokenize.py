@@ -17,7 +17,7 @@ import numpy as np
 
 from zjax.errors import ConfigError
 
-__all__ = ["encode_files", "load_tokenizer", "tokenize_files"]
+__all__ = ["check_fits", "encode_files", "id_bound", "load_tokenizer", "tokenize_files"]
 
 
 def load_tokenizer(path: str | os.PathLike, *, key: str = "data.tokenizer"):
@@ -32,6 +32,28 @@ def load_tokenizer(path: str | os.PathLike, *, key: str = "data.tokenizer"):
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise ConfigError(f"{key}: {str(path)!r} is not a tokenizer.json the tokenizers "
                           f"library reads: {why}") from None
+
+
+def id_bound(tokenizer) -> int:
+    """One past the largest id ``tokenizer`` can produce (added tokens included; a
+    vocabulary's ids need not be contiguous)."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
+
+
+def check_fits(tokenizer, vocab_size: int, *, tokenizer_path: str | os.PathLike,
+               model: str) -> None:
+    """Refuse a tokenizer whose ids do not all have a row in the model's embedding.
+
+    Raises:
+      ConfigError: naming the tokenizer file, its largest id and the model's vocabulary.
+    """
+    bound = id_bound(tokenizer)
+    if bound > vocab_size:
+        raise ConfigError(
+            f"{tokenizer_path}: the tokenizer has token ids up to {bound - 1}, but {model} has "
+            f"a vocabulary of {vocab_size} (ids 0..{vocab_size - 1}): not this model's "
+            "tokenizer (its ids past the vocabulary would have no embedding)")
 
 
 def _read(path: Path) -> str:

@@ -4,7 +4,9 @@ lm``).
 
 PyTorch-layout safetensors (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and
 ``model.safetensors.index.json`` above the shard size, as ``save_pretrained`` writes them),
-``config.json``, and the run's tokenizer files. Each zjax leaf is read once (one leaf in host
+``config.json`` (the original's, where the run started from a Hugging Face model: every key the
+run did not change kept as it was, token ids included), ``generation_config.json`` and the run's
+tokenizer files. Each zjax leaf is read once (one leaf in host
 memory; the parts of a fused tensor together) and written as its layers' tensors; files are
 filled in that order, which safetensors and the index allow (a reader looks tensors up by
 name).
@@ -12,6 +14,7 @@ name).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -23,11 +26,11 @@ import numpy as np
 
 from zjax.errors import CheckpointError
 from zjax.hf._import import TOKENIZER_FILES
-from zjax.hf._layout import Leaf, hf_shape
+from zjax.hf._layout import Layout, Leaf, hf_shape
 from zjax.hf._layouts import layout_for_model
 from zjax.hf._safetensors import INDEX, write_safetensors
 
-__all__ = ["DEFAULT_SHARD_BYTES", "hf_writer"]
+__all__ = ["DEFAULT_SHARD_BYTES", "config_json", "hf_writer"]
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default, "5GB"
 
@@ -48,6 +51,7 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
     config = load_config(path)
     layout = layout_for_model(config.loop, config.model)
     tokenizer = config.data.tokenizer
+    origin = _origin(config.train.init_from)
 
     def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:
         work = out.parent.resolve() / f".{out.name}.zjax-export"
@@ -56,15 +60,62 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
             work.mkdir()
             _write_weights(work, state_dir, dict(stored), layout.leaves(config.model),
                            config.model.n_layers, target, max_shard_bytes)
-            (work / "config.json").write_text(
-                json.dumps(layout.to_hf(config.model, dtype=target.name), indent=2))
+            hf = config_json(layout, config.model, dtype=target.name, origin=origin)
+            (work / "config.json").write_text(json.dumps(hf, indent=2))
+            if origin is not None and (origin / "generation_config.json").is_file():
+                shutil.copyfile(origin / "generation_config.json",
+                                work / "generation_config.json")
             if tokenizer:
-                _copy_tokenizer(Path(tokenizer), work)
+                _copy_tokenizer(Path(tokenizer), work, config.model.vocab_size)
             work.rename(out)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
     return write
+
+
+def _origin(init_from: str | None) -> Path | None:
+    """The Hugging Face directory (or ``zjax import-hf`` directory) the run started from."""
+    if init_from is None:
+        return None
+    path = Path(init_from)
+    if not path.exists():
+        raise CheckpointError(
+            f"export --format hf: the run started from train.init_from {init_from}, which is "
+            "gone; its config.json and generation_config.json (token ids, generation "
+            "settings) would be lost. Put it back, or point train.init_from in the run's "
+            "config.yaml at a copy")
+    return path if (path / "config.json").is_file() else None
+
+
+def config_json(layout: Layout, model, *, dtype: str, origin: Path | None) -> dict:
+    """The exported ``config.json``: ``layout.to_hf(model)``, over the original's where the
+    run started from one. A key keeps the original's value (and its absence stays an absence)
+    unless the run changed what it means; the weights' dtype is the export's."""
+    new = layout.to_hf(model, dtype=dtype)
+    if origin is None:
+        return new
+    source = origin / "config.json"
+    try:
+        original = json.loads(source.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"export --format hf: {source} (the original's config.json, "
+                              f"kept for its token ids) is not readable JSON: {e}") from None
+    if not isinstance(original, dict):
+        raise CheckpointError(f"export --format hf: {source} (the original's config.json) "
+                              f"holds a {type(original).__name__}, not a JSON object")
+    base = layout.from_hf(original, source=str(source))  # the run started from it: it reads
+    if type(base) is not type(model):
+        return new
+    # the fields a run may set apart from the weights (max_seq_len bounds the data only)
+    base = dataclasses.replace(base, **{f: getattr(model, f) for f in layout.free})
+    unchanged = layout.to_hf(base, dtype=dtype)
+    out = dict(original)
+    out.update({k: v for k, v in new.items() if unchanged.get(k) != v})
+    for key in ("torch_dtype", "dtype"):  # transformers >= 4.56 also reads `dtype`
+        if key in original or key in new:
+            out[key] = dtype
+    return out
 
 
 def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf],
@@ -118,10 +169,14 @@ def _tensors(group: list[Leaf], arrays: list[np.ndarray]) -> Iterator[np.ndarray
         yield np.ascontiguousarray(whole.T if group[0].transpose else whole)
 
 
-def _copy_tokenizer(tokenizer: Path, work: Path) -> None:
+def _copy_tokenizer(tokenizer: Path, work: Path, vocab_size: int) -> None:
+    from zjax.tokenize import check_fits, load_tokenizer
+
     if not tokenizer.is_file():
         raise CheckpointError(f"export --format hf: the run's data.tokenizer {tokenizer} is "
                               "gone; the export would have no tokenizer")
+    check_fits(load_tokenizer(tokenizer, key="data.tokenizer"), vocab_size,
+               tokenizer_path=tokenizer, model="the run's model (model.vocab_size)")
     shutil.copyfile(tokenizer, work / "tokenizer.json")
     for name in TOKENIZER_FILES[1:]:  # what import-hf kept beside it
         if (tokenizer.parent / name).is_file():

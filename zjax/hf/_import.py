@@ -5,7 +5,8 @@ directory a run starts from: ``params/`` (an Orbax checkpoint of zjax's params t
 export`` writes), ``zjax.yaml`` (``loop: llama`` or ``lm``, the ``model`` section read from
 ``config.json``,
 ``train.init_from``, and ``data.tokenizer`` when the model came with a ``tokenizer.json``), and
-the Hugging Face ``config.json`` and tokenizer files, kept for ``zjax export --format hf``.
+the Hugging Face ``config.json``, ``generation_config.json`` and tokenizer files, kept for
+``zjax export --format hf``.
 
 ``initial_params`` reads either kind of source (a Hugging Face directory or a params export)
 straight into the shards a step's ``from_params`` takes: no device ever holds a whole leaf.
@@ -29,10 +30,14 @@ from zjax.hf._layout import Layout
 from zjax.hf._layouts import layout_for_hf
 from zjax.hf._load import HFCheckpoint, is_hf_dir
 
-__all__ = ["TOKENIZER_FILES", "import_hf", "initial_params"]
+__all__ = ["IDENTITY_FILES", "TOKENIZER_FILES", "import_hf", "initial_params"]
 
 log = logging.getLogger("zjax")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja")
+# the model's identity beyond its weights (token ids, generation defaults): kept by import-hf
+# and written back by export --format hf
+IDENTITY_FILES = ("config.json", "generation_config.json")
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
@@ -52,14 +57,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") ->
 
     target = resolve_dtype(dtype, key="--dtype")
     source = HFCheckpoint(hf_dir)  # every tensor checked before anything is written
+    _check_tokenizer(source)
     out = Path(out).resolve()
-    check_out(out)
+    check_out(out, what="import-hf")
     work = out.with_name(f".{out.name}.zjax-import")
     shutil.rmtree(work, ignore_errors=True)
     try:
         work.mkdir()
-        write_orbax_leaves(work / "params", source.host_leaves(dtype=target))
-        for name in ("config.json", *TOKENIZER_FILES):
+        write_orbax_leaves(work / "params", source.host_leaves(dtype=target), what="import-hf",
+                           shown=out)
+        for name in (*IDENTITY_FILES, *TOKENIZER_FILES):
             if (source.directory / name).is_file():
                 shutil.copyfile(source.directory / name, work / name)
         (work / "zjax.yaml").write_text(_run_config(source, out))
@@ -72,6 +79,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") ->
         shutil.rmtree(work, ignore_errors=True)
     log.info("imported %s (%d layers) into %s", hf_dir, source.config.n_layers, out)
     return out
+
+
+def _check_tokenizer(source: HFCheckpoint) -> None:
+    """The tokenizer beside the weights must fit their vocabulary."""
+    from zjax.tokenize import check_fits, load_tokenizer
+
+    path = source.directory / "tokenizer.json"
+    if path.is_file():
+        check_fits(load_tokenizer(path, key="import-hf"), source.config.vocab_size,
+                   tokenizer_path=path, model=f"the model ({source.directory / 'config.json'})")
 
 
 def _run_config(source: HFCheckpoint, out: Path) -> str:

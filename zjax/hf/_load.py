@@ -120,15 +120,28 @@ class HFCheckpoint:
             start, stop, step = index[-1].indices(size)
             index = (*index[:-1], slice(start + k * size, stop + k * size, step))
         if not leaf.stacked:
-            return _slice(self._array(leaf.hf), leaf.transpose, index, dtype)
+            return self._finite(leaf.hf, _slice(self._array(leaf.hf), leaf.transpose, index,
+                                                 dtype))
         layers = range(*index[0].indices(shape[0]))
         out = None
         for j, i in enumerate(layers):  # filled in place: no second copy of the leaf
-            one = _slice(self._array(leaf.hf.format(i=i)), leaf.transpose, index[1:], dtype)
+            name = leaf.hf.format(i=i)
+            one = self._finite(name, _slice(self._array(name), leaf.transpose, index[1:],
+                                            dtype))
             if out is None:
                 out = np.empty((len(layers), *one.shape), dtype)
             out[j] = one
         return out if out is not None else np.empty((0, *shape[1:]), dtype)
+
+    def _finite(self, name: str, values: np.ndarray) -> np.ndarray:
+        """``values`` (read from tensor ``name``), refused if any is NaN or infinite: such
+        weights train and sample nothing but NaN."""
+        if not np.isfinite(values).all():
+            bad = int(values.size - np.isfinite(values).sum())
+            raise CheckpointError(f"{self.directory}: tensor {self._file_name(name)!r} holds "
+                                  f"{bad} NaN or infinite value{'s' if bad > 1 else ''} "
+                                  "(a damaged or diverged checkpoint)")
+        return values
 
     def _array(self, name: str) -> np.ndarray:
         return self.tensors.array(self._file_name(name))

@@ -5,12 +5,14 @@ JSON header ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__":
 the raw little-endian bytes. Reading maps the file, so a slice of a tensor reads only its pages;
 bfloat16 (which the ``safetensors`` package's numpy API cannot return) is ``ml_dtypes``'.
 A model larger than one file is a set of files and ``model.safetensors.index.json``
-(``{"weight_map": {name: file}}``).
+(``{"weight_map": {name: file}}``); where a directory holds both, ``model.safetensors`` is read,
+as transformers does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,6 +31,8 @@ DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the format's own bound
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+log = logging.getLogger("zjax")
 
 
 def read_header(path: Path) -> tuple[dict, dict, int]:
@@ -82,7 +86,15 @@ class SafetensorsDir:
                 self._where[name] = (path, t, start)
 
     def _files(self) -> list[Path]:
-        index = self.directory / INDEX
+        # transformers' order (from_pretrained, PyTorch and Flax): model.safetensors first,
+        # then the index; a directory holding both is read as transformers reads it
+        index, single = self.directory / INDEX, self.directory / SINGLE
+        if single.is_file():
+            if index.is_file():
+                log.warning("%s holds both %s and %s: reading %s, as transformers does (the "
+                            "index and the files it names are ignored)", self.directory,
+                            SINGLE, INDEX, SINGLE)
+            return [single]
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]

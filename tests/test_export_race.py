@@ -1,0 +1,98 @@
+"""``zjax export`` and ``zjax sample`` against a run that rotates its checkpoints away while
+they are read (``checkpoint.every=1 checkpoint.keep=1``): every export either succeeds with a
+loadable result or says it found no finished checkpoint; none calls a deleted checkpoint
+damaged, and nothing is moved aside. (A file of its own: it trains for tens of seconds.)"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import start_zjax
+
+from zjax import _ckpt_pin as pin
+from zjax.errors import CheckpointError
+from zjax.export import export, read_params
+
+pytestmark = pytest.mark.slow  # races a training run
+
+RUN = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
+       "data.seq_len=32", "data.batch_size=8", "train.steps=60", "train.log_every=10",
+       "train.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
+       "checkpoint.every=1", "checkpoint.keep=1", "zero.stage=0"]
+
+
+def _race(run, read, *, min_reads: int = 5) -> tuple[int, int]:
+    """``read(i)`` in a loop until the training run ends: ``(succeeded, found none)``."""
+    ok = none = 0
+    proc = start_zjax("train", "configs/tiny.yaml", *RUN, "--run-dir", str(run))
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints").is_dir() or not any(
+                p.name.isdigit() for p in (run / "checkpoints").iterdir()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        i = 0
+        while proc.poll() is None or i < min_reads:
+            try:
+                read(i)
+                ok += 1
+            except CheckpointError as e:
+                assert "found no finished checkpoint" in str(e), e
+                none += 1
+            i += 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    return ok, none
+
+
+def _assert_untouched(run, caplog) -> None:
+    assert "damaged" not in caplog.text
+    assert not [p for p in run.rglob("*") if "damaged" in p.name]
+
+
+def test_exports_racing_a_keep_1_run_never_call_a_checkpoint_damaged(tmp_path, caplog):
+    """Pinned by hard links (the output beside the run): every export succeeds."""
+    run = tmp_path / "run"
+    outs = []
+
+    def read(i):
+        out = tmp_path / f"export-{i}"
+        export(run, out, dtype="float32")
+        outs.append(out)
+
+    with caplog.at_level(logging.INFO, logger="zjax"):
+        ok, none = _race(run, read)
+    _assert_untouched(run, caplog)
+    assert none == 0 and ok == len(outs) >= 5, (ok, none)
+    for out in outs:  # each one whole: a program without zjax restores it
+        params = ocp.StandardCheckpointer().restore(out)
+        assert params["embed"].shape == (256, 64) and np.isfinite(params["embed"]).all()
+    assert not list(tmp_path.glob(".zjax-pinned-*"))
+
+
+def test_reads_in_place_retry_a_checkpoint_rotated_away(tmp_path, caplog, monkeypatch):
+    """Where hard links do not work (another filesystem) and for ``zjax sample`` (which has no
+    output directory), a vanished checkpoint is read again from the run's newest."""
+    monkeypatch.setattr(pin, "_links_work", lambda step, tmp: False)
+    run = tmp_path / "run"
+    seen = []
+
+    def read(i):
+        step, params = read_params(run)
+        seen.append(step)
+        assert params["embed"].shape == (256, 64)
+        if i % 2:
+            export(run, tmp_path / f"export-{i}", dtype="float32")
+
+    with caplog.at_level(logging.INFO, logger="zjax"):
+        ok, none = _race(run, read)
+    _assert_untouched(run, caplog)
+    assert ok >= 5 and len(set(seen)) > 1, (ok, none, seen)
