@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import ROOT, run_zjax
@@ -147,6 +148,151 @@ def test_cli_converts_and_refuses_with_exit_2(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "deepspeed zero_optimization.overlap_com: unknown key (did you mean " \
            "'overlap_comm'?)" in r.stderr
+
+
+# DeepSpeed reads ds_config.json with hjson: comments of three kinds and trailing commas
+HJSON = """{
+  // the optimizer
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95,],},},
+  # ZeRO
+  "zero_optimization": {
+    /* stage 3, with
+       the optimizer on the host */
+    "stage": 3,
+    "offload_optimizer": {"device": "cpu",},  // trailing commas too
+  },
+  "train_micro_batch_size_per_gpu": 2,
+}
+"""
+PLAIN = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
+         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+         "train_micro_batch_size_per_gpu": 2}
+
+
+def test_hjson_comments_and_trailing_commas_read_as_the_plain_json(tmp_path):
+    (tmp_path / "ds.json").write_text(HJSON)
+    (tmp_path / "plain.json").write_text(json.dumps(PLAIN))
+    assert read_deepspeed(tmp_path / "ds.json") == PLAIN == read_deepspeed(tmp_path / "plain.json")
+    assert from_deepspeed(read_deepspeed(tmp_path / "ds.json"), n_data=8) == from_deepspeed(
+        PLAIN, n_data=8)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ('{"steps_per_print": 5,\n "gradient_clipping": 1.0,\n "steps_per_print": 50}',
+     "steps_per_print"),
+    ('{"zero_optimization": {"stage": 2, "overlap_comm": true, "stage": 3}}',
+     "zero_optimization.stage"),
+    ('{"zero_optimization": {"offload_optimizer": {"device": "cpu", "device": "nvme"}}}',
+     "zero_optimization.offload_optimizer.device"),
+    ('{"optimizer": {"params": {"betas": [{"x": 1, "x": 2}]}}}', "optimizer.params.betas[0].x"),
+])
+def test_duplicated_keys_are_refused_naming_the_key_path(tmp_path, text, key):
+    """DeepSpeed refuses them (dict_raise_error_on_duplicate_keys): no "last one wins"."""
+    (tmp_path / "ds.json").write_text(text)
+    with pytest.raises(zjax.ConfigError, match=rf"^--deepspeed: '.*ds.json': key {re.escape(key)}"
+                                               r" appears more than once"):
+        read_deepspeed(tmp_path / "ds.json")
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('{"gradient_clipping": NaN,\n "steps_per_print": 5}',  # hjson: the string 'NaN,'
+     r"^deepspeed gradient_clipping: expected a finite number, got NaN$"),
+    ('{"optimizer": {"type": "Adam", "params": {"lr": Infinity\n}}}',
+     r"^deepspeed optimizer.params.lr: expected a finite number, got Infinity$"),
+    ('{"gradient_clipping": NaN // no clipping\n}',
+     r"^deepspeed gradient_clipping: expected a finite number, got NaN$"),
+    ('{"train_micro_batch_size_per_gpu": -Infinity\n}',
+     r"^deepspeed train_micro_batch_size_per_gpu: expected a finite number, got -Infinity$"),
+])
+def test_nan_and_infinity_in_the_file_are_refused_naming_the_key(tmp_path, text, match):
+    (tmp_path / "ds.json").write_text(text)
+    with pytest.raises(zjax.ConfigError, match=match):
+        from_deepspeed(read_deepspeed(tmp_path / "ds.json"), n_data=8)
+
+
+@pytest.mark.parametrize(("ds", "match"), [  # Python's json reads NaN and Infinity as floats
+    ({"gradient_clipping": float("nan")}, r"^deepspeed gradient_clipping: .* got nan$"),
+    ({"train_batch_size": float("inf")}, r"^deepspeed train_batch_size: .* got inf$"),
+    ({"zero_optimization": {"stage3_max_live_parameters": float("inf")}},
+     r"^deepspeed zero_optimization.stage3_max_live_parameters: .* got inf$"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, float("nan")]}}},
+     r"^deepspeed optimizer.params.betas: .* got nan$"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": float("-inf")}}},
+     r"^deepspeed scheduler.params.warmup_min_lr: .* got -inf$"),
+])
+def test_nan_and_infinity_floats_are_refused_naming_the_key(ds, match):
+    with pytest.raises(zjax.ConfigError, match=match.replace(".* got", "expected a finite "
+                                                             "number, got")):
+        from_deepspeed(ds, n_data=8)
+
+
+def _nested(key: str, value) -> dict:
+    """``{"a": {"b": value}}`` of ``"a.b"``."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+INTEGER_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps", "steps_per_print", "zero_optimization.stage",
+                "zero_optimization.sub_group_size", "zero_optimization.mics_shard_size",
+                "zero_optimization.zero_hpz_partition_size",
+                "zero_optimization.stage3_param_persistence_threshold",
+                "zero_optimization.stage3_max_live_parameters",
+                "zero_optimization.stage3_prefetch_bucket_size",
+                "zero_optimization.offload_optimizer.buffer_count",
+                "scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps"]
+
+
+@pytest.mark.parametrize("key", INTEGER_KEYS)
+def test_integer_keys_refuse_fractions_and_booleans(key):
+    """2.5 was truncated to 2 (1.7 to 1) and true passed as 1; 2.0 is the integer 2."""
+    def ds(value):
+        out = _nested(key, value)
+        if key.startswith("scheduler"):
+            out["scheduler"]["type"] = "WarmupLR"
+        return out
+    for value, got in [(2.5, "2.5"), (1.7, "1.7"), (True, "True")]:
+        kind = "a number" if value is True else "an integer"
+        with pytest.raises(zjax.ConfigError, match=rf"^deepspeed {re.escape(key)}: expected "
+                                                   rf"{kind}, got {got}$"):
+            from_deepspeed(ds(value), n_data=8)
+    assert from_deepspeed(ds(2.0), n_data=8).overrides == from_deepspeed(ds(2), n_data=8).overrides
+
+
+@pytest.mark.parametrize(("content", "match"), [
+    (b"", r"is empty"),
+    (b"  // comments only\n# and more\n", r"is empty"),
+    (b"\x00\x9f\xff\xfe garbage", r"is not UTF-8 text"),
+    (b"\x00\x01 garbage", r"holds text \(.*\), expected a JSON object"),
+    (b"[1, 2]", r"holds a list \(\[1, 2\]\), expected a JSON"),
+    (b"3", r"holds a number \(3\), expected a JSON"),
+    (b'{"a": 1 /* never closed', r"ends inside a /\* comment"),
+    (b'{"train_batch_size": 1e400}', r"a number too large"),
+    (b"[" * 100_000, r"nested too deeply"),
+    (b'{"gradient_clipping": NaN, "steps_per_print": 5}',
+     r"at line 1, column \d+: .*NaN and Infinity are not JSON numbers"),
+    (b'{"zero_optimization": {"stage": 3}', r"not valid JSON at line 1, column \d+: "),
+])
+def test_every_bad_file_is_one_config_error_naming_the_file(tmp_path, content, match):
+    (tmp_path / "ds.json").write_bytes(content)
+    with pytest.raises(zjax.ConfigError, match=r"^--deepspeed: '.*ds.json'.*" + match) as e:
+        read_deepspeed(tmp_path / "ds.json")
+    assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_duplicated_key_in_one_line_and_writes_nothing(tmp_path):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2, // two\n'
+                                      '                       "stage": 3}}')
+    out = tmp_path / "zjax.yaml"
+    r = run_zjax("config", "from-deepspeed", str(tmp_path / "ds.json"), "configs/tiny.yaml",
+                 "-o", str(out))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("zjax")]
+    assert len(lines) == 1 and r.stderr.strip().endswith(lines[0]), r.stderr[-2000:]
+    assert lines[0].startswith("zjax: error: --deepspeed: ") and "ds.json" in lines[0]
+    assert "key zero_optimization.stage appears more than once" in lines[0]
+    assert not out.exists() and r.stdout == ""
 
 
 @pytest.mark.slow

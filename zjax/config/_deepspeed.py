@@ -3,19 +3,24 @@
 Every key is mapped to a zjax key, or ignored with the reason (it has no meaning under XLA, or
 zjax always does it), or refused with a ConfigError naming it (an unknown key, a feature zjax
 does not have, an impossible value). Hugging Face Trainer's ``"auto"`` values keep zjax's
-defaults. DeepSpeed's JSON may carry ``//`` comments (as in its documentation); they are
-dropped.
+defaults. The file is read as DeepSpeed reads it (hjson: comments, trailing commas, no key
+twice; see ``_ds_file``).
+
+Numbers are checked as they are read (``_number``): a boolean is not a number, ``NaN`` and
+``Infinity`` are refused (Python's json reads them as floats, hjson as the strings ``'NaN'`` or
+``'NaN,'``), and a key that counts (batch sizes, steps, stage, buffers, thresholds) takes an
+integer: ``2.0`` is 2, ``2.5`` is refused rather than truncated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import math
 import re
-from pathlib import Path
 from typing import Any
 
+from zjax.config._ds_file import read_deepspeed
 from zjax.errors import ConfigError, did_you_mean
 
 __all__ = ["DeepSpeedImport", "from_deepspeed", "read_deepspeed"]
@@ -65,6 +70,7 @@ _TOP_IGNORED = {
     "aio": "NVMe only", "data_types": "set zero.reduce_dtype",
     "seq_parallel_communication_data_type": "no sequence parallelism",
 }
+_NON_FINITE = re.compile(r"\s*[-+]?(NaN|Infinity|nan|inf)\b")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float32": "float32",
            "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -80,27 +86,6 @@ class DeepSpeedImport:
 
     overrides: tuple[str, ...]
     ignored: tuple[tuple[str, str], ...]
-
-
-def _strip_comments(text: str) -> str:
-    """Drop ``//`` comments outside strings."""
-    return re.sub(r'("(?:\\.|[^"\\])*")|//[^\n]*', lambda m: m.group(1) or "", text)
-
-
-def read_deepspeed(path: str | os.PathLike) -> dict:
-    """The JSON object of a DeepSpeed config file (``//`` comments allowed)."""
-    path = Path(path)
-    try:
-        data = json.loads(_strip_comments(path.read_text()))
-    except OSError as e:
-        raise ConfigError(f"--deepspeed: cannot read {str(path)!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed: {str(path)!r} is not valid JSON at line {e.lineno}, "
-                          f"column {e.colno}: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--deepspeed: {str(path)!r} holds a {type(data).__name__}, "
-                          "expected a JSON object")
-    return data
 
 
 class _Reader:
@@ -128,9 +113,23 @@ def _auto(r: _Reader, key: str, value: Any) -> bool:
 
 
 def _number(key: str, value: Any, kind=float) -> Any:
+    """``value`` as a finite float, or (``kind=int``) an integer: 2.0 is 2, 2.5 is refused."""
+    # hjson reads NaN and Infinity as text to the end of the line: 'NaN,', 'NaN // why'
+    if isinstance(value, str) and (m := _NON_FINITE.match(value)):
+        raise ConfigError(f"deepspeed {key}: expected a finite number, got {m.group().strip()}")
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"deepspeed {key}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"deepspeed {key}: expected a finite number, got {value}")
+    if kind is int and value != int(value):
+        raise ConfigError(f"deepspeed {key}: expected an integer, got {value}")
     return kind(value)
+
+
+def _object(key: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"deepspeed {key}: expected an object, got {value!r}")
+    return value
 
 
 def _offload(r: _Reader, section: str, d: dict) -> None:
@@ -170,12 +169,11 @@ def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
             r.set("zero.prefetch_bucket_size", _number(where, value, int) * gather_bytes)
             r.set("zero.prefetch_layers", None)  # the bucket decides the depth
         elif key in ("offload_optimizer", "offload_param"):
-            if not isinstance(value, dict):
-                raise ConfigError(f"deepspeed {where}: expected an object, got {value!r}")
-            _offload(r, key, value)
+            _offload(r, key, _object(where, value))
         elif key in _ZERO_IGNORED:
             r.ignore(where, _ZERO_IGNORED[key])
-        elif key in ("zero_hpz_partition_size", "mics_shard_size") and value in (1, -1):
+        elif key in ("zero_hpz_partition_size", "mics_shard_size") \
+                and _number(where, value, int) in (1, -1):
             r.ignore(where, "the default (no secondary partition)")
         elif key == "mics_shard_size":  # MiCS: shard within groups of this size, replicate
             size = _number(where, value, int)
@@ -204,7 +202,7 @@ def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
 
 def _optimizer(r: _Reader, d: dict) -> None:
     kind = str(d.get("type", "")).lower()
-    params = d.get("params", {}) or {}
+    params = _object("optimizer.params", d.get("params", {}) or {})
     if kind not in ("adam", "adamw"):
         raise ConfigError(f"deepspeed optimizer.type: {d.get('type')!r} is not mapped; zjax "
                           "builds Adam, AdamW or SGD (optimizer.name); use Adam or AdamW")
@@ -239,7 +237,7 @@ def _optimizer(r: _Reader, d: dict) -> None:
 
 def _scheduler(r: _Reader, d: dict) -> None:
     kind = d.get("type")
-    params = d.get("params", {}) or {}
+    params = _object("scheduler.params", d.get("params", {}) or {})
     known = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
     if kind not in known:
         raise ConfigError(f"deepspeed scheduler.type: {kind!r} is not mapped"
@@ -314,7 +312,7 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
       ConfigError: naming the DeepSpeed key that is unknown, not supported or impossible.
     """
     r = _Reader()
-    enabled = {k: (ds.get(k) or {}).get("enabled", False) for k in ("bf16", "fp16")}
+    enabled = {k: _object(k, ds.get(k) or {}).get("enabled", False) for k in ("bf16", "fp16")}
     precision = {k: v is True for k, v in enabled.items()}
     if precision["bf16"] and precision["fp16"]:
         raise ConfigError("deepspeed bf16.enabled and fp16.enabled: both true; choose one")
@@ -331,11 +329,12 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
                    "gradient_accumulation_steps"):
             continue
         if key == "zero_optimization":
-            _zero(r, value, gather_bytes=2 if gather != "float32" else 4, n_data=n_data)
+            _zero(r, _object(key, value), gather_bytes=2 if gather != "float32" else 4,
+                  n_data=n_data)
         elif key == "optimizer":
-            _optimizer(r, value)
+            _optimizer(r, _object(key, value))
         elif key == "scheduler":
-            _scheduler(r, value)
+            _scheduler(r, _object(key, value))
         elif key == "gradient_clipping":
             if not _auto(r, key, value):
                 clip = _number(key, value)
@@ -348,7 +347,8 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
                 raise ConfigError(f"deepspeed {key}: {value!r}; expected one of "
                                   f"{', '.join(_DTYPES)}")
             r.set("zero.reduce_dtype", _DTYPES[value])
-        elif key in ("amp", "elasticity", "sparse_attention") and (value or {}).get("enabled"):
+        elif key in ("amp", "elasticity", "sparse_attention") \
+                and _object(key, value or {}).get("enabled"):
             raise ConfigError(f"deepspeed {key}: enabled, which zjax does not have")
         elif key in _TOP_IGNORED or key in ("amp", "elasticity", "sparse_attention"):
             r.ignore(key, _TOP_IGNORED.get(key) or "not enabled")
