@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -317,3 +318,84 @@ def test_plan_budget_prints_progress_to_stderr(monkeypatch, capsys, cli_logging)
     out = capsys.readouterr()
     assert out.err == "zjax plan: [1/3] model 1 stage 3: 1 KiB per device, fits (0.1 s)\n"
     assert out.out == "table\nbest\n"
+
+
+# ---- hostile values: sample, export --max-shard-size (issue 31) -------------------------------
+
+def _refused(capsys, argv: list[str], *needles: str) -> str:
+    """``zjax ARGV`` in-process: exit 2 and one line ``zjax: error: ...`` on stderr, nothing
+    else (argparse's refusals end in SystemExit(2))."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zjax: error: "), err[-2000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--seed", str(2**70)], ["--seed: 1180591620717411303424", "[0, 4294967296)"]),
+    (["--seed", str(-2**70)], ["--seed: -1180591620717411303424", "[0, 4294967296)"]),
+    (["--seed", str(2**32)], ["--seed: 4294967296", "[0, 4294967296)"]),
+    (["--seed", "-1"], ["--seed: -1", "[0, 4294967296)"]),
+    (["--temperature", "inf"], ["--temperature: inf", "finite"]),
+    (["--temperature", "nan"], ["--temperature: nan", "finite"]),
+    (["--top-p", "nan"], ["--top-p: nan", "(0, 1]"]),
+])
+def test_sample_refuses_seeds_and_numbers_it_cannot_use(run, args, needles, capsys,
+                                                        cli_logging):
+    before = _listing(run)
+    _refused(capsys, ["sample", str(run), "--prompt", "def ", "--max-new-tokens", "2", *args],
+             *needles)
+    assert _listing(run) == before
+
+
+def test_sample_refuses_a_prompt_that_is_not_utf8(run, capsys, cli_logging):
+    before = _listing(run)
+    prompt = os.fsdecode(b"caf\xff")  # what bytes not UTF-8 in argv decode into: 'caf\udcff'
+    _refused(capsys, ["sample", str(run), "--prompt", prompt], "--prompt:", "not valid UTF-8",
+             "0xff")
+    assert _listing(run) == before
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "safetensors"])
+def test_export_refuses_max_shard_size_outside_hf(run, tmp_path, fmt, capsys, cli_logging):
+    before = _listing(run)
+    out = tmp_path / "out"
+    _refused(capsys, ["export", str(run), str(out), "--format", fmt, "--max-shard-size", "1GB"],
+             "--max-shard-size", "--format hf", repr(fmt))
+    assert _listing(run) == before and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("text", "n"), [
+    ("1B", 1), ("500B", 500), ("1b", 1), ("500b", 500), ("7", 7), ("1e3", 1000),
+    ("1.5GB", 1_500_000_000), ("2GiB", 2 * 2**30), ("5GB", 5 * 10**9), ("500MB", 500 * 10**6),
+    ("1.5KiB", 1536), ("2.5e3KB", 2_500_000), (" 5 GB ", 5 * 10**9)])
+def test_parse_size_reads_sizes(text, n):
+    from zjax._cli_tools import parse_size
+
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("inf", "is not a size"), ("infGB", "is not a size"), ("nan", "is not a size"),
+    ("1e400", "is not a finite size"), ("garbage", "is not a size"), ("GB", "is not a size"),
+    ("", "is not a size"), ("1G", "is not a size"), ("5XB", "is not a size"),
+    ("0", "must be at least 1 byte"), ("0B", "must be at least 1 byte"),
+    ("-1GB", "must be at least 1 byte"), ("0.0001KB", "must be at least 1 byte"),
+    ("1.5B", "whole number of bytes")])
+def test_parse_size_refuses_what_is_no_size(text, needle, tmp_path, capsys, cli_logging):
+    import argparse
+
+    from zjax._cli_tools import parse_size
+
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(needle)):
+        parse_size(text)
+    line = _refused(capsys, ["export", str(tmp_path), str(tmp_path / "out"), "--format", "hf",
+                             f"--max-shard-size={text}"], "--max-shard-size", needle)
+    assert "Traceback" not in line and list(tmp_path.iterdir()) == []

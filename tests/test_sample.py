@@ -14,7 +14,7 @@ from hf_models import hf_model, write_hf
 
 import zjax
 from zjax.models import GPT, GPTConfig, Llama, LlamaConfig
-from zjax.sample import generate, load_sampler, pick
+from zjax.sample import Sampler, generate, load_sampler, pick
 
 MODELS = {
     "gpt": (GPT, GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
@@ -84,3 +84,19 @@ def test_cli_samples_a_run_and_refuses_bad_input(tmp_path):
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     r = run_zjax("sample", str(tmp_path), "--prompt", "x")
     assert r.returncode == 2 and "is not a run directory" in r.stderr
+
+
+def test_sampler_refuses_a_seed_outside_32_bits_and_a_prompt_not_utf8():
+    """The Python API's refusals (the CLI checks the same before it loads the model)."""
+    cls, cfg = MODELS["gpt"]
+    sampler = Sampler(cls(cfg, rngs=nnx.Rngs(0)), None, "test")
+    for seed in (2**70, -2**70, 2**32, -1):  # past int64: OverflowError in jax.random.key
+        with pytest.raises(zjax.ConfigError, match=rf"^--seed: {seed}; .*\[0, 4294967296\)"):
+            sampler("a", max_new_tokens=1, seed=seed)
+    with pytest.raises(zjax.ConfigError, match=r"^--prompt: not valid UTF-8 \(the byte 0xff "
+                                               r"at character 3\)"):
+        sampler.encode("caf\udcff")
+    with pytest.raises(zjax.ConfigError, match=r"^--prompt: not valid UTF-8 \(the lone "
+                                               r"surrogate U\+D800 at character 0\)"):
+        sampler("\ud800", max_new_tokens=1)
+    assert sampler.encode("café") == list("café".encode())

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import TARGET_BASE, cli_env, compiled_for, run_zjax, sharded_params
+from helpers import ROOT, TARGET_BASE, cli_env, compiled_for, run_zjax, sharded_params
 
 import zjax
 from zjax._backend import backend
@@ -292,3 +293,48 @@ def test_model_flops_and_the_peak_of_every_targets_chip():
         report.flops["per_step"] / (989.4e12 * 8))
     assert "model FLOPs per step" in report.table()
     assert peak_flops("cpu") is None  # simulated devices: no MFU
+
+
+# a fresh interpreter (libtpu starts once per process: its start-up lines come only the first
+# time), jax imported with fd 2 on /dev/null: the CUDA plugin's own import-time lines
+# (cudart_stub) are not libtpu's and not what this checks; everything after is on stderr
+_FRESH = ("import os, sys\n"
+          "null, saved = os.open(os.devnull, os.O_WRONLY), os.dup(2)\n"
+          "os.dup2(null, 2)\n"
+          "import jax\n"
+          "os.dup2(saved, 2)\n")
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _FRESH + code], cwd=ROOT,
+                          env=cli_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_impossible_tpu_topologies_print_only_zjax_s_error_line():
+    """libtpu writes start-up lines to fd 2 (``Failed to find host bounds``, ``E0000 ...
+    unexpected worker hostname``) the first time it loads, before zjax's own error."""
+    bad = ["v5p:1x1", "v5p:3x3x3", "v5p:0x1x1", "v5e:3x3"]
+    r = _fresh("from zjax import cli\n"
+               f"for t in {bad!r}:\n"
+               "    print('--- ' + t, file=sys.stderr, flush=True)\n"
+               "    print(cli.main(['plan', 'configs/tiny.yaml', '--target', t]), flush=True)\n")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["2"] * len(bad), (r.stdout, r.stderr[-3000:])
+    chunks = r.stderr.split("--- ")[1:]
+    assert len(chunks) == len(bad), r.stderr[-3000:]
+    for name, chunk in zip(bad, chunks, strict=True):
+        lines = chunk.rstrip("\n").split("\n")
+        assert lines[0] == name, r.stderr[-3000:]
+        # nothing but zjax's one line: no E0000/W0000/I0000 log line, no libtpu warning
+        assert len(lines) == 2 and lines[1].startswith(f"zjax: error: --target: '{name}' "), (
+            r.stderr[-3000:])
+    assert "at least 1" in chunks[2], chunks[2]  # refused before libtpu is asked
+
+
+def test_a_valid_tpu_target_starts_libtpu_quietly():
+    r = _fresh("from zjax.targets import target\n"
+               "t = target('v5p:2x2x2')\n"
+               "print(len(t.devices), t.hosts)\n")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["8", "2"] and r.stderr == "", r.stderr[-3000:]

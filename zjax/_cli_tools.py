@@ -5,6 +5,8 @@ from-deepspeed`` (and the DeepSpeed config under ``zjax train --deepspeed``). Se
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 
 from zjax.errors import ConfigError
@@ -13,20 +15,28 @@ __all__ = ["config_from_deepspeed", "parse_size", "run_tool", "tokenize", "tool_
            "with_deepspeed"]
 
 
+_SIZE = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([kmg]i?b|b)?\s*",
+                   re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+               "MIB": 2**20, "GIB": 2**30}
+
+
 def parse_size(text: str) -> int:
-    """``5GB``, ``500MB``, ``2GiB`` or a byte count."""
-    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-             "GIB": 2**30}
-    number = text.rstrip("KMGiBb").strip()
-    unit = text[len(number):].strip().upper()
-    try:
-        n = int(float(number) * units[unit])
-    except (ValueError, KeyError):
+    """``5GB``, ``500MB``, ``2GiB``, ``1.5GB``, ``500B`` or a byte count (``500``, ``1e3``),
+    rounded down to whole bytes; a count of bytes itself must be whole."""
+    m = _SIZE.fullmatch(text)
+    if not m:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, or bytes)") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return n
+            f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, or bytes: 500B, 500)")
+    unit = (m.group(2) or "").upper()
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    if _SIZE_UNITS[unit] == 1 and value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def tool_parsers(sub) -> None:
@@ -47,7 +57,8 @@ def tool_parsers(sub) -> None:
     sa.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
     sa.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     sa.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]")
-    sa.add_argument("--seed", type=int, default=0, help="RNG seed of the draws")
+    sa.add_argument("--seed", type=int, default=0,
+                    help="RNG seed of the draws, in [0, 2**32)")
     sa.add_argument("-n", "--num-samples", type=int, default=1, help="continuations")
 
 
@@ -67,16 +78,20 @@ def run_tool(args) -> int:
 
 def sample(args) -> int:
     """``zjax sample``: print the prompt and each continuation."""
+    finite = math.isfinite
     checks = [("--max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"),
-              ("--temperature", args.temperature >= 0, "a number >= 0 (0: greedy)"),
-              ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
+              ("--temperature", finite(args.temperature) and args.temperature >= 0,
+               "a finite number >= 0 (0: greedy)"),
+              ("--top-p", finite(args.top_p) and 0 < args.top_p <= 1, "a number in (0, 1]"),
               ("--num-samples", args.num_samples >= 1, "an integer >= 1")]
     for flag, ok, expected in checks:
         if not ok:
             value = getattr(args, flag[2:].replace("-", "_"))
             raise ConfigError(f"{flag}: {value!r}; expected {expected}")
-    from zjax.sample import load_sampler
+    from zjax.sample import check_seed, load_sampler, utf8
 
+    check_seed(args.seed)
+    utf8(args.prompt)  # before the model loads
     sampler = load_sampler(args.source)
     texts = sampler(args.prompt, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,

@@ -281,6 +281,10 @@ def _launch(args) -> int:
 
 
 def _export(args) -> int:
+    if args.max_shard_size is not None and args.format != "hf":
+        raise ConfigError(f"--max-shard-size: only --format hf splits its weights into "
+                          f"files of at most a size; --format {args.format!r} writes them "
+                          "whole (drop --max-shard-size, or use --format hf)")
     _cpu_unless_accelerator()  # the export reads to host memory: no device needed
     from zjax.export import export
 

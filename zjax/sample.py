@@ -22,7 +22,35 @@ from flax import nnx
 from zjax._export_io import nested
 from zjax.errors import ConfigError
 
-__all__ = ["Sampler", "generate", "load_sampler", "pick"]
+__all__ = ["SEED_LIMIT", "Sampler", "check_seed", "generate", "load_sampler", "pick", "utf8"]
+
+# jax.random.key keeps a seed's low 32 bits (without jax_enable_x64): 2**32 draws what 0
+# does, -1 what 2**32 - 1 does, and past int64 it raises OverflowError
+SEED_LIMIT = 2**32
+
+
+def check_seed(seed: int) -> None:
+    """Raises ConfigError: ``seed`` is not in [0, :data:`SEED_LIMIT`)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"--seed: {seed}; expected an integer in [0, {SEED_LIMIT}) (the "
+                          "key of the draws keeps 32 bits of a seed)")
+
+
+def utf8(text: str) -> bytes:
+    """``text`` in UTF-8.
+
+    Raises:
+      ConfigError: ``text`` holds a lone surrogate, e.g. from bytes that are not UTF-8 on the
+        command line (Python decodes such a byte 0xNN into ``\\udcNN``).
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        what = (f"the byte 0x{bad - 0xdc00:02x}" if 0xdc80 <= bad <= 0xdcff
+                else f"the lone surrogate U+{bad:04X}")
+        raise ConfigError(f"--prompt: not valid UTF-8 ({what} at character {e.start}); "
+                          "give the text in UTF-8") from None
 
 
 def pick(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float) -> jax.Array:
@@ -94,8 +122,10 @@ class Sampler:
         self.model, self.tokenizer, self.source = model, tokenizer, source
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``. Raises ConfigError: ``text`` is not valid UTF-8."""
+        data = utf8(text)
         if self.tokenizer is None:
-            return list(text.encode("utf-8"))
+            return list(data)
         # with the tokenizer's own template (a Llama 3 tokenizer.json adds its BOS), as
         # transformers' tokenizer(prompt) does
         return self.tokenizer.encode(text).ids
@@ -107,7 +137,13 @@ class Sampler:
 
     def __call__(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, n: int = 1) -> list[str]:
-        """``n`` continuations of ``prompt`` (the prompt excluded)."""
+        """``n`` continuations of ``prompt`` (the prompt excluded).
+
+        Raises:
+          ConfigError: ``seed`` is not in [0, 2**32), ``prompt`` is not valid UTF-8 or is
+            empty, or the generation is longer than the model's ``max_seq_len``.
+        """
+        check_seed(seed)
         ids = self.encode(prompt)
         if not ids:
             raise ConfigError("--prompt: empty (it tokenizes to no tokens); give some text")
@@ -126,7 +162,7 @@ def load_sampler(source: str | Path) -> Sampler:
     """
     from zjax.config import load_config
     from zjax.hf import HFCheckpoint, is_hf_dir
-    from zjax.tokenize import load_tokenizer
+    from zjax.tokenize import check_fits, load_tokenizer
 
     path = Path(source)
     if (path / "checkpoints").is_dir() and (path / "config.yaml").is_file():
@@ -150,12 +186,14 @@ def load_sampler(source: str | Path) -> Sampler:
                           "checkpoints/), a zjax import-hf directory, or a Hugging Face "
                           "model directory (config.json, *.safetensors)")
     model = _model(loop, cfg, params, str(source))
-    if tokenizer is None and cfg.vocab_size < 256:
-        raise ConfigError(f"sample: {source} has no tokenizer and a vocabulary of "
-                          f"{cfg.vocab_size} (< 256 bytes)")
-    return Sampler(model, None if tokenizer is None else load_tokenizer(tokenizer,
-                                                                          key="sample"),
-                   str(source))
+    if tokenizer is None:
+        if cfg.vocab_size < 256:
+            raise ConfigError(f"sample: {source} has no tokenizer and a vocabulary of "
+                              f"{cfg.vocab_size} (< 256 bytes)")
+        return Sampler(model, None, str(source))
+    tk = load_tokenizer(tokenizer, key="sample")
+    check_fits(tk, cfg.vocab_size, tokenizer_path=tokenizer, model=f"the model of {source}")
+    return Sampler(model, tk, str(source))
 
 
 def _model(loop: str, cfg: Any, params: dict, source: str) -> nnx.Module:

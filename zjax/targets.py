@@ -17,11 +17,17 @@ import dataclasses
 import functools
 import importlib.resources
 import importlib.util
+import logging
+import os
 import re
+import sys
+import tempfile
 
 from zjax.errors import ConfigError, did_you_mean
 
 __all__ = ["GPU_TARGETS", "TPU_HBM_BYTES", "Target", "target"]
+
+log = logging.getLogger(__name__)
 
 GPU_TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
 # HBM per chip, from Google Cloud's TPU system architecture pages (v4: 32 GiB, v5e: 16 GiB,
@@ -86,12 +92,46 @@ def _gpu(name: str, chip: str, shape: str) -> Target:
     return Target(name, "gpu", devices, devices[0].device_kind, capacity, hosts)
 
 
+def _quietly(call):
+    """``call()`` with fd 2 on a temporary file.
+
+    libtpu writes start-up lines to fd 2 the first time it loads (``Failed to find host
+    bounds``, ``E0000 ... unexpected worker hostname`` on a machine without a TPU), before
+    its logging is set up: TPU_MIN_LOG_LEVEL, TPU_STDERR_LOG_LEVEL and TF_CPP_MIN_LOG_LEVEL
+    do not silence them (measured with libtpu 0.0.42.1). The lines go to the ``zjax.targets``
+    logger at DEBUG; only if ``call`` is stopped by something other than an Exception (an
+    interrupt) are they written back to stderr. (Process-wide while it runs: a second or so,
+    the first time.)
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    replay = False
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            return call()
+        except BaseException as e:
+            replay = not isinstance(e, Exception)
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            captured = tmp.read()
+            if replay:
+                os.write(2, captured)
+            for line in captured.decode(errors="replace").splitlines():
+                log.debug("libtpu: %s", line)
+
+
 def _tpu(name: str, generation: str) -> Target:
     _need("libtpu", "TPUs")
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        topo = _quietly(lambda: topologies.get_topology_desc(topology_name=name,
+                                                             platform="tpu"))
     except Exception as e:  # libtpu's own message says what shapes it takes
         first = str(e).splitlines()[0][:200]
         if "lockfile" in first:  # another process holds libtpu
@@ -119,6 +159,8 @@ def target(name: str) -> Target:
     if chip in TPU_HBM_BYTES:
         if not re.fullmatch(r"\d+(x\d+){1,2}", shape):
             raise _bad(name, f"has no topology after '{chip}:' (e.g. 2x2x2)")
+        if 0 in [int(n) for n in shape.split("x")]:
+            raise _bad(name, "has a dimension of 0 chips (each must be at least 1)")
         return _tpu(f"{chip}:{shape}", chip)
     known = [*GPU_TARGETS, *TPU_HBM_BYTES]
     raise _bad(name, f"names no known chip {chip!r}{did_you_mean(chip, known)} "
