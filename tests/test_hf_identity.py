@@ -232,3 +232,13 @@ def test_import_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, small,
         r = run_zjax("import-hf", str(hf), str(disk / "out"))
         _one_line(r, "import-hf: cannot write", "No space left on device")
         assert list(disk.iterdir()) == []
+
+
+def test_import_errors_name_import_hf(tmp_path, small):
+    """An existing or unwritable OUT: import-hf's own messages, not export's."""
+    hf = write_hf(tmp_path / "hf", small)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(CheckpointError, match=r"^import-hf: '.*taken' already exists"):
+        import_hf(hf, tmp_path / "taken")
+    with pytest.raises(CheckpointError, match=r"^import-hf: cannot write '.*out': its parent"):
+        import_hf(hf, tmp_path / "missing" / "out")

@@ -125,3 +125,12 @@ def test_plan_cli_budget_writes_a_config_that_loads(tmp_path):
     assert "Traceback" not in r.stderr
     r = _cli("configs/tiny.yaml", "--budget", "lots")
     assert r.returncode == 2 and "--budget: 'lots' is not a size" in r.stderr
+
+
+@pytest.mark.parametrize("text", ["1.5.5GB", "inf", "nan", "0", "0.1", "-1GB", "GB", "80XB"])
+def test_a_budget_that_is_no_size_is_a_config_error(text):
+    from zjax.planning import parse_bytes
+
+    with pytest.raises(zjax.ConfigError, match=r"--budget: .* (is not a size|below one byte)"):
+        parse_bytes(text)
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(" 2 GiB ") == 2**31

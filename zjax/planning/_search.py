@@ -34,11 +34,14 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_bytes(text: str, *, key: str = "--budget") -> int:
     """``80GiB``, ``16 GB``, ``512MiB`` or a plain byte count -> bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
+    if not m or unit not in _UNITS:  # also 1.5.5GB, inf, nan: no number of that form
         raise ConfigError(f"{key}: {text!r} is not a size; write e.g. 80GiB, 16GB, 512MiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ConfigError(f"{key}: {text!r} is below one byte; write e.g. 80GiB, 16GB")
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
