@@ -96,3 +96,30 @@ def test_reads_in_place_retry_a_checkpoint_rotated_away(tmp_path, caplog, monkey
         ok, none = _race(run, read)
     _assert_untouched(run, caplog)
     assert ok >= 5 and len(set(seen)) > 1, (ok, none, seen)
+
+
+def test_a_killed_readers_pin_is_removed_by_the_next(tmp_path):
+    """A pin left by a dead process (it holds a deleted checkpoint's files) is removed; one
+    of a live process is not."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from zjax._ckpt_pin import pinned
+
+    step = tmp_path / "run" / "checkpoints" / "3"
+    (step / "state").mkdir(parents=True)
+    (step / "commit_success.txt").write_text("ok")
+    (step / "state" / "data").write_bytes(b"x" * 100)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    host = socket.gethostname()
+    left = tmp_path / f".zjax-pinned-{host}-{dead}-3-abc"
+    live = tmp_path / f".zjax-pinned-{host}-{os.getppid()}-3-def"
+    left.mkdir()
+    live.mkdir()
+    with pinned(step / "state", tmp_path, frozenset()) as path:
+        assert (path / "data").read_bytes() == b"x" * 100 and path.parent != step
+    assert not left.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "run"]

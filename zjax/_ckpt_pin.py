@@ -7,7 +7,8 @@ loses files (or vanishes) between the reader's listing and its failure; a damage
 
 :func:`pinned` reads through hard links made in a scratch directory on the same filesystem, so
 that a deletion cannot reach the files once they are linked (a link keeps its inode); across
-filesystems it reads in place, and the caller retries on :class:`Vanished`.
+filesystems it reads in place, and the caller retries on :class:`Vanished`. A pin is named by
+host and pid: one that a killed reader left is removed by the next reader there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ __all__ = ["Vanished", "committed", "listing", "pinned", "vanished"]
 
 _NO_LINKS = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP)
 _GRACE_S = 0.5  # a deletion that has just begun has removed no file yet
+_PIN, _HOST = ".zjax-pinned-", socket.gethostname()
 
 
 class Vanished(Exception):
@@ -62,8 +65,11 @@ def pinned(state_dir: Path, scratch: Path | None, before: frozenset[str]) -> Ite
       Vanished: the step lost files of ``before`` while they were being linked.
     """
     step = state_dir.parent
-    tmp = None if scratch is None else Path(
-        tempfile.mkdtemp(prefix=f".zjax-pinned-{step.name}-", dir=scratch))
+    tmp = None
+    if scratch is not None:
+        _remove_dead_pins(scratch)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_PIN}{_HOST}-{os.getpid()}-{step.name}-",
+                                    dir=scratch))
     try:
         if tmp is None or not _links_work(step, tmp):  # another filesystem: read in place
             yield state_dir
@@ -79,6 +85,21 @@ def pinned(state_dir: Path, scratch: Path | None, before: frozenset[str]) -> Ite
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_dead_pins(scratch: Path) -> None:
+    """Remove the pins a killed reader on this host left under ``scratch`` (they keep a
+    deleted checkpoint's files on disk)."""
+    for p in scratch.glob(f"{_PIN}{_HOST}-*"):
+        pid = p.name.removeprefix(f"{_PIN}{_HOST}-").split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def _links_work(step: Path, tmp: Path) -> bool:
