@@ -6,6 +6,7 @@ memory bounded by the buffers while the state on disk is many times larger."""
 from __future__ import annotations
 
 import logging
+import select
 import shutil
 import subprocess
 import sys
@@ -167,11 +168,16 @@ def test_a_dead_runs_swap_files_are_removed_and_a_live_runs_kept(tmp_path, caplo
                                 stdout=subprocess.PIPE, text=True,
                                 env=cli_env(JAX_PLATFORMS="cpu"), cwd=ROOT)
 
+    def first_line(proc) -> Path:  # its swap directory, within two minutes
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the holder printed no swap directory"
+        return Path(proc.stdout.readline().strip())
+
     live = holder("live")  # first: its own store would remove the dead one's directory
     try:
-        live_dir = Path(live.stdout.readline().strip())
+        live_dir = first_line(live)
         dead = holder("die")
-        dead_dir = Path(dead.stdout.readline().strip())
+        dead_dir = first_line(dead)
         dead.wait(timeout=120)
         assert dead_dir.is_dir() and live_dir.is_dir() and dead_dir != live_dir
         before = {f.name: f.read_bytes() for f in live_dir.iterdir()}
