@@ -159,6 +159,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two interpreters
 def test_a_dead_runs_swap_files_are_removed_and_a_live_runs_kept(tmp_path, caplog):
     """A run killed with its swap files on disk, and a run still alive, under one path: the
     next store there removes the dead run's directory (logging whose it was) and leaves the

@@ -120,6 +120,7 @@ def _run(overrides, batches, *, seed):
     zstep.close()
 
 
+@SLOW  # three runs: outside the fast loop
 def test_two_runs_sharing_an_nvme_path_do_not_touch_each_other(tmp_path):
     """Two runs of one config (the same swap-file names) on one ``nvme_path``, stepped in
     turn: the first run's losses and final state are bitwise those of the same run alone."""
