@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from zjax.errors import CheckpointError
-from zjax.hf._import import TOKENIZER_FILES
+from zjax.hf._import import IDENTITY_FILES, TOKENIZER_FILES
 from zjax.hf._layout import Layout, Leaf, hf_shape
 from zjax.hf._layouts import layout_for_model
 from zjax.hf._safetensors import INDEX, write_safetensors
@@ -62,9 +62,9 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
                            config.model.n_layers, target, max_shard_bytes)
             hf = config_json(layout, config.model, dtype=target.name, origin=origin)
             (work / "config.json").write_text(json.dumps(hf, indent=2))
-            if origin is not None and (origin / "generation_config.json").is_file():
-                shutil.copyfile(origin / "generation_config.json",
-                                work / "generation_config.json")
+            for name in IDENTITY_FILES[1:] if origin is not None else ():  # as it was
+                if (origin / name).is_file():
+                    shutil.copyfile(origin / name, work / name)
             if tokenizer:
                 _copy_tokenizer(Path(tokenizer), work, config.model.vocab_size)
             work.rename(out)

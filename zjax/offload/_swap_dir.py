@@ -56,9 +56,10 @@ class SwapOwner(NamedTuple):
 
 def _nbytes(path: Path) -> int:
     total = 0
-    for f in path.iterdir():
-        with contextlib.suppress(OSError):
-            total += f.stat().st_size
+    with contextlib.suppress(OSError):  # the directory or a file removed meanwhile
+        for f in path.iterdir():
+            with contextlib.suppress(OSError):
+                total += f.stat().st_size
     return total
 
 
