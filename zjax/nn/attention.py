@@ -1,0 +1,154 @@
+"""One attention function for every model and backend: ``zjax.nn.attention``.
+
+Causal or not, grouped-query (``K`` key/value heads under ``H`` query heads), an optional
+sliding window (Mistral, Gemma 2), an optional logit soft-cap (Gemma 2), and segment ids (packed
+documents: a query sees only keys of its own segment). ``implementation`` picks the kernel:
+
+- ``auto`` (default): per backend the fastest that compiles and honours the mask, read from the
+  mesh the call is traced under (so a plan for ``--target h100:8`` picks the H100's): splash on
+  TPU; Pallas Triton on GPU when the mask allows it, else blockwise; on CPU dense for short
+  sequences (up to :data:`DENSE_UP_TO` keys, where it was measured faster) and blockwise beyond.
+- ``dense``: scores, softmax, weighted sum: ``T x S`` float32 scores in memory.
+- ``blockwise``: FlashAttention-2's algorithm in plain JAX with its own backward
+  (:mod:`zjax.nn._blockwise`): any backend, memory linear in the length.
+- ``splash``, ``triton``, ``cudnn``: the accelerators' kernels (:mod:`zjax.nn._kernels`); one
+  that cannot honour the request is refused with the reason, never run without the mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from zjax.errors import ArgumentError
+from zjax.nn import _kernels
+from zjax.nn._blockwise import Mask, blockwise_attention
+
+__all__ = ["DENSE_UP_TO", "IMPLEMENTATIONS", "attention", "choose", "dense_attention",
+           "trace_platform"]
+
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", *_kernels.KERNELS)
+DENSE_UP_TO = 1024  # XLA:CPU: dense is faster up to here (benchmarks/attention.py)
+_NEG = -1e30
+
+
+def trace_platform() -> str:
+    """The platform of the mesh being traced under (``cpu``, ``gpu``, ``tpu``), else the
+    default backend's: a compile-only target's mesh names its own."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def choose(platform: str, mask: Mask, *, q_len: int, kv_len: int, head_dim: int,
+           segments: bool) -> str:
+    """The implementation ``auto`` runs on ``platform`` for this request."""
+    ask = dict(q_len=q_len, kv_len=kv_len, head_dim=head_dim, segments=segments)
+    if platform == "tpu" and _kernels.refusal("splash", mask, **ask) is None:
+        return "splash"
+    if platform == "gpu" and _kernels.refusal("triton", mask, **ask) is None:
+        return "triton"
+    if platform not in ("tpu", "gpu") and kv_len <= DENSE_UP_TO:
+        return "dense"
+    return "dense" if q_len != kv_len and q_len <= 16 else "blockwise"  # decoding steps
+
+
+def dense_attention(q, k, v, segment_ids=None, *, mask: Mask, q_start=None) -> jax.Array:
+    """The reference: ``[B, K, G, T, S]`` float32 scores, masked softmax, weighted sum.
+
+    ``q_start``: position of the first query (may be traced: decoding); default ``S - T``.
+    """
+    b, t, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * mask.scale
+    if mask.softcap is not None:
+        scores = mask.softcap * jnp.tanh(scores / mask.softcap)
+    qpos = (s - t if q_start is None else q_start) + jnp.arange(t)
+    kpos = jnp.arange(s)
+    ok = jnp.ones((t, s), bool)
+    if mask.causal:
+        ok &= qpos[:, None] >= kpos[None, :]
+    if mask.window is not None:
+        ok &= qpos[:, None] - kpos[None, :] < mask.window
+    ok = ok[None, None, None]
+    if segment_ids is not None:
+        ok = ok & (segment_ids[0][:, :, None] == segment_ids[1][:, None, :])[:, None, None]
+    probs = jax.nn.softmax(jnp.where(ok, scores, _NEG), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, t, h, d)
+
+
+def _check(q, k, v, window, softcap, causal, segment_ids):
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ArgumentError("attention", f"q [B, T, H, D] and k, v [B, S, K, D] expected, got "
+                            f"{q.shape}, {k.shape}, {v.shape}")
+    if q.shape[2] % k.shape[2] or q.shape[-1] != k.shape[-1]:
+        raise ArgumentError("attention", f"{k.shape[2]} key/value heads do not divide "
+                            f"{q.shape[2]} query heads (or head sizes differ)")
+    if window is not None and (not causal or window < 1):
+        raise ArgumentError("attention", f"a sliding window ({window}) needs causal attention "
+                            "and at least 1 position")
+    if softcap is not None and not softcap > 0:
+        raise ArgumentError("attention", f"the logit soft-cap must be positive, got {softcap}")
+    if segment_ids is not None and (segment_ids[0].shape != q.shape[:2]
+                                    or segment_ids[1].shape != k.shape[:2]):
+        raise ArgumentError("attention", "segment ids must be [B, T] (and [B, S] for keys), "
+                            f"got {segment_ids[0].shape}, {segment_ids[1].shape}")
+
+
+def attention(q, k, v, *, segment_ids=None, causal: bool = True, window: int | None = None,
+              softcap: float | None = None, scale: float | None = None,
+              implementation: str = "auto", q_start=None, interpret: bool = False,
+              block_size: int = 512) -> jax.Array:
+    """Multi-head attention of ``q [B, T, H, D]`` over ``k``, ``v`` ``[B, S, K, D]``.
+
+    Args:
+      segment_ids: None, ``[B, T]`` ints (self-attention of packed documents), or a pair
+        ``(q_ids [B, T], kv_ids [B, S])``.
+      causal: query ``i`` (at position ``S - T + i``) sees keys up to its own position.
+      window: causal only: the query sees the ``window`` positions ending at its own.
+      softcap: scores become ``softcap * tanh(score / softcap)``.
+      scale: multiplies ``q . k`` (default ``1 / sqrt(D)``).
+      implementation: one of :data:`IMPLEMENTATIONS` (see the module docstring).
+      q_start: dense only: the (possibly traced) position of the first query (decoding).
+      interpret: run a Pallas kernel in its interpreter (tests on CPU).
+      block_size: the blockwise implementation's tile (queries and keys).
+
+    Returns:
+      ``[B, T, H, D]`` in ``q``'s dtype.
+
+    Raises:
+      ArgumentError: a bad shape or option, or a kernel that cannot honour the mask.
+    """
+    if segment_ids is not None and not isinstance(segment_ids, tuple | list):
+        segment_ids = (segment_ids, segment_ids)
+    _check(q, k, v, window, softcap, causal, segment_ids)
+    mask = Mask(causal, window, softcap, float(scale if scale is not None
+                                               else 1 / math.sqrt(q.shape[-1])))
+    ask = dict(q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1],
+               segments=segment_ids is not None)
+    impl = implementation
+    if impl == "auto":
+        impl = "dense" if q_start is not None else choose(trace_platform(), mask, **ask)
+    if impl not in IMPLEMENTATIONS:
+        raise ArgumentError("model.attention", f"{impl!r} is not an attention implementation; "
+                            f"choose one of {', '.join(IMPLEMENTATIONS)}")
+    if q_start is not None and impl != "dense":
+        raise ArgumentError("model.attention", f"{impl} attention cannot start queries at a "
+                            "traced position (decoding); use dense")
+    if impl == "dense":
+        return dense_attention(q, k, v, segment_ids, mask=mask, q_start=q_start)
+    if impl == "blockwise":
+        return blockwise_attention(q, k, v, segment_ids, causal=causal, window=window,
+                                   softcap=softcap, scale=mask.scale, block_q=block_size,
+                                   block_k=block_size)
+    why = _kernels.refusal(impl, mask, **ask)
+    if why is not None:
+        raise ArgumentError("model.attention", f"{impl} attention cannot compute this "
+                            f"request: {why}; choose auto or blockwise")
+    return _kernels.run(impl, q, k, v, segment_ids, mask, interpret=interpret)
