@@ -27,6 +27,12 @@ class GPTConfig:
       norm_eps: the normalisation's epsilon (GPT-2: 1e-5).
       bias: biases on every projection (GPT-2's layout; the row-parallel ones are added once,
         after tensor parallelism's sum).
+      attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
+        backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
+        sequences elsewhere); ``dense``, ``blockwise``, ``splash``, ``triton``, ``cudnn`` force
+        one (refused where it cannot honour the mask).
+      loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
+        ``[loss_chunk, vocab]`` float32 logits, not every token's.
       remat: recompute each block in the backward pass instead of keeping its activations
         (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
     """
@@ -42,6 +48,9 @@ class GPTConfig:
     norm_eps: float = positive(1e-6)
     bias: bool = False
     remat: bool = True
+    attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
+                             default="auto")
+    loss_chunk: int = positive(1024)
 
     def __post_init__(self):
         validate(self, "model")

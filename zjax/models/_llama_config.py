@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zjax._schema import positive, validate
+from zjax._schema import choices, positive, validate
 from zjax.errors import ConfigError
 
 __all__ = ["LlamaConfig"]
@@ -37,6 +37,12 @@ class LlamaConfig:
       rope_high_freq_factor: ``llama3``: ``high_freq_factor`` (> ``rope_low_freq_factor``).
       rope_original_max_len: ``llama3``: ``original_max_position_embeddings`` (8192).
       tie_embeddings: reuse the token embedding as the output projection (untied in Llama).
+      attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
+        backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
+        sequences elsewhere); ``dense``, ``blockwise``, ``splash``, ``triton``, ``cudnn`` force
+        one (refused where it cannot honour the mask).
+      loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
+        ``[loss_chunk, vocab]`` float32 logits, not every token's.
       remat: recompute each layer in the backward pass (ZeRO stages 0-2; the stage-3 schedule
         always keeps only the layer inputs).
     """
@@ -57,6 +63,9 @@ class LlamaConfig:
     norm_eps: float = positive(1e-5)
     tie_embeddings: bool = False
     remat: bool = True
+    attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
+                             default="auto")
+    loss_chunk: int = positive(1024)
 
     def __post_init__(self):
         validate(self, "model")

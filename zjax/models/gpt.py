@@ -18,17 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zjax.errors import ArgumentError
+from zjax.models._batch import Packing
 from zjax.models._gpt_config import GPTConfig
-from zjax.models._layers import (
-    KVCache,
-    LayerNorm,
-    RMSNorm,
-    causal_mask,
-    check_length,
-    param,
-    zeros,
-)
+from zjax.models._layers import KVCache, LayerNorm, RMSNorm, check_length, param, zeros
+from zjax.models._lm import lm_loss
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
+from zjax.nn.attention import attention
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
 
@@ -64,13 +59,16 @@ class Block(nnx.Module):
             self.bo, self.b_up = zeros((d,), ("embed",)), zeros((ff,), ("mlp",))
             self.b_down = zeros((d,), ("embed",))
         self.bias = cfg.bias
+        self.attention = cfg.attention
 
     def _plus(self, x, name: str):
         return x + getattr(self, name)[...] if self.bias else x
 
-    def __call__(self, x, cache: KVCache | None = None, start=0):
+    def __call__(self, x, cache: KVCache | None = None, start=0, *,
+                 context: Packing | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
-        positions ``start``.. and ``(y, cache)`` comes back."""
+        positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents
+        (attention stays within each)."""
         b, t, d = x.shape
         hd = d // self.n_heads
         m = model_axis_size()
@@ -85,11 +83,11 @@ class Block(nnx.Module):
         v = self._plus(y @ self.wv[...], "bv").reshape(b, t, h, hd)
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
-            k, v = cache.k, cache.v
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(hd)
-        causal = causal_mask(t, k.shape[1], start)
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
-        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, h * hd)
+            att = attention(q, cache.k, cache.v, q_start=start, implementation="dense")
+        else:
+            att = attention(q, k, v, implementation=self.attention,
+                            segment_ids=None if context is None else context.segment_ids)
+        att = att.reshape(b, t, h * hd)
         x = self._plus(x + row_parallel_output(att @ self.wo[...]), "bo")
         y = column_parallel_input(self.ln2(x))
         up = jax.nn.gelu(self._plus(y @ self.w_up[...], "b_up"))  # tanh approximation: GPT-2's
@@ -110,21 +108,33 @@ class GPT(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
-        check_length(tokens, self.cfg.max_seq_len)
-        return self._logits(self.blocks(self._embed(tokens, 0)))
+        return (self.features(tokens, packing) @ self.head_weight()).astype(jnp.float32)
 
-    def _embed(self, tokens, start):
+    def features(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
+        """The final normalised hidden states ``[B, T, D]`` (what the head multiplies)."""
+        check_length(tokens, self.cfg.max_seq_len)
+        positions = None if packing is None else packing.positions
+        return self.ln_f(self.blocks(self._embed(tokens, 0, positions), packing))
+
+    def head_weight(self) -> jax.Array:
+        """The LM head ``[D, vocab]`` (the token embedding's transpose when tied)."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+
+    def _embed(self, tokens, start, positions=None):
         embed = self.embed[...]
         t = tokens.shape[1]
-        pos = self.pos[...][start:start + t] if isinstance(start, int) else \
-            jax.lax.dynamic_slice_in_dim(self.pos[...], start, t)
+        if positions is not None:  # packed documents: each restarts at position 0
+            pos = jnp.take(self.pos[...], positions, axis=0)
+        elif isinstance(start, int):
+            pos = self.pos[...][start:start + t]
+        else:
+            pos = jax.lax.dynamic_slice_in_dim(self.pos[...], start, t)
         return jnp.take(embed, tokens, axis=0) + pos.astype(embed.dtype)
 
     def _logits(self, h):
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        return (self.ln_f(h) @ head).astype(jnp.float32)
+        return (self.ln_f(h) @ self.head_weight()).astype(jnp.float32)
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> KVCache:
         """An empty key/value cache for ``batch`` sequences of up to ``length`` tokens
@@ -139,16 +149,3 @@ class GPT(nnx.Module):
         h, cache = self.blocks.decode(self._embed(tokens, start), cache, start)
         return self._logits(h), cache
 
-
-def lm_loss(model: GPT, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Next-token cross-entropy on ``batch`` of tokens ``[B, T + 1]``.
-
-    Returns:
-      ``(sum of token losses, token count)``: zjax divides by the global count, so a sharded
-      run equals a single-device one.
-    """
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model(inputs)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(logz - picked), jnp.asarray(targets.size, jnp.float32)

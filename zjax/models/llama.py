@@ -21,28 +21,36 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zjax.errors import ArgumentError
-from zjax.models._layers import KVCache, RMSNorm, causal_mask, check_length, param
+from zjax.models._batch import Packing
+from zjax.models._layers import KVCache, RMSNorm, check_length, param
 from zjax.models._llama_config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
+from zjax.nn.attention import attention
 
 __all__ = ["Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
 
 
 def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0,
-           scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
+           scaling: tuple[float, float, float, int] | None = None,
+           positions: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding of ``x`` ``[B, T, heads, head_dim]`` at positions
-    ``start``..``start``+T-1; ``scaling`` is Llama 3.1's ``(factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings)``."""
+    ``start``..``start``+T-1, or at ``positions`` ``[B, T]`` (packed documents); ``scaling``
+    is Llama 3.1's ``(factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings)``."""
     t, hd = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
     if scaling is not None:
         inv_freq = llama3_frequencies(inv_freq, *scaling)
-    positions = start + jnp.arange(t, dtype=jnp.float32)
-    angles = positions[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+    if positions is None:
+        positions = (start + jnp.arange(t, dtype=jnp.float32))[None]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B or 1, T, hd]
+    # cos and sin stay [.., T, hd] and broadcast over heads at the multiply: a [.., T, 1, hd]
+    # table would be padded on TPU (a minor dimension of 1 takes a whole tile)
+    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
 def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: float,
@@ -65,6 +73,7 @@ class LlamaBlock(nnx.Module):
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.n_kv_heads, self.head_dim = cfg.kv_heads, hd
         self.theta, self.rope_scaling = cfg.rope
+        self.attention = cfg.attention
         self.ln1 = RMSNorm(d, cfg.norm_eps)
         self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
         self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
@@ -75,33 +84,35 @@ class LlamaBlock(nnx.Module):
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
 
-    def _attention(self, y, cache: KVCache | None = None, start=0):
+    def _attention(self, y, cache: KVCache | None = None, start=0,
+                   context: Packing | None = None):
         b, t, _ = y.shape
         hd = self.head_dim
         wq, wk = self.wq[...], self.wk[...]
         h, kv = wq.shape[-1] // hd, wk.shape[-1] // hd  # this device's heads
-        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta, start, self.rope_scaling)
-        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta, start, self.rope_scaling)
+        pos = None if context is None else context.positions
+        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta, start, self.rope_scaling, pos)
+        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta, start, self.rope_scaling, pos)
         v = (y @ self.wv[...]).reshape(b, t, kv, hd)
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
-            k, v = cache.k, cache.v
-        q = q.reshape(b, t, kv, h // kv, hd)  # query heads grouped by their key/value head
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
-        probs = jax.nn.softmax(jnp.where(causal_mask(t, k.shape[1], start), scores, -1e30),
-                               axis=-1).astype(y.dtype)
-        return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h * hd), cache
+            att = attention(q, cache.k, cache.v, q_start=start, implementation="dense")
+        else:
+            att = attention(q, k, v, implementation=self.attention,
+                            segment_ids=None if context is None else context.segment_ids)
+        return att.reshape(b, t, h * hd), cache
 
-    def __call__(self, x, cache: KVCache | None = None, start=0):
+    def __call__(self, x, cache: KVCache | None = None, start=0, *,
+                 context: Packing | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
-        positions ``start``.. and ``(y, cache)`` comes back."""
+        positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents."""
         m = model_axis_size()
         if self.n_kv_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
                                 f"{self.n_kv_heads} key/value heads (n_kv_heads), which it "
                                 "splits")
         y = column_parallel_input(self.ln1(x))
-        att, new_cache = self._attention(y, cache, start)
+        att, new_cache = self._attention(y, cache, start, context)
         x = x + row_parallel_output(att @ self.wo[...])
         y = column_parallel_input(self.ln2(x))
         gated = jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])
@@ -121,14 +132,21 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
+        return (self.features(tokens, packing) @ self.head_weight()).astype(jnp.float32)
+
+    def features(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
+        """The final normalised hidden states ``[B, T, D]`` (what the head multiplies)."""
         check_length(tokens, self.cfg.max_seq_len)
-        return self._logits(self.blocks(jnp.take(self.embed[...], tokens, axis=0)))
+        return self.ln_f(self.blocks(jnp.take(self.embed[...], tokens, axis=0), packing))
+
+    def head_weight(self) -> jax.Array:
+        """The LM head ``[D, vocab]`` (the token embedding's transpose when tied)."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
     def _logits(self, h):
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        return (self.ln_f(h) @ head).astype(jnp.float32)
+        return (self.ln_f(h) @ self.head_weight()).astype(jnp.float32)
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> KVCache:
         """An empty key/value cache for ``batch`` sequences of up to ``length`` tokens."""

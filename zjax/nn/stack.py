@@ -44,18 +44,23 @@ class Stack(nnx.Module):
         self.remat = remat
         self.runner: Runner | None = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, context: Any = None) -> jax.Array:
+        """``x`` through every layer; ``context`` (packed documents' segment ids and
+        positions, say) reaches each block as ``block(h, context=context)``."""
         graphdef, state = nnx.split(self.layers)
         params = nnx.to_pure_dict(state)
 
-        def layer_fn(layer_params, h):
-            return nnx.merge(graphdef, layer_params)(h)
+        def layer_fn(layer_params, h, ctx=None):
+            block = nnx.merge(graphdef, layer_params)
+            return block(h) if ctx is None else block(h, context=ctx)
 
         if self.runner is not None:
-            return self.runner(layer_fn, params, x)
+            if context is None:
+                return self.runner(layer_fn, params, x)
+            return self.runner(layer_fn, params, x, context=context)
 
         def body(h, layer_params):
-            return layer_fn(layer_params, h), None
+            return layer_fn(layer_params, h, context), None
 
         if self.remat:
             body = jax.checkpoint(body)

@@ -63,7 +63,7 @@ def reduce_grads(grads: Any, plan: ShardPlan, *, reduced_in_backward: bool) -> A
     return plan.tree(out)
 
 
-def accumulate(fn: Callable[[Any], Any], batch: jax.Array, micro_batches: int) -> Any:
+def accumulate(fn: Callable[[Any], Any], batch: Any, micro_batches: int) -> Any:
     """The sum of ``fn`` over ``micro_batches`` equal splits of ``batch``'s leading axis.
 
     One micro-batch calls ``fn`` once; more run a ``lax.scan`` (cf. levanter's
@@ -71,13 +71,15 @@ def accumulate(fn: Callable[[Any], Any], batch: jax.Array, micro_batches: int) -
     """
     if micro_batches == 1:
         return fn(batch)
-    n = batch.shape[0]
+    n = jax.tree.leaves(batch)[0].shape[0]
     if n % micro_batches:
         raise ArgumentError(
             "micro_batches", f"{micro_batches} micro-batches do not divide the local batch of "
             f"{n} (the global batch over the data axis)")
-    mbs = batch.reshape(micro_batches, n // micro_batches, *batch.shape[1:])
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, mbs[0]))
+    mbs = jax.tree.map(lambda b: b.reshape(micro_batches, n // micro_batches, *b.shape[1:]),
+                       batch)
+    first = jax.tree.map(lambda b: b[0], mbs)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, first))
     total, _ = lax.scan(lambda acc, mb: (jax.tree.map(jnp.add, acc, fn(mb)), None), zeros, mbs)
     return total
 

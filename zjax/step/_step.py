@@ -91,15 +91,22 @@ class ZeroStep:
         _check_batch(shape, self.plan.n_batch, self.plan.n_replica)
 
     def put_batch(self, batch) -> jax.Array:
-        """Place a global (host) batch split over the ``data`` axis."""
-        self.check_batch(np.shape(batch))
+        """Place a global (host) batch (an array, or a mapping of them: packed documents)
+        split over the ``data`` axis."""
+        self.check_batch(_batch_shape(batch))
         return jax.device_put(batch, self.batch_sharding)
 
     def lower(self, batch: jax.ShapeDtypeStruct):
         """Lower the step from abstract values only (nothing is allocated)."""
-        self.check_batch(batch.shape)
-        batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=self.batch_sharding)
+        self.check_batch(_batch_shape(batch))
+        batch = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype,
+                                                            sharding=self.batch_sharding), batch)
         return self.step.lower(self.abstract_state, batch)
+
+
+def _batch_shape(batch) -> tuple:
+    """The shape of a batch's arrays (the tokens' of a mapping)."""
+    return np.shape(jax.tree.leaves(batch)[0])
 
 
 def _check_batch(shape, n_batch: int, replica: int = 1) -> None:
@@ -182,7 +189,7 @@ def make_step(
     shardings = layout.shardings
 
     def step_fn(state: TrainState, batch):
-        _check_batch(batch.shape, plan.n_batch, plan.n_replica)
+        _check_batch(_batch_shape(batch), plan.n_batch, plan.n_replica)
         grads, (loss_sum, count, extra) = grads_fn(state.params, batch)
         with host_update_errors(plan):
             updated = apply_update(tx, grads, count, loss_sum, state.opt_state,

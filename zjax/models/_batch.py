@@ -1,0 +1,78 @@
+"""What a language-model batch may carry: tokens, and for packed documents their segment ids,
+per-token positions and a loss mask.
+
+A batch is either an int array ``[B, T + 1]`` (one sequence per row), or a mapping with
+``tokens`` ``[B, T + 1]`` and any of ``segment_ids`` (ints, one per document in the row, 0 for
+padding), ``positions`` (each token's position in its document; derived from the segment ids
+when absent) and ``loss_mask`` (1 where the token is to be predicted, 0 where not: a prompt),
+each ``[B, T + 1]``, aligned with the tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from zjax.errors import ArgumentError
+
+__all__ = ["BATCH_KEYS", "Packing", "positions_from_segments", "split_batch"]
+
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+
+
+class Packing(NamedTuple):
+    """Packed documents, for the blocks: attention stays within a segment, positions restart
+    in each document.
+
+    Attributes:
+      segment_ids: int ``[B, T]``; 0 marks padding.
+      positions: int ``[B, T]``.
+    """
+
+    segment_ids: jax.Array
+    positions: jax.Array
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Each token's index within its run of equal segment ids (``[B, T]`` ints)."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+def split_batch(batch) -> tuple[jax.Array, jax.Array, jax.Array | None, Packing | None]:
+    """``(inputs [B, T], targets [B, T], weights [B, T] float32 or None, packing or None)``.
+
+    A target counts (weight 1) when it continues its input's document (same segment, not
+    padding) and its ``loss_mask`` is set; None weights mean every target counts.
+    """
+    if not isinstance(batch, Mapping):
+        return batch[:, :-1], batch[:, 1:], None, None
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown or "tokens" not in batch:
+        raise ArgumentError("batch", f"a batch mapping holds {', '.join(BATCH_KEYS)} "
+                            f"('tokens' required), got {sorted(batch)}")
+    tokens = batch["tokens"]
+    for key in BATCH_KEYS[1:]:
+        if key in batch and batch[key].shape != tokens.shape:
+            raise ArgumentError("batch", f"{key} has shape {batch[key].shape}, the tokens "
+                                f"{tokens.shape}")
+    weights, packing = None, None
+    if "segment_ids" in batch:
+        seg = batch["segment_ids"].astype(jnp.int32)
+        pos = batch.get("positions")
+        pos = positions_from_segments(seg) if pos is None else pos.astype(jnp.int32)
+        packing = Packing(seg[:, :-1], pos[:, :-1])
+        weights = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)).astype(jnp.float32)
+    elif "positions" in batch:  # without documents, where positions restart is unknown
+        raise ArgumentError("batch", "positions need segment_ids (which documents they "
+                            "number)")
+    if "loss_mask" in batch:
+        mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
+        weights = mask if weights is None else weights * mask
+    return tokens[:, :-1], tokens[:, 1:], weights, packing

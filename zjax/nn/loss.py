@@ -1,0 +1,91 @@
+"""Cross-entropy through the LM head without ``[tokens, vocab]`` float32 logits.
+
+``chunked_cross_entropy(h, w, targets)`` is ``logsumexp(h @ w) - (h @ w)[target]`` per token,
+computed ``chunk`` tokens at a time with its own backward: the forward keeps only each token's
+log-sum-exp, the backward recomputes a chunk's logits, turns them into ``softmax - onehot``
+and adds that chunk's share of the head's gradient (float32) before the next. The largest
+temporary is one chunk's ``[chunk, vocab]`` float32 logits, whatever the number of tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["chunked_cross_entropy"]
+
+
+def _chunks(x, n: int, size: int):
+    return x.reshape(n, size, *x.shape[1:])
+
+
+def _logits(hc, w):
+    return jnp.dot(hc, w, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ce(h, w, targets, chunk: int):
+    return _ce_fwd(h, w, targets, chunk)[0]
+
+
+def _ce_fwd(h, w, targets, chunk: int):
+    n = h.shape[0] // chunk
+
+    def one(args):
+        hc, tc = args
+        logits = _logits(hc, w)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+        return lse - picked, lse
+
+    losses, lse = lax.map(one, (_chunks(h, n, chunk), _chunks(targets, n, chunk)))
+    return losses.reshape(-1), (h, w, targets, lse.reshape(-1))
+
+
+def _ce_bwd(chunk: int, res, g):
+    h, w, targets, lse = res
+    n = h.shape[0] // chunk
+
+    def one(dw, args):
+        hc, tc, lc, gc = args
+        p = jnp.exp(_logits(hc, w) - lc[:, None])
+        onehot = jax.nn.one_hot(tc, w.shape[1], dtype=p.dtype)
+        dlogits = (p - onehot) * gc[:, None]
+        dh = jnp.dot(dlogits.astype(w.dtype), w.T, preferred_element_type=jnp.float32)
+        dw = dw + jnp.dot(hc.T, dlogits.astype(hc.dtype), preferred_element_type=jnp.float32)
+        return dw, dh.astype(h.dtype)
+
+    dw, dh = lax.scan(one, jnp.zeros(w.shape, jnp.float32),
+                      (_chunks(h, n, chunk), _chunks(targets, n, chunk), _chunks(lse, n, chunk),
+                       _chunks(g.astype(jnp.float32), n, chunk)))
+    return dh.reshape(h.shape), dw.astype(w.dtype), None
+
+
+_ce.defvjp(_ce_fwd, _ce_bwd)
+
+
+def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, *,
+                          chunk: int = 1024) -> jax.Array:
+    """Per-token ``-log softmax(h @ w)[target]`` in float32, ``chunk`` tokens at a time.
+
+    Args:
+      h: ``[..., D]`` final hidden states (any leading shape).
+      w: ``[D, V]`` the LM head (a tied embedding's transpose is fine).
+      targets: int ``[...]``, ``h``'s leading shape.
+      chunk: tokens per chunk (clipped to the count; the count is padded to it).
+
+    Returns:
+      ``[...]`` float32 losses. Gradients flow to ``h`` and ``w`` (not ``targets``).
+    """
+    lead = targets.shape
+    flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1).astype(jnp.int32)
+    count = flat_t.shape[0]
+    size = min(chunk, count)
+    padded = -(-count // size) * size
+    if padded != count:  # padding tokens' losses are computed and dropped
+        flat_h = jnp.pad(flat_h, ((0, padded - count), (0, 0)))
+        flat_t = jnp.pad(flat_t, (0, padded - count))
+    return _ce(flat_h, w, flat_t, size)[:count].reshape(lead)
