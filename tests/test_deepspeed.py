@@ -11,6 +11,7 @@ from helpers import ROOT, run_zjax
 import zjax
 from zjax.config import load_config
 from zjax.config._deepspeed import from_deepspeed, read_deepspeed
+from zjax.errors import ConfigError
 
 # the sample of ../shared/reference/ (the DeepSpeed ZeRO-3 article), comments and all
 ARTICLE = """{
@@ -311,3 +312,18 @@ def test_train_with_the_articles_sample(tmp_path):
             .splitlines()]
     assert [row["step"] for row in rows] == [5, 10] and rows[-1]["state_host_bytes"] > 0
     assert "deepspeed zero_optimization.contiguous_gradients: ignored" in r.stdout
+
+
+def test_activation_checkpointing_maps_to_zero_r_and_refuses_a_string_flag():
+    ds = {"zero_optimization": {"stage": 3},
+          "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                       "number_checkpoints": 4, "profile": False}}
+    imported = from_deepspeed(ds, n_data=8)
+    assert "zero.partition_activations=true" in imported.overrides
+    assert "zero.offload_activations=true" in imported.overrides
+    assert [k for k, _ in imported.ignored if k.startswith("activation")] == [
+        "activation_checkpointing.number_checkpoints", "activation_checkpointing.profile"]
+    with pytest.raises(ConfigError, match="cpu_checkpointing: expected true or false, got 'false'"):
+        from_deepspeed({"activation_checkpointing": {"cpu_checkpointing": "false"}}, n_data=8)
+    with pytest.raises(ConfigError, match="did you mean"):
+        from_deepspeed({"activation_checkpointing": {"cpu_checkpionting": True}}, n_data=8)

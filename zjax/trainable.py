@@ -25,6 +25,7 @@ import jax
 from flax import nnx
 
 from zjax.errors import NotGatheredError
+from zjax.mesh import MODEL
 from zjax.nn import Stack, bind_runners, iter_stacks
 from zjax.partition.gather import REMAT_POLICY, gather_tree, join_gathers
 from zjax.partition.plan import ShardPlan, path_str
@@ -120,7 +121,8 @@ def from_pytree(
 
         run = gather_on_use(loss_fn, [LeafSpec(leaf.path, leaf.dim) for leaf in plan.leaves],
                             prefetch=prefetch, join=plan.join_gathers,
-                            bucket=plan.bucket_layer_gathers, comm=plan.comm)
+                            bucket=plan.bucket_layer_gathers, comm=plan.comm,
+                            **_input_keeping(plan))
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     return Trainable(init=init, loss=loss, logical_axes=logical_axes)
@@ -171,6 +173,14 @@ def _gather_non_stacked(shards, plan: ShardPlan):
     return plan.tree(out)
 
 
+def _input_keeping(plan: ShardPlan) -> dict:
+    """How the layer schedule keeps saved layer inputs (``zero.offload_activations``,
+    ``zero.partition_activations``): ``ScheduleSpec``'s fields."""
+    split = plan.zero.partition_activations and plan.n_model > 1
+    return dict(offload_inputs=plan.zero.offload_activations,
+                partition_inputs=MODEL if split else None)
+
+
 def _stack_runner(plan: ShardPlan):
     """``runner(path, stack)``: the scheduled scan that runs the Stack at ``path``."""
     by_path = {leaf.path: leaf for leaf in plan.leaves}
@@ -189,6 +199,7 @@ def _stack_runner(plan: ShardPlan):
                                               n_layers=stack.n_layers),
             bucket=plan.bucket_layer_gathers,
             comm=plan.comm,
+            **_input_keeping(plan),
         )
         return functools.partial(scheduled_scan, spec=spec)
 

@@ -66,9 +66,16 @@ _TOP_IGNORED = {
     "flops_profiler": "not in zjax", "comms_logger": "`zjax plan` reports collective bytes",
     "tensorboard": "set logging.tensorboard", "wandb": "not in zjax",
     "csv_monitor": "metrics.jsonl", "checkpoint": "set checkpoint.*",
-    "activation_checkpointing": "stage 3 always recomputes each layer; model.remat for 0-2",
     "aio": "NVMe only", "data_types": "set zero.reduce_dtype",
     "seq_parallel_communication_data_type": "no sequence parallelism",
+}
+_ACTIVATIONS = {"partition_activations": "zero.partition_activations",
+                "cpu_checkpointing": "zero.offload_activations"}
+_ACTIVATIONS_IGNORED = {
+    "contiguous_memory_optimization": "XLA lays out the saved layer inputs",
+    "number_checkpoints": "each layer's input is saved (stage 3's schedule; model.remat)",
+    "synchronize_checkpoint_boundary": "the compiled step orders its own transfers",
+    "profile": "`zjax plan` reports the compiled step's memory",
 }
 _NON_FINITE = re.compile(r"\s*[-+]?(NaN|Infinity|nan|inf)\b")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float32": "float32",
@@ -300,6 +307,20 @@ def _batch(r: _Reader, ds: dict, n_data: int) -> None:
         r.set("train.grad_accum", gas)
 
 
+def _activations(r: _Reader, d: dict) -> None:
+    """``activation_checkpointing``: ZeRO-R's partitioned and host-memory layer inputs."""
+    for key, value in d.items():
+        where = f"activation_checkpointing.{key}"
+        if key in _ACTIVATIONS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"deepspeed {where}: expected true or false, got {value!r}")
+            r.set(_ACTIVATIONS[key], value)
+        elif key in _ACTIVATIONS_IGNORED:
+            r.ignore(where, _ACTIVATIONS_IGNORED[key])
+        else:
+            raise r.unknown(where, [*_ACTIVATIONS, *_ACTIVATIONS_IGNORED])
+
+
 def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
     """Map a DeepSpeed config (the JSON object) to zjax overrides.
 
@@ -335,6 +356,8 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
             _optimizer(r, _object(key, value))
         elif key == "scheduler":
             _scheduler(r, _object(key, value))
+        elif key == "activation_checkpointing":
+            _activations(r, _object(key, value))
         elif key == "gradient_clipping":
             if not _auto(r, key, value):
                 clip = _number(key, value)
@@ -356,7 +379,8 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
             raise r.unknown(key, ["zero_optimization", "optimizer", "scheduler", "bf16", "fp16",
                                   "train_batch_size", "train_micro_batch_size_per_gpu",
                                   "gradient_accumulation_steps", "gradient_clipping",
-                                  "steps_per_print", *_TOP_IGNORED])
+                                  "steps_per_print", "activation_checkpointing",
+                                  *_TOP_IGNORED])
     _batch(r, ds, n_data)
     overrides = tuple(f"{k}={json.dumps(v)}" for k, v in r.out.items())
     return DeepSpeedImport(overrides, tuple(r.ignored))

@@ -46,6 +46,14 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from zjax.partition._layer_io import (
+    cotangent,
+    float_or_none,
+    input_keeping,
+    is_float,
+    refill,
+    slice_layer,
+)
 from zjax.partition.gather import (
     UINT,
     Comm,
@@ -75,39 +83,20 @@ class ScheduleSpec:
       bucket: with prefetch, move a layer's sharded float leaves as one bucket: one
         all-gather per layer and one reduce-scatter per layer gradient
         (:func:`~zjax.partition.gather.all_gather_bucket`), instead of one per leaf.
+      offload_inputs: keep the layer inputs saved for the backward in host memory
+        (``pinned_host``), each sent there as the forward leaves its layer and brought back
+        as the backward reaches it (DeepSpeed's ``cpu_checkpointing``).
+      partition_inputs: a mesh axis the layer inputs are replicated over (tensor
+        parallelism's ``model``): each device keeps its ``1/n`` of their last dimension and
+        the backward all-gathers it (DeepSpeed's ``partition_activations``).
     """
 
     dims: tuple[int | None, ...]
     comm: Comm = dataclasses.field(default_factory=Comm)
     prefetch: int = 1
     bucket: bool = False
-
-
-def _slice(leaf, i):
-    return lax.dynamic_index_in_dim(leaf, i, 0, keepdims=False)
-
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def _cotangent(x, ct):
-    """``ct`` as ``jax.vjp`` wants it for primal ``x``: float0 zeros for integer values."""
-    if not _is_float(x):
-        return np.zeros(np.shape(x), jax.dtypes.float0)
-    return jnp.zeros_like(x) if ct is None or getattr(ct, "dtype", None) == jax.dtypes.float0 \
-        else ct
-
-
-def _float_or_none(ct, x):
-    return ct if _is_float(x) else None
-
-
-def _refill(like: Any, float_cts: list) -> Any:
-    """Cotangents shaped like ``like``: ``float_cts`` in order for its float leaves, None for
-    the others (a custom_vjp's zero cotangent)."""
-    it = iter(float_cts)
-    return jax.tree.map(lambda x: next(it) if _is_float(x) else None, like)
+    offload_inputs: bool = False
+    partition_inputs: str | None = None
 
 
 def scheduled_scan(
@@ -116,6 +105,7 @@ def scheduled_scan(
     x: jax.Array,
     *,
     spec: ScheduleSpec,
+    context: Any = None,
 ) -> jax.Array:
     """Run ``x`` through L layers whose params are stacked shards (inside ``shard_map``).
 
@@ -124,15 +114,18 @@ def scheduled_scan(
       stacked_params: pytree of local shards with leading layer dimension L.
       x: the activations entering layer 0.
       spec: leaf layout, dtypes and prefetch depth.
+      context: values every layer reads besides ``x`` (packed documents' segment ids and
+        positions), passed as ``layer_fn(params, x, context)``; None: ``layer_fn(params, x)``.
 
     Returns:
       The output of layer L-1. Differentiable: cotangents of sharded leaves come back
       reduce-scattered over ``spec.comm.axis_name`` in each leaf's own dtype.
     """
     def body(params, consts, h, xs):
-        return layer_fn(params, h), None
+        return (layer_fn(params, h) if context is None else layer_fn(params, h, consts)), None
 
-    return scheduled_loop(body, stacked_params, (), x, None, spec=spec)[0]
+    consts = () if context is None else context
+    return scheduled_loop(body, stacked_params, consts, x, None, spec=spec)[0]
 
 
 def scheduled_loop(
@@ -175,9 +168,11 @@ def scheduled_loop(
     to_home = (lambda x: jax.device_put(x, jax.memory.Space.Host)) if comm.from_host \
         else (lambda x: x)
 
+    keep, restore = input_keeping(spec.partition_inputs, offload=spec.offload_inputs)
+
     # the leaves moved as one bucket (spec.bucket): sharded float leaves, if more than one;
     # never without prefetch (a layer's bucket would arrive whole before any of its compute)
-    bucketed = [d is not None and _is_float(x) for x, d in zip(leaves_in, spec.dims,
+    bucketed = [d is not None and is_float(x) for x, d in zip(leaves_in, spec.dims,
                                                                 strict=True)]
     hpz = comm.node_axis is not None
     if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize:
@@ -189,7 +184,7 @@ def scheduled_loop(
         """Layer ``i``'s weights, and (hpZ) their secondary partitions, kept for the backward."""
         out, secondary = [], []
         for leaf, dim, b in zip(leaves, spec.dims, bucketed, strict=True):
-            w, sec = to_device(_slice(leaf, i)), None
+            w, sec = to_device(slice_layer(leaf, i)), None
             floating = jnp.issubdtype(w.dtype, jnp.floating)
             if floating and not (comm.quantize and dim is not None):
                 w = comm.cast(w)  # (quantized from the float32 shard itself)
@@ -222,16 +217,16 @@ def scheduled_loop(
                 out.append(None)
                 continue
             if dim is None:  # never communicated: sliced and cast
-                w = to_device(_slice(leaf, i))
-                out.append(comm.cast(w) if _is_float(w) else w)
+                w = to_device(slice_layer(leaf, i))
+                out.append(comm.cast(w) if is_float(w) else w)
                 continue
-            floating = _is_float(leaf)
+            floating = is_float(leaf)
             c = comm if floating else dataclasses.replace(comm, quantize=False)
-            out.append(gather_within(jax.tree.map(lambda v: _slice(v, i), sec), c,
+            out.append(gather_within(jax.tree.map(lambda v: slice_layer(v, i), sec), c,
                                      axis=dim - 1, shard_shape=leaf.shape[1:],
                                      dtype=gather_dtype if floating else leaf.dtype))
         if in_bucket:
-            parts = [lax.bitcast_convert_type(_slice(secondary[j], i), gather_dtype)
+            parts = [lax.bitcast_convert_type(slice_layer(secondary[j], i), gather_dtype)
                      for j in in_bucket]
             for j, w in zip(in_bucket, all_gather_bucket(parts, bucket_dims, comm.axis_name),
                             strict=True):
@@ -258,7 +253,8 @@ def scheduled_loop(
             else:
                 ws, sec = gather_layer(leaves, i)
             h_next, y = apply(ws, consts, h, x_i)
-            return (h_next, buf), (y, h if save else None, sec if save and hpz else None)
+            kept = keep(h) if save else None
+            return (h_next, buf), (y, kept, sec if save and hpz else None)
 
         # the layer inputs (and hpZ's secondary partitions) leave the loop as its stacked
         # outputs: a buffer threaded through the carry instead is stacked once per iteration
@@ -284,21 +280,21 @@ def scheduled_loop(
     def run_bwd(res, cts):
         leaves, consts, xs, (hs, buf, secs) = res
         dy, dys = cts
-        dy = jax.tree.map(_cotangent, carry_avals, dy)
+        dy = jax.tree.map(cotangent, carry_avals, dy)
         # integer outputs' cotangents (float0) as float placeholders that slice like the rest
         dys = jax.tree.map(lambda d: jnp.zeros(d.shape, jnp.float32)
                            if d.dtype == jax.dtypes.float0 else d, dys)
         # tie the backward gathers to the cotangent: XLA can neither hoist them into the
         # forward pass nor merge them (CSE) with the forward's gathers of the same layers
         leaves, secs, dy = lax.optimization_barrier((leaves, secs, dy))
-        float_consts = [_is_float(c) for c in jax.tree.leaves(consts)]
+        float_consts = [is_float(c) for c in jax.tree.leaves(consts)]
         scatter_kw = dict(method=comm.scatter, block=comm.block, scale_dtype=comm.scale_dtype)
 
         def layer_vjp(ws, h_i, dy, x_i, dy_i, dconsts, nxt):
             """The layer's carry cotangent, its weights' gradient shards, its xs cotangent,
             and ``nxt`` (the prefetched weights), complete before the gradient leaves."""
             out, vjp = jax.vjp(apply, ws, consts, h_i, x_i)
-            ct = (jax.tree.map(_cotangent, out[0], dy), jax.tree.map(_cotangent, out[1], dy_i))
+            ct = (jax.tree.map(cotangent, out[0], dy), jax.tree.map(cotangent, out[1], dy_i))
             if nxt is not None and comm.prefetch_before_vjp:
                 # the prefetch arrives during the recomputed forward, not in flight across
                 # the VJP, where the step peaks (Backend.prefetch_before_vjp: TPU)
@@ -335,9 +331,9 @@ def scheduled_loop(
             return dh, tuple(shards), dx_i, dconsts, nxt, tuple(pend)
 
         grads = tuple(to_home(jnp.zeros(leaf.shape, leaf.dtype)) for leaf in leaves)
-        dconsts = [jnp.zeros_like(c) for c in jax.tree.leaves(consts) if _is_float(c)]
+        dconsts = [jnp.zeros_like(c) for c in jax.tree.leaves(consts) if is_float(c)]
         xs_leaves = jax.tree.leaves(xs)
-        dxs = [jnp.zeros_like(x) for x in xs_leaves if _is_float(x)]
+        dxs = [jnp.zeros_like(x) for x in xs_leaves if is_float(x)]
 
         def across_nodes(pend):
             """hpZ's second level of the previous layer's gradients: issued at the start of
@@ -372,15 +368,16 @@ def scheduled_loop(
                 ws, nxt = regather_layer(leaves, secs, i), None
 
             def at_i(tree):
-                return jax.tree.map(lambda v: _slice(v, i), tree)
+                return jax.tree.map(lambda v: slice_layer(v, i), tree)
 
-            dy, shards, dx_i, dconsts, nxt, pend = layer_vjp(ws, at_i(hs), dy, at_i(xs),
+            h_i = restore(at_i(hs), carry_avals)
+            dy, shards, dx_i, dconsts, nxt, pend = layer_vjp(ws, h_i, dy, at_i(xs),
                                                              at_i(dys), dconsts, nxt)
             if k:
                 buf = (*buf[1:], nxt)
             grads = write(grads, shards, i)
             float_dx = [d for d, x in zip(jax.tree.leaves(dx_i), xs_leaves, strict=True)
-                        if _is_float(x)]
+                        if is_float(x)]
             dxs = [lax.dynamic_update_index_in_dim(acc, d, i, 0)
                    for acc, d in zip(dxs, float_dx, strict=True)]
             return (dy, buf, grads, dconsts, dxs, pend), None
@@ -388,8 +385,8 @@ def scheduled_loop(
         (dy, buf, grads, dconsts, dxs, pend), _ = lax.scan(
             step, (dy, buf, grads, dconsts, dxs, pend), jnp.arange(n_layers))
         grads = write(grads, across_nodes(pend), 0)
-        return (grads, _refill(consts, dconsts), jax.tree.map(_float_or_none, dy, carry_avals),
-                _refill(xs, dxs))
+        return (grads, refill(consts, dconsts), jax.tree.map(float_or_none, dy, carry_avals),
+                refill(xs, dxs))
 
     run.defvjp(run_fwd, run_bwd)
     # named: an enclosing jax.checkpoint (the loss's, which re-gathers the non-Stack leaves)

@@ -79,6 +79,8 @@ def gather_on_use(
     comm: Comm = _DEFAULT_COMM,
     join: bool = False,
     bucket: bool = False,
+    offload_inputs: bool = False,
+    partition_inputs: str | None = None,
 ) -> Callable[..., Any]:
     """Wrap ``fn(params, *args)`` to run on shards, each leaf gathered where it is used.
 
@@ -90,6 +92,8 @@ def gather_on_use(
       join: order every segment's gathers after its inputs (XLA:CPU's collectives).
       bucket: a layer scan with prefetch moves each layer's leaves as one bucket
         (``ScheduleSpec.bucket``).
+      offload_inputs, partition_inputs: how a layer scan keeps its saved layer inputs
+        (``ScheduleSpec``: in host memory; split over a mesh axis).
 
     Returns:
       ``wrapped(shards, *args)`` (call it inside ``shard_map``; wrap it in
@@ -114,7 +118,9 @@ def gather_on_use(
             prog = analyse(closed, leaves)
             _warn_if_flat(prog, leaves)
             outs = _execute(prog, flat, jax.tree.leaves(args), leaves, gather_leaf, prefetch,
-                            comm, bucket=bucket, join=join)
+                            comm, join=join,
+                            layer_opts=dict(bucket=bucket, offload_inputs=offload_inputs,
+                                            partition_inputs=partition_inputs))
         except Exception as e:  # a program this transform cannot rewrite: correct, unscheduled
             warnings.warn(GatherFallbackWarning(
                 f"zjax could not schedule the model's gathers ({type(e).__name__}: "
@@ -207,7 +213,7 @@ def _tie_at(prog: Program, shards: list, depth_of, join: bool) -> dict:
 
 
 def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefetch,
-             comm: Comm, *, bucket: bool, join: bool) -> list:
+             comm: Comm, *, layer_opts: dict, join: bool) -> list:
     values = dict(zip(prog.arg_keys, args, strict=True))
     top = _gather_top(prog, shards, leaves, gather_leaf, join)
     later = _later(prog)
@@ -227,7 +233,7 @@ def _execute(prog: Program, shards: list, args: list, leaves, gather_leaf, prefe
             outs = _run_scan(prog, seg, dict(zip(inputs, in_vals, strict=True)), top,
                              {i: shards[i] for i in private},
                              {i: shards[i] for _, i in seg.stacked}, gather_leaf, leaves,
-                             prefetch, comm, bucket)
+                             prefetch, comm, layer_opts)
             env.values.update((k, outs[k]) for k in exports)
             continue
         used = sorted({prog.root[a] for op in seg.ops for a in op.ins
@@ -284,7 +290,7 @@ def _run_plain(prog, seg, inputs, exports, private, used, gather_leaf, shards, l
 
 
 def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gather_leaf,
-              leaves, prefetch, comm: Comm, bucket: bool) -> dict:
+              leaves, prefetch, comm: Comm, layer_opts: dict) -> dict:
     (op,) = seg.ops
     leaf_values = dict(top)
     leaf_values.update({i: gather_leaf(x, i) for i, x in private_shards.items()})
@@ -315,7 +321,7 @@ def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gath
         dims=tuple(leaves[sliced[pos]].dim for pos in order),
         prefetch=prefetch(layer_elements, n_layers),
         comm=comm.resolved(want[0]),
-        bucket=bucket,
+        **layer_opts,
     )
     carry_out, ys = scheduled_loop(body, [stacked_shards[sliced[pos]] for pos in order],
                                    consts, carry, xs, spec=spec)
