@@ -108,7 +108,8 @@ def test_auto_picks_each_backends_kernel_and_one_that_honours_the_mask():
     assert choose("gpu", _mask(window=4096), **ask) == "blockwise"
     assert choose("gpu", _mask(softcap=30.0), **ask) == "blockwise"
     assert choose("cpu", _mask(), **ask) == "blockwise"
-    assert choose("cpu", _mask(), **{**ask, "q_len": 512, "kv_len": 512}) == "dense"
+    assert choose("cpu", _mask(), **{**ask, "q_len": 256, "kv_len": 256}) == "dense"
+    assert choose("cpu", _mask(), **{**ask, "q_len": 512, "kv_len": 512}) == "blockwise"
     # lengths the kernels' blocks do not divide
     assert choose("tpu", _mask(), **{**ask, "q_len": 1000, "kv_len": 1000}) == "blockwise"
     assert choose("gpu", _mask(), **{**ask, "q_len": 3000, "kv_len": 3000}) == "blockwise"
