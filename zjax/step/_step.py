@@ -105,7 +105,7 @@ class ZeroStep:
 
 
 def _batch_shape(batch) -> tuple:
-    """The shape of a batch's arrays (the tokens' of a mapping)."""
+    """The shape of a batch's first array (a mapping's arrays share the batch dimension)."""
     return np.shape(jax.tree.leaves(batch)[0])
 
 
