@@ -7,6 +7,8 @@ compiled HLO on 2 simulated hosts x 4 devices."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -65,9 +67,22 @@ def test_hpz_matches_single_device(reference, k, prefetch, model, micro):
     assert len(slices) == plan.n_shard * (model if plan.leaves[j].model_dim is not None else 1)
 
 
+# the two compiled-step tests' model: wide enough that the secondary partition is the temp
+# it adds (tiny.yaml's 4 layers of 128 grow by 1.25 times it); the inter-host bytes hold at
+# any size
+WIDER = ("model.d_model=512", "model.n_layers=8", "model.n_heads=8")
+
+
 def _report(*overrides):
+    """The plan of tiny.yaml at ``WIDER`` with ``overrides`` on 2 hosts (each configuration
+    compiled once for both tests: seconds each)."""
+    return _compiled_report(tuple(sorted(overrides)))  # distinct keys: order is immaterial
+
+
+@functools.cache
+def _compiled_report(overrides):
     config = load_config(ROOT / "configs/tiny.yaml",
-                         ["zero.stage=3", "zero.reduce_dtype=float32", *overrides])
+                         ["zero.stage=3", "zero.reduce_dtype=float32", *WIDER, *overrides])
     return compile_report(config, jax.devices(), hosts=2)
 
 
@@ -76,7 +91,7 @@ def _inter(report, kind):
 
 
 def test_hpz_keeps_backward_gathers_and_half_the_scatter_in_the_node():
-    """On 2 hosts x 4 devices (tiny.yaml, bf16 gathers, prefetch 1): stage 3's gathers and
+    """On 2 hosts x 4 devices (``WIDER``, bf16 gathers, prefetch 1): stage 3's gathers and
     scatters all span both hosts. With hpZ over 4, a stacked weight crosses hosts once, in
     the forward's gather across nodes (a quarter of it per device), and the backward gathers
     within the host only; the leaves outside the stack cross in both passes. The gradients'
@@ -86,7 +101,7 @@ def test_hpz_keeps_backward_gathers_and_half_the_scatter_in_the_node():
     qwz = _report("zero.hpz_partition_size=4", "zero.quantized_weights=true")
     qgz = _report("zero.hpz_partition_size=4", "zero.quantized_weights=true",
                   "zero.quantized_gradients=true")
-    plan = zjax.build_step(load_config(ROOT / "configs/tiny.yaml")).plan
+    plan = zjax.build_step(load_config(ROOT / "configs/tiny.yaml", WIDER)).plan
     stack = [leaf for leaf in plan.leaves if leaf.stacked and leaf.dim is not None]
     layers = stack[0].shape[0]
     outside = sum(leaf.size for leaf in plan.leaves if not leaf.stacked and leaf.dim is not None)
@@ -117,16 +132,15 @@ def test_secondary_partition_memory_is_in_the_compiled_step():
     """The forward keeps each stacked weight's secondary partition for the backward: the
     compiled step's temp grows by 2 Psi_stack / k bytes (bf16; d_model 512, 8 layers), as
     the plan reports; with qwZ the partition is kept as int8 and about halves."""
-    wider = ["model.d_model=512", "model.n_layers=8", "model.n_heads=8"]
-    base, hpz = _report(*wider), _report(*wider, "zero.hpz_partition_size=4")
+    base, hpz = _report(), _report("zero.hpz_partition_size=4")
     assert "hpz_secondary_bytes" not in base.formula
-    config = load_config(ROOT / "configs/tiny.yaml", wider)
+    config = load_config(ROOT / "configs/tiny.yaml", WIDER)
     stack = sum(leaf.size for leaf in zjax.build_step(config).plan.leaves
                 if leaf.stacked and leaf.dim is not None)
     assert hpz.formula["hpz_secondary_bytes"] == 2 * stack // 4
     grew = hpz.per_device["temp_bytes"] - base.per_device["temp_bytes"]
     assert grew == pytest.approx(2 * stack / 4, rel=0.02)
-    quantized = [*wider, "zero.quantized_weights=true"]
+    quantized = ["zero.quantized_weights=true"]
     grew_q = _report(*quantized, "zero.hpz_partition_size=4").per_device["temp_bytes"] \
         - _report(*quantized).per_device["temp_bytes"]
     assert grew_q == pytest.approx(stack / 4, rel=0.1)  # 1 byte + a scale per 256

@@ -111,8 +111,9 @@ def _cli(*args):
 
 def test_plan_cli_budget_writes_a_config_that_loads(tmp_path):
     out = tmp_path / "chosen.yaml"
-    # 2 devices: model axis sizes 1 and 2 only (the search space itself is tested in-process)
-    r = _cli("configs/tiny.yaml", *SMALL, "data.batch_size=4", "--devices", "2",
+    # 2 devices: model axis sizes 1 and 2 only (the search space itself is tested in-process);
+    # a batch of 2: one micro-batch count at model 1 (each candidate tried costs a compile)
+    r = _cli("configs/tiny.yaml", *SMALL, "data.batch_size=2", "--devices", "2",
              "--budget", "64MiB", "--write", str(out), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(r.stdout)
@@ -120,7 +121,10 @@ def test_plan_cli_budget_writes_a_config_that_loads(tmp_path):
         <= 64 * 2**20
     assert zjax.load_config(out).zero.stage == data["best"]["setting"]["stage"]
     assert len(data["rows"]) >= 2
-    r = _cli("configs/tiny.yaml", *SMALL, "--devices", "2", "--budget", "1KiB")
+    # the same model and batch: its leanest candidates, compiled first, are the search's
+    # above (read from the compilation cache, not compiled again)
+    r = _cli("configs/tiny.yaml", *SMALL, "data.batch_size=2", "--devices", "2",
+             "--budget", "1KiB")
     assert r.returncode == 2 and "fits no configuration; the smallest needs" in r.stderr
     assert "Traceback" not in r.stderr
     r = _cli("configs/tiny.yaml", "--budget", "lots")

@@ -6,6 +6,8 @@ float32), and training tracking the unquantized run."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,18 +73,28 @@ def test_quantized_reduce_scatter_is_the_sum_within_the_steps(scale):
     assert np.abs(got - exact).max() <= 8 * np.abs(x).max() / 127 * coarser / 2
 
 
+# the short runs' model: every leaf's shard a whole number of 256-element blocks
+SHORT = GPTConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+@functools.cache
+def _short_run(zero: zjax.ZeroConfig):
+    """(collective bytes of the compiled step, losses of 5 steps) of ``SHORT`` under ``zero``:
+    once per configuration (stage 3's plain run serves the gather and gradient tests alike;
+    each run costs a compile of seconds)."""
+    zstep, _, losses = train_steps(gpt_trainable(SHORT), zero, token_batches(5))
+    text = zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32)).compile().as_text()
+    return collective_bytes(text), losses
+
+
 @pytest.mark.slow
 def test_quantized_gathers_move_half_the_bytes_and_track_the_loss():
-    cfg = GPTConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, max_seq_len=16)
-    batches = token_batches(5)
     runs = {}
     for quantized, scale in ((False, "float32"), (True, "float32"), (True, "bfloat16")):
         zero = zjax.ZeroConfig(stage=3, prefetch_layers=1, param_persistence_threshold=0,
                                gather_dtype="bfloat16", quantized_weights=quantized,
                                quantize_scale_dtype=scale)
-        zstep, _, losses = train_steps(gpt_trainable(cfg), zero, batches)
-        text = zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32)).compile().as_text()
-        runs[quantized, scale] = collective_bytes(text), losses
+        runs[quantized, scale] = _short_run(zero)
     (plain, plain_losses), (quant, quant_losses) = runs[False, "float32"], runs[True, "float32"]
     # int8 plus a float32 scale per 256 elements, against bfloat16; a bfloat16 scale
     assert quant.all_gather / plain.all_gather == pytest.approx((1 + 4 / 256) / 2, rel=0.001)
@@ -96,15 +108,11 @@ def test_quantized_gathers_move_half_the_bytes_and_track_the_loss():
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_quantized_gradients_move_a_quarter_and_track_the_loss(stage):
-    cfg = GPTConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, max_seq_len=16)
-    batches = token_batches(5)
     runs = {}
     for quantized in (False, True):
         zero = zjax.ZeroConfig(stage=stage, prefetch_layers=1, param_persistence_threshold=0,
                                reduce_dtype="float32", quantized_gradients=quantized)
-        zstep, _, losses = train_steps(gpt_trainable(cfg), zero, batches)
-        text = zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32)).compile().as_text()
-        runs[quantized] = collective_bytes(text), losses
+        runs[quantized] = _short_run(zero)
     (plain, plain_losses), (quant, quant_losses) = runs[False], runs[True]
     assert quant.reduce_scatter == 0 and plain.all_to_all == 0
     assert quant.all_to_all / plain.reduce_scatter == pytest.approx((1 + 4 / 256) / 4,
@@ -114,18 +122,22 @@ def test_quantized_gradients_move_a_quarter_and_track_the_loss(stage):
 
 @pytest.mark.slow
 def test_quantized_training_matches_plain_eval_loss(tmp_path):
-    """The tiny config, 40 steps: the eval loss with qwZ and qgZ (and with hpZ over 4 as
-    well) within 2% of stage 3's (0.96% and 0.70% off; 300 steps: see the README's
-    figures)."""
+    """The tiny config at 2 layers and 64 tokens, 20 steps: the eval loss with qwZ and qgZ
+    (and with hpZ over 4 as well) within 1% of stage 3's (measured 0.17% and 0.11% off; a
+    25% error in the scales is 7.1% and 5.7% off, int8 values rounded to 7 levels 1.2% and
+    2.3%; 300 steps of the full config: see the README's figures). The full tiny config
+    (40 steps: 0.9% and 1.3% off, within 2%) took three times as long and, at 20 steps, is
+    still dropping too fast to compare (1.7% and 2.5% off)."""
     finals = {}
     for quantized, hpz in (("false", 1), ("true", 1), ("true", 4)):
         config = load_config(ROOT / "configs/tiny.yaml", [
+            "model.n_layers=2", "data.seq_len=64",
             "zero.stage=3", f"zero.quantized_weights={quantized}",
             f"zero.quantized_gradients={quantized}", f"zero.hpz_partition_size={hpz}",
-            "train.steps=40", "train.eval_every=40", "logging.progress=false"])
+            "train.steps=20", "train.eval_every=20", "logging.progress=false"])
         finals[quantized, hpz] = zjax.train(None, config).history[-1]["eval_loss"]
     for key in (("true", 1), ("true", 4)):
-        assert finals[key] == pytest.approx(finals["false", 1], rel=0.02), finals
+        assert finals[key] == pytest.approx(finals["false", 1], rel=0.01), finals
 
 
 def test_quantization_below_its_stage_is_refused():
