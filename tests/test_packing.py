@@ -7,6 +7,8 @@ one in values and gradients. Tolerance: float32, 1e-5 relative / 1e-6 absolute (
 arithmetic in another order).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,19 +48,28 @@ def _packed(a, b):
 
 
 def _per_token(model, batch):
-    inputs, targets, weights, packing = split_batch(batch)
-    losses = chunked_cross_entropy(model.features(inputs, packing), model.head_weight(),
-                                   targets, chunk=model.cfg.loss_chunk)
+    weights = split_batch(batch)[2]
+    losses = _jit_per_token(*nnx.split(model), batch)
     return losses if weights is None else losses[weights > 0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_per_token(graphdef, state, batch):
+    # jitted: each eager op of a model dispatches on its own (minutes for these few rows)
+    model = nnx.merge(graphdef, state)
+    inputs, targets, _, packing = split_batch(batch)
+    return chunked_cross_entropy(model.features(inputs, packing), model.head_weight(),
+                                 targets, chunk=model.cfg.loss_chunk)
 
 
 def _loss_and_grads(model, batch):
     graphdef, params = nnx.split(model, nnx.Param)
+    return _jit_loss_and_grads(graphdef, params, batch)
 
-    def loss(p):
-        return lm_loss(nnx.merge(graphdef, p), batch)[0]
 
-    return jax.value_and_grad(loss)(params)
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_loss_and_grads(graphdef, params, batch):
+    return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch)[0])(params)
 
 
 @pytest.mark.parametrize("attention", ["dense", "blockwise"])
@@ -137,7 +148,7 @@ def test_the_zero3_step_takes_packed_batches():
         total, count = lm_loss(nnx.merge(graphdef, p), batch)
         return total / count
 
-    want, grads = jax.value_and_grad(mean_loss)(params)
+    want, grads = jax.jit(jax.value_and_grad(mean_loss))(params)
     _, metrics = zstep.step(state, zstep.put_batch(batch))
     np.testing.assert_allclose(metrics["loss"], want, **TOL)
     np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
