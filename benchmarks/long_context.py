@@ -10,7 +10,8 @@ per device, sequence lengths 2048 and 8192, ``model.attention`` auto (the new de
 each target, with and without ``zero.offload_activations``.
 
 ``fit``: ``configs/llama3-8b.yaml`` (its own settings) at ``--batch`` x ``--seq`` tokens per
-device on each target, with and without ``zero.offload_activations``.
+device on each target, with and without ``zero.offload_activations``, and with the MLP tiled
+by one sequence (``model.mlp_chunk``).
 
 Prints one JSON object (progress on stderr). Every figure is ``memory_analysis()`` of the step
 lowered from ``ShapeDtypeStruct``s: exact and repeatable.
@@ -86,7 +87,8 @@ def fit(targets: list[str], batch: int, seq: int) -> dict:
         n = _devices(name)
         base = [f"data.seq_len={seq}", f"data.batch_size={batch * n}",
                 f"model.max_seq_len={max(seq, 8192)}"]
-        for label, extra in (("default", []), ("offload", ["zero.offload_activations=true"])):
+        for label, extra in (("default", []), ("offload", ["zero.offload_activations=true"]),
+                             ("tiled mlp", [f"model.mlp_chunk={seq}"])):
             key = f"{name} {batch}x{seq} {label}"
             print(key, file=sys.stderr)
             rows[key] = measure("configs/llama3-8b.yaml", name, base + extra)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zjax._schema import choices, positive, validate
+from zjax._schema import choices, non_negative, positive, validate
 from zjax.errors import ConfigError
 
 __all__ = ["GPTConfig"]
@@ -33,6 +33,9 @@ class GPTConfig:
         one (refused where it cannot honour the mask).
       loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
         ``[loss_chunk, vocab]`` float32 logits, not every token's.
+      mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
+        :func:`zjax.nn.tiled`): the backward holds one chunk's ``[mlp_chunk, d_ff]`` hidden
+        units instead of every token's, for one more MLP forward; 0 (default) runs it whole.
       remat: recompute each block in the backward pass instead of keeping its activations
         (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
     """
@@ -51,6 +54,7 @@ class GPTConfig:
     attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
                              default="auto")
     loss_chunk: int = positive(1024)
+    mlp_chunk: int = non_negative(0)
 
     def __post_init__(self):
         validate(self, "model")

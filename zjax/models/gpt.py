@@ -22,7 +22,7 @@ from zjax.models._batch import Packing
 from zjax.models._gpt_config import GPTConfig
 from zjax.models._layers import KVCache, LayerNorm, RMSNorm, check_length, param, zeros
 from zjax.models._lm import lm_loss
-from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
+from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
 
 __all__ = ["GPT", "GPTConfig", "lm_loss"]
@@ -59,10 +59,14 @@ class Block(nnx.Module):
             self.bo, self.b_up = zeros((d,), ("embed",)), zeros((ff,), ("mlp",))
             self.b_down = zeros((d,), ("embed",))
         self.bias = cfg.bias
-        self.attention = cfg.attention
+        self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
 
     def _plus(self, x, name: str):
         return x + getattr(self, name)[...] if self.bias else x
+
+    def _mlp(self, y):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
+        up = jax.nn.gelu(self._plus(y @ self.w_up[...], "b_up"))  # tanh approximation: GPT-2's
+        return up @ self.w_down[...]
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
                  context: Packing | None = None):
@@ -90,8 +94,8 @@ class Block(nnx.Module):
         att = att.reshape(b, t, h * hd)
         x = self._plus(x + row_parallel_output(att @ self.wo[...]), "bo")
         y = column_parallel_input(self.ln2(x))
-        up = jax.nn.gelu(self._plus(y @ self.w_up[...], "b_up"))  # tanh approximation: GPT-2's
-        x = self._plus(x + row_parallel_output(up @ self.w_down[...]), "b_down")
+        x = self._plus(x + row_parallel_output(tiled(self._mlp, y, chunk=self.mlp_chunk)),
+                       "b_down")
         return x if cache is None else (x, cache)
 
 

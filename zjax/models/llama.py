@@ -24,7 +24,7 @@ from zjax.errors import ArgumentError
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param
 from zjax.models._llama_config import LlamaConfig
-from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
+from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
 
 __all__ = ["Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
@@ -73,7 +73,7 @@ class LlamaBlock(nnx.Module):
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.n_kv_heads, self.head_dim = cfg.kv_heads, hd
         self.theta, self.rope_scaling = cfg.rope
-        self.attention = cfg.attention
+        self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
         self.ln1 = RMSNorm(d, cfg.norm_eps)
         self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
         self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
@@ -102,6 +102,9 @@ class LlamaBlock(nnx.Module):
                             segment_ids=None if context is None else context.segment_ids)
         return att.reshape(b, t, h * hd), cache
 
+    def _mlp(self, y):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
+        return (jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...]
+
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
                  context: Packing | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
@@ -115,8 +118,7 @@ class LlamaBlock(nnx.Module):
         att, new_cache = self._attention(y, cache, start, context)
         x = x + row_parallel_output(att @ self.wo[...])
         y = column_parallel_input(self.ln2(x))
-        gated = jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])
-        x = x + row_parallel_output(gated @ self.w_down[...])
+        x = x + row_parallel_output(tiled(self._mlp, y, chunk=self.mlp_chunk))
         return x if cache is None else (x, new_cache)
 
 
