@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast 
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=16",
          "zero.param_persistence_threshold=0"]
 PER_DEVICE = {"params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes",
-              "temp_bytes", "total_bytes", "host_bytes", "nvme_bytes", "capacity_bytes"}
+              "temp_bytes", "total_bytes", "host_bytes", "host_temp_bytes", "nvme_bytes",
+              "capacity_bytes"}
 COLLECTIVES = {"all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "wire_bytes"}
 
 

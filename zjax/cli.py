@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
                     "its memory): search stages, offload, prefetch, micro-batches and remat "
                     "for the best config that fits")
     pn.add_argument("--write", default=None, help="with --budget: save the chosen config here")
+    pn.add_argument("--longest-seq", action="store_true",
+                    help="the longest sequence per device that fits the budget (a --target's "
+                    "memory by default), one sequence per data rank; each length tried is "
+                    "compiled")
+    pn.add_argument("--seq-step", type=_count, default=1024,
+                    help="with --longest-seq: the lengths tried are multiples of this")
     _export_parser(sub)
     pl = sub.add_parser("plot", help="write loss and throughput PNGs of a run")
     pl.add_argument("run_dir")
@@ -226,49 +232,6 @@ def _config_show(args) -> int:
     return 0
 
 
-def _plan(args) -> int:
-    import json
-    from pathlib import Path
-
-    import yaml
-
-    from zjax.config import load_config
-
-    path, overrides = _split(args.config, args.overrides)
-    config = load_config(path, overrides)
-    if args.write and Path(args.write).exists():
-        raise ConfigError(f"--write: {args.write!r} already exists; zjax does not replace it")
-    if args.write and not args.budget:
-        raise ConfigError("--write: needs --budget (it saves the configuration chosen)")
-    if args.budget == "device" and not args.target:
-        raise ConfigError("--budget: 'device' takes the memory of a --target; give a size "
-                          "(e.g. 80GiB) or a --target")
-    _setup_devices(None if args.target else args.devices)
-    from zjax.planning import autotune, plan
-
-    if not args.budget:
-        report = plan(config, devices=args.devices, target=args.target, hosts=args.hosts)
-        print(json.dumps(report.to_json()) if args.json else report.table())
-        return 0
-    result = autotune(config, budget=None if args.budget == "device" else args.budget,
-                      devices=args.devices, target=args.target,
-                      progress=lambda line: print(f"zjax plan: {line}", file=sys.stderr,
-                                                  flush=True))
-    if args.json:
-        print(json.dumps({"budget_bytes": result.budget_bytes, "best": result.report.to_json(),
-                          "config": result.config.to_dict(),
-                          "rows": [{"candidate": vars(c), **r.to_json()}
-                                   for c, r in result.rows]}))
-    else:
-        print(result.table())
-        print(result.report.table())
-    if args.write:
-        Path(args.write).write_text(yaml.safe_dump(result.config.to_dict(), sort_keys=False))
-        if not args.json:
-            print(f"wrote {args.write}")
-    return 0
-
-
 def _launch(args) -> int:
     from zjax.launch import launch
 
@@ -365,7 +328,9 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "export":
             return _export(args)
         if args.command == "plan":
-            return _plan(args)
+            from zjax._cli_plan import run_plan
+
+            return run_plan(args, *_split(args.config, args.overrides), _setup_devices)
         if args.command == "launch":
             return _launch(args)
         if args.command in ("tokenize", "import-hf", "sample"):

@@ -9,6 +9,8 @@ before anything compiles. This package compiles the step (ahead of time, from
   formula beside them (:func:`report`, :func:`formula`).
 - :func:`autotune` -> :class:`TuneResult`: the fitting configuration with the least
   communication (:func:`search` is the search itself, given any ``compile_report``).
+- :func:`longest_sequence` -> :class:`LongestResult`: the longest sequence per device that
+  fits a budget.
 - The HLO reader: :func:`collective_bytes`, :func:`collective_sites`,
   :func:`unordered_collectives`, and the text helpers :func:`axes_of`, :func:`group_size`.
 """
@@ -22,7 +24,8 @@ from zjax.planning._hlo import (
     unordered_collectives,
 )
 from zjax.planning._hlo_text import axes_of, group_size, link_of
-from zjax.planning._plan import autotune, compile_report, plan, run_cli_json
+from zjax.planning._longest import LongestResult
+from zjax.planning._plan import autotune, compile_report, longest_sequence, plan, run_cli_json
 from zjax.planning._report import PlanReport, compiled_memory, formula, report
 from zjax.planning._search import Candidate, TuneResult, parse_bytes
 from zjax.planning._search import autotune as search
@@ -31,6 +34,7 @@ __all__ = [
     "Candidate",
     "CollectiveBytes",
     "CollectiveSite",
+    "LongestResult",
     "PlanReport",
     "TuneResult",
     "UnorderedPair",
@@ -43,6 +47,7 @@ __all__ = [
     "formula",
     "group_size",
     "link_of",
+    "longest_sequence",
     "parse_bytes",
     "plan",
     "report",

@@ -9,6 +9,7 @@ accelerator's own compiler for its compile-only devices, in this process.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,12 +25,15 @@ from zjax._build import abstract_batch, build_step, config_keys, flops_shape
 from zjax.config import Config
 from zjax.errors import ConfigError, first_line
 from zjax.loop import resolve_loop
+from zjax.planning._activations import estimate
+from zjax.planning._longest import LongestResult
+from zjax.planning._longest import longest_sequence as _longest
 from zjax.planning._report import PlanReport, report
 from zjax.planning._search import TuneResult, parse_bytes
 from zjax.planning._search import autotune as _autotune
 from zjax.targets import Target, target
 
-__all__ = ["autotune", "compile_report", "plan", "run_cli_json"]
+__all__ = ["autotune", "compile_report", "longest_sequence", "plan", "run_cli_json"]
 
 
 def compile_report(config: Config, devices: list, *, target: Target | None = None,
@@ -57,9 +61,15 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
             f"{first_line(e).removeprefix('RESOURCE_EXHAUSTED: ').rstrip('.')}; "
             "use more devices, a smaller data.batch_size or data.seq_len, gradient "
             "accumulation (train.grad_accum) or offload (zero.offload_*)") from None
+    plan_ = zstep.plan
+    platform = plan_.mesh.devices.flat[0].platform
+    activations = estimate(config.model, config.data, config.train, config.zero,
+                           n_batch=plan_.n_batch, n_model=plan_.n_model,
+                           act_bytes=plan_.zero.gather.itemsize,
+                           platform="gpu" if platform in ("cuda", "rocm") else platform)
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
                   remat=getattr(config.model, "remat", None), target=target,
-                  hosts=hosts, **flops_shape(config))
+                  hosts=hosts, activations=activations, **flops_shape(config))
 
 
 def _target_devices(name: str, devices: int | None) -> tuple[Target, list]:
@@ -150,3 +160,41 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
     return _autotune(config, budget_bytes=budget_bytes, n_devices=n,
                      compile_report=lambda c: compile_report(c, devs), progress=progress,
                      **space)
+
+
+def longest_sequence(config: Config, *, budget: int | str | None = None,
+                     devices: int | None = None, target: str | None = None, step: int = 1024,
+                     progress: Callable[[str], None] | None = None) -> LongestResult:
+    """The longest sequence ``config`` trains on, one per data-parallel rank, within a budget.
+
+    Args:
+      config: the configuration (its attention, offload and mesh settings are kept; its
+        batch becomes one sequence per ``data`` rank, without micro-batches).
+      budget: device memory per device, in bytes or as text; a target's memory by default.
+      devices, target: as for :func:`plan` (devices at most this process's).
+      step: the lengths tried are multiples of it.
+      progress: called with a line per length compiled.
+
+    Returns:
+      A :class:`zjax.planning.LongestResult` (``.table()``; ``.report``: the plan there).
+    """
+    if target is not None:
+        t, devs = _target_devices(target, devices)
+        compile_ = functools.partial(compile_report, devices=devs, target=t)
+        budget_bytes = t.capacity_bytes if budget is None else budget
+    else:
+        if budget is None:
+            raise ConfigError("--budget: needed unless --target gives the device memory")
+        n = devices or jax.device_count()
+        if n > jax.device_count():
+            raise ConfigError(f"--devices: {n} exceeds this process's {jax.device_count()} "
+                              "devices; plan against a --target for more")
+        compile_ = functools.partial(compile_report, devices=jax.devices()[:n])
+        budget_bytes = budget
+    if isinstance(budget_bytes, str):
+        budget_bytes = parse_bytes(budget_bytes)
+    n = len(compile_.keywords["devices"])
+    model = config.mesh.model if config.mesh.model > 0 else (
+        n // config.mesh.data if config.mesh.data > 0 else n)  # model -1: what data leaves
+    return _longest(config, compile_report=compile_, budget_bytes=budget_bytes,
+                    sequences=max(1, n // model), step=step, progress=progress)

@@ -40,6 +40,7 @@ class PlanReport:
         ``zero.reduce_dtype``, transient), ``optimizer_bytes`` (float32 master and optax state),
         ``model_state_bytes`` (their sum), ``temp_bytes`` (compiled temporaries: activations,
         gathered weights, gradients), ``host_bytes`` (state in host memory),
+        ``host_temp_bytes`` (temporaries in host memory: offloaded activations),
         ``nvme_bytes`` (master and optimizer state in NVMe swap files, part of
         ``optimizer_bytes``) and ``total_bytes`` (compiled peak in device memory).
       collectives: ``all_gather_bytes``, ``reduce_scatter_bytes``, ``all_reduce_bytes``
@@ -60,6 +61,10 @@ class PlanReport:
       overlap: per collective kind, the fraction of its bytes with compute scheduled between
         its start and its done, loops weighted by trip count (0 where the backend runs it
         synchronously).
+      activations: where the activations go, estimated from a decoder's shape
+        (:mod:`zjax.planning._activations`): ``saved_inputs_bytes``, ``attention_bytes``,
+        ``mlp_bytes``, ``loss_bytes`` (one layer's or chunk's working set) and
+        ``host_bytes``; empty for a model section that does not describe a decoder.
       flops: ``per_token`` (model FLOPs to train on one token, :func:`zjax._flops
         .flops_per_token`), ``per_step`` (times the tokens of a step), ``peak_per_device``
         (the chip's bf16 peak, None when unknown) and ``step_s_at_peak`` (the step's model
@@ -80,6 +85,7 @@ class PlanReport:
     overlap: dict[str, float] = dataclasses.field(default_factory=dict)
     flops: dict[str, float | None] = dataclasses.field(default_factory=dict)
     collectives_by_link: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    activations: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,7 +108,9 @@ class PlanReport:
         lines = [
             f"zjax plan{where}: {self.n_params:,} parameters on {self.n_devices} devices{shape}, "
             f"ZeRO stage {s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, "
-            f"grad_accum {s['grad_accum']}, remat {s['remat']}",
+            f"grad_accum {s['grad_accum']}, remat {s['remat']}"
+            + (f", activations {s['activations']}"
+               if s.get("activations", "device") != "device" else ""),
             f"  {'per device':<22}{'compiled':>14}{'ZeRO paper':>14}",
         ]
         for key, name in [("params_bytes", "params"), ("grads_bytes", "gradients"),
@@ -112,11 +120,15 @@ class PlanReport:
         if "hpz_secondary_bytes" in f:  # part of the temp: kept from forward to backward
             lines.append(f"  {'hpZ secondary (temp)':<22}{'':>14}"
                          f"{_size(f['hpz_secondary_bytes']):>14}")
+        lines.append(f"  {'activations/temp':<22}{_size(d['temp_bytes']):>14}")
+        lines += [f"    {name:<20}{'':>14}{_size(self.activations[key]):>14}  (estimate)"
+                  for key, name in _ACTIVATIONS if self.activations.get(key)]
         lines += [
-            f"  {'activations/temp':<22}{_size(d['temp_bytes']):>14}",
             f"  {'total on device':<22}{_size(d['total_bytes']):>14}",
             f"  {'in host memory':<22}{_size(d['host_bytes']):>14}",
         ]
+        if d.get("host_temp_bytes"):  # offloaded activations (zero.offload_activations)
+            lines.append(f"  {'host temp':<22}{_size(d['host_temp_bytes']):>14}")
         if d.get("nvme_bytes"):
             lines.append(f"  {'on NVMe':<22}{_size(d['nvme_bytes']):>14}")
         if d.get("capacity_bytes"):
@@ -146,6 +158,12 @@ class PlanReport:
                       for r in self.replicated_leaves]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+# the activation estimate's rows, under the compiled temp
+_ACTIVATIONS = (("saved_inputs_bytes", "saved layer inputs"),
+                ("attention_bytes", "attention, a layer"), ("mlp_bytes", "MLP, a layer"),
+                ("loss_bytes", "loss, a chunk"), ("host_bytes", "inputs on the host"))
 
 
 def _size(n: float) -> str:
@@ -220,6 +238,7 @@ def _compiled_bytes(compiled: Any, host: int) -> dict[str, int]:
         host = int(mem.host_argument_size_in_bytes)
     figures = compiled_memory(compiled)
     return {"temp_bytes": figures["temp_bytes"], "host_bytes": host,
+            "host_temp_bytes": int(mem.host_temp_size_in_bytes),
             "total_bytes": figures["peak_bytes"] - (0 if host_apart else host)}
 
 
@@ -238,7 +257,7 @@ def _notes(plan) -> list[str]:
 def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
            remat: bool | None = None, target: Target | None = None,
            tokens_per_step: int | None = None, model_shape: dict | None = None,
-           hosts: int | None = None) -> PlanReport:
+           hosts: int | None = None, activations: dict[str, int] | None = None) -> PlanReport:
     """The :class:`PlanReport` of ``zstep`` from its compiled step (``lower(b).compile()``).
 
     ``hosts``: simulate that many hosts (contiguous blocks of the mesh's devices, ``replica``
@@ -246,7 +265,8 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
 
     ``target``: the compile-only target compiled for (name and device memory).
     ``tokens_per_step`` and ``model_shape`` (``n_layers``, ``d_model``, ``seq_len`` of a
-    transformer) give the model FLOPs (:mod:`zjax._flops`).
+    transformer) give the model FLOPs (:mod:`zjax._flops`). ``activations``: the
+    estimate of :func:`zjax.planning._activations.estimate`.
     """
     plan, zero = zstep.plan, zstep.plan.zero
     n_params = sum(leaf.size for leaf in plan.leaves)
@@ -270,6 +290,8 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         setting={"stage": zero.stage, "offload": _offload_name(zero),
                  "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
                  "grad_accum": grad_accum, "remat": remat,
+                 "activations": ("offload" if zero.offload_activations else "partition"
+                                 if zero.partition_activations else "device"),
                  "mesh": {"data": plan.n_data, "model": plan.n_model,
                           **({"replica": plan.n_replica} if plan.n_replica > 1 else {}),
                           **({"node": plan.n_node} if plan.n_node > 1 else {})},
@@ -296,6 +318,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
                  if k in coll.overlap},
         flops=_flops(n_params, plan, tokens_per_step, model_shape or {}),
         collectives_by_link=coll.by_link,
+        activations=dict(activations or {}),
     )
 
 

@@ -25,9 +25,12 @@ from zjax.errors import ConfigError
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 from zjax.planning._report import PlanReport, _size
 
-__all__ = ["OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
+__all__ = ["ACTIVATIONS", "OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
 
 OFFLOADS = ("none", "optimizer", "optimizer+param")
+# stage 3's saved layer inputs, most preferred first: on the device; split over ``model``
+# (ZeRO-R's partitioned activations: an all-gather per layer, no transfer); in host memory
+ACTIVATIONS = ("device", "partition", "offload")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -54,12 +57,15 @@ class Candidate:
     prefetch: int | None = None
     remat: bool | None = None
     model: int = 1
+    activations: str = "device"  # stage 3's saved layer inputs: one of ACTIVATIONS
 
     def describe(self) -> str:
-        """One line: ``model 1 stage 3 offload none prefetch 1 accum 1 remat -``."""
+        """One line: ``model 1 stage 3 offload none prefetch 1 accum 1 remat -
+        activations device``."""
         return (f"model {self.model} stage {self.stage} offload {self.offload} prefetch "
                 f"{'-' if self.prefetch is None else self.prefetch} accum {self.grad_accum} "
-                f"remat {'-' if self.remat is None else self.remat}")
+                f"remat {'-' if self.remat is None else self.remat} "
+                f"activations {self.activations}")
 
     def apply(self, config: Config) -> Config:
         """``config`` with this candidate's settings."""
@@ -70,6 +76,8 @@ class Candidate:
                 update_on="host" if self.offload == "optimizer+param" else "device"),
             offload_param=OffloadConfig(
                 device="host" if self.offload == "optimizer+param" else "none"),
+            offload_activations=self.activations == "offload",
+            partition_activations=self.activations == "partition",
             **({} if self.prefetch is None else
                {"prefetch_layers": self.prefetch, "prefetch_bucket_size": None}))
         model = config.model
@@ -101,13 +109,15 @@ class TuneResult:
     def table(self) -> str:
         lines = [f"budget {_size(self.budget_bytes)} per device; best first:",
                  f"  {'fits':<5}{'model':>6}{'stage':>6}{'offload':>17}{'prefetch':>9}"
-                 f"{'accum':>6}{'remat':>6}{'device total':>14}{'host':>12}{'wire/step':>13}"]
+                 f"{'accum':>6}{'remat':>6}{'activations':>12}{'device total':>14}{'host':>12}"
+                 f"{'wire/step':>13}"]
         for cand, r in self.rows:
             lines.append(
                 f"  {'yes' if r.fits(self.budget_bytes) else 'no':<5}{cand.model:>6}"
                 f"{cand.stage:>6}"
                 f"{cand.offload:>17}{cand.prefetch!s:>9}{cand.grad_accum:>6}"
-                f"{cand.remat!s:>6}{_size(r.per_device['total_bytes']):>14}"
+                f"{cand.remat!s:>6}{cand.activations:>12}"
+                f"{_size(r.per_device['total_bytes']):>14}"
                 f"{_size(r.per_device['host_bytes']):>12}"
                 f"{_size(r.collectives['wire_bytes']):>13}")
         return "\n".join(lines)
@@ -119,13 +129,17 @@ def _outcome(r: PlanReport, budget_bytes: int) -> str:
 
 
 def _variants(stage: int, grad_accum: int, model: int, *, offloads, prefetch,
-              remat) -> list[Candidate]:
-    """A group's candidates, most preferred first."""
+              remat, activations=("device",)) -> list[Candidate]:
+    """A group's candidates, most preferred first (partitioned activations only where a
+    ``model`` axis splits them)."""
+    acts = [a for a in activations if a != "partition" or model > 1] if stage == 3 \
+        else ["device"]
     out = []
     for off in offloads if stage else ("none",):
         for r in remat if stage < 3 else (None,):
-            for p in prefetch if stage == 3 else (None,):
-                out.append(Candidate(stage, grad_accum, off, p, r, model))
+            for a in acts:
+                for p in prefetch if stage == 3 else (None,):
+                    out.append(Candidate(stage, grad_accum, off, p, r, model, a))
     return out
 
 
@@ -162,7 +176,7 @@ class _Search:
             f"--budget: {_size(self.budget_bytes)} per device fits no configuration; the "
             f"smallest needs {_size(r.per_device['total_bytes'])} (model {c.model}, stage "
             f"{c.stage}, offload {c.offload}, prefetch {c.prefetch}, grad_accum "
-            f"{c.grad_accum}, remat {c.remat})")
+            f"{c.grad_accum}, remat {c.remat}, activations {c.activations})")
 
 
 def _check_leanest(search: _Search, leans: list[Candidate]) -> None:
@@ -229,6 +243,7 @@ def autotune(
     prefetch: Sequence[int] = (2, 1, 0),
     grad_accum: Sequence[int] = (1, 2, 4),
     remat: Sequence[bool] = (False, True),
+    activations: Sequence[str] = ACTIVATIONS,
     model: Sequence[int] | None = None,
     runners_up: int = 2,
     progress: Callable[[str], None] | None = None,
@@ -242,6 +257,8 @@ def autotune(
         configuration that cannot be built (e.g. an offload a stage does not support).
       n_devices: devices in the mesh (``data`` x ``model``).
       stages, offloads, prefetch, grad_accum, remat: the search space.
+      activations: stage 3's choices for the saved layer inputs (:data:`ACTIVATIONS`: on the
+        device, split over ``model``, in host memory), most preferred first.
       model: ``model`` axis sizes to try (default: every divisor of ``n_devices`` up to 8;
         sizes the model cannot split, e.g. not dividing its heads, are skipped).
       runners_up: how many further fitting groups to report after the best.
@@ -260,7 +277,8 @@ def autotune(
         raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
                           f"local batch of {local(sizes[0])} (data.batch_size / devices)")
     remat = remat if has_remat else (None,)
-    variants = functools.partial(_variants, offloads=offloads, prefetch=prefetch, remat=remat)
+    variants = functools.partial(_variants, offloads=offloads, prefetch=prefetch, remat=remat,
+                                 activations=activations)
     space = {c for m in sizes for stage in stages for ga in accums[m]
              for c in variants(stage, ga, m)}
     search = _Search(config, compile_report, budget_bytes, len(space), progress)
@@ -274,7 +292,9 @@ def autotune(
     _check_leanest(search, [
         Candidate(top, max(accums[m]), offloads[-1] if top else "none",
                   min(prefetch) if top == 3 else None,
-                  (True if True in remat else None) if top < 3 else None, m)
+                  (True if True in remat else None) if top < 3 else None, m,
+                  [a for a in activations if a != "partition" or m > 1][-1]
+                  if top == 3 else "device")
         for m in sizes if accums[m]])
     fits = _best_first(search, {(stage, m): accums[m] for m in sizes for stage in stages},
                        variants, runners_up)
