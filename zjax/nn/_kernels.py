@@ -15,16 +15,31 @@ one without its mask.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from zjax.nn._blockwise import Mask
 
-__all__ = ["KERNELS", "refusal", "run"]
+__all__ = ["KERNELS", "cudnn_loads", "refusal", "run"]
 
 KERNELS = ("splash", "triton", "cudnn")
 _SPLASH_BLOCKS = (512, 256, 128)  # the largest that divides the length is used
 _TRITON_BLOCK = 128
+
+
+@functools.cache
+def cudnn_loads() -> bool:
+    """Whether JAX finds the cuDNN library (the ``nvidia-cudnn-cu12`` wheel, or a system
+    cuDNN), as its cuDNN attention needs even to compile for a compile-only GPU target."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+    except Exception:  # not found, or a JAX that moved the check: then not known to load
+        return False
+    return True
 
 
 def _splash_block(n: int) -> int | None:
