@@ -26,8 +26,9 @@ RUN = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=
 
 
 def _race(run, read, *, min_reads: int = 5) -> tuple[int, int, int]:
-    """``read(i)`` in a loop until the training run ends: ``(succeeded, found none, reads
-    begun while it trained)``."""
+    """``read(i)`` in a loop until the training run ends and ``min_reads`` have succeeded
+    (a read racing a rotation may find no finished checkpoint, a legitimate answer: those do
+    not count): ``(succeeded, found none, reads begun while it trained)``."""
     ok = none = racing = 0
     proc = start_zjax("train", "configs/tiny.yaml", *RUN, "--run-dir", str(run))
     try:
@@ -38,7 +39,7 @@ def _race(run, read, *, min_reads: int = 5) -> tuple[int, int, int]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         i = 0
-        while proc.poll() is None or i < min_reads:
+        while proc.poll() is None or ok < min_reads:
             racing += proc.poll() is None
             try:
                 read(i)

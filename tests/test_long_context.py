@@ -53,6 +53,7 @@ TINY = ["model.n_layers=4", "data.seq_len=64", "data.batch_size=8",
         "zero.param_persistence_threshold=0", "model.attention=blockwise"]
 
 
+@pytest.mark.slow  # a v5p compile of about a minute
 @pytest.mark.parametrize("name", ["v5p:2x2x2", "h100:8"])
 def test_offloaded_layer_inputs_are_the_host_bytes_and_leave_the_device(name):
     """Host temp equals the saved layer inputs: 4 layers x [1, 2048, 512] bfloat16 per device
@@ -83,6 +84,7 @@ def _losses(overrides: list[str], steps: int = 2):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [["zero.offload_activations=true"],
                                   ["zero.partition_activations=true", "mesh.model=2",
                                    "mesh.data=4"]])

@@ -72,8 +72,12 @@ def _jit_loss_and_grads(graphdef, params, batch):
     return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch)[0])(params)
 
 
-@pytest.mark.parametrize("attention", ["dense", "blockwise"])
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+_SLOW = pytest.mark.slow  # the fast loop keeps one case (each compiles two models)
+
+
+@pytest.mark.parametrize("kind,attention", [
+    ("gpt", "blockwise"), pytest.param("gpt", "dense", marks=_SLOW),
+    pytest.param("llama", "dense", marks=_SLOW), pytest.param("llama", "blockwise", marks=_SLOW)])
 def test_a_packed_row_equals_its_documents_run_alone(kind, attention):
     """The GPT's learned positions catch positions that do not restart; rotary scores
     depend on position differences only, so the Llama's catch the segment mask."""
@@ -130,6 +134,7 @@ def test_the_chunked_loss_equals_the_plain_loss_and_its_gradients(chunk, tied):
     assert_trees_close(got_g, want_g, **TOL, what="grads")
 
 
+@pytest.mark.slow
 def test_the_zero3_step_takes_packed_batches():
     """The scheduled layer scan carries the segment ids and positions to every layer: the
     step's loss and gradients on a packed batch are plain JAX's."""

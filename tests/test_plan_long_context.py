@@ -65,6 +65,8 @@ def test_the_estimate_accounts_for_what_the_compiled_temp_gains():
 def test_the_longest_sequence_fits_and_one_step_more_does_not(capsys):
     config = zjax.load_config("configs/llama-tiny.yaml", ["model.n_layers=2",
                                                           "model.d_model=128", "model.d_ff=512"])
+    # 1024 tokens need 22.7 MiB, 2048 41.0, 3072 60.3, 4096 78.6: doubling to 4096, then
+    # bisecting to 3072 (four compiles; the CLI's search below reads them from the cache)
     result = longest_sequence(config, budget="48MiB", step=1024)
     assert result.seq_len == 2048 and result.report.per_device["total_bytes"] <= 48 * 2**20
     assert result.report.setting["grad_accum"] == 1  # one sequence per device

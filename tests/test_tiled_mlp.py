@@ -42,7 +42,7 @@ def test_tiled_equals_the_function_in_values_and_gradients(chunk):
     assert_trees_close(got_g, want_g, **TOL, what="grads")
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_model_with_a_tiled_mlp_has_the_untiled_loss_and_gradients(kind):
     def model(chunk):
         if kind == "gpt":
