@@ -82,8 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     pn.add_argument("--json", action="store_true", help="print one JSON object")
     pn.add_argument("--budget", default=None,
                     help="device memory per device (e.g. 80GiB; with --target, 'device' for "
-                    "its memory): search stages, offload, prefetch, micro-batches and remat "
-                    "for the best config that fits")
+                    "its memory): search stages, offload, prefetch, micro-batches, remat, the "
+                    "model degree and stage 3's saved inputs for the best config that fits")
     pn.add_argument("--write", default=None, help="with --budget: save the chosen config here")
     pn.add_argument("--longest-seq", action="store_true",
                     help="the longest sequence per device that fits the budget (a --target's "
