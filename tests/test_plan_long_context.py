@@ -48,7 +48,7 @@ def test_each_knob_moves_its_own_share_of_the_estimate():
 @pytest.mark.slow
 def test_the_estimate_accounts_for_what_the_compiled_temp_gains():
     """Dense attention and an untiled MLP each add to the compiled temp about what the
-    estimate says their share grows by (measured: 1.28x and 1.39x the estimate)."""
+    estimate says their share grows by (measured: 1.57x and 1.39x the estimate)."""
     plans = {k: zjax.plan(zjax.load_config("configs/llama-tiny.yaml", [*LONG, *extra]))
              for k, extra in (("base", ["model.mlp_chunk=512"]),
                               ("dense", ["model.mlp_chunk=512", "model.attention=dense"]),

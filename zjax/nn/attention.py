@@ -28,7 +28,7 @@ from zjax.nn import _kernels
 from zjax.nn._blockwise import Mask, blockwise_attention
 
 __all__ = ["DENSE_UP_TO", "IMPLEMENTATIONS", "attention", "choose", "dense_attention",
-           "trace_platform"]
+           "platform_kind", "trace_platform"]
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", *_kernels.KERNELS)
 # XLA:CPU, forward + backward at 8192 tokens (benchmarks/attention.py kernels): blockwise /
@@ -42,7 +42,12 @@ def trace_platform() -> str:
     default backend's: a compile-only target's mesh names its own."""
     mesh = jax.sharding.get_abstract_mesh()
     device = getattr(mesh, "abstract_device", None)
-    platform = device.platform if device is not None else jax.default_backend()
+    return platform_kind(device.platform if device is not None else jax.default_backend())
+
+
+def platform_kind(platform: str) -> str:
+    """``cpu``, ``gpu`` or ``tpu`` for a device's platform name (``cuda`` and ``rocm`` are
+    ``gpu``)."""
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ActivationShape", "activation_bytes"]
+__all__ = ["ActivationShape", "activation_bytes", "estimate", "kernel"]
 
 _F32 = 4
 
@@ -86,15 +86,16 @@ def activation_bytes(s: ActivationShape) -> dict[str, int]:
 
 
 def kernel(name: str, platform: str, *, seq_len: int, head_dim: int) -> str:
-    """The attention kernel that runs for ``model.attention`` ``name`` (``auto`` resolved
-    as :func:`zjax.nn.attention.choose` does for a causal, unpacked batch)."""
+    """The attention kernel that runs for ``model.attention`` ``name`` on a device of
+    ``platform`` (``auto`` resolved as :func:`zjax.nn.attention.choose` does for a causal,
+    unpacked batch)."""
     if name != "auto":
         return name
-    from zjax.nn.attention import Mask, choose
+    from zjax.nn.attention import Mask, choose, platform_kind
 
     mask = Mask(causal=True, window=None, softcap=None, scale=1.0, kv_len=None)
-    return choose(platform, mask, q_len=seq_len, kv_len=seq_len, head_dim=head_dim,
-                  segments=False)
+    return choose(platform_kind(platform), mask, q_len=seq_len, kv_len=seq_len,
+                  head_dim=head_dim, segments=False)
 
 
 def estimate(model, data, train, zero, *, n_batch: int, n_model: int, act_bytes: int,

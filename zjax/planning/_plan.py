@@ -62,11 +62,10 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
             "use more devices, a smaller data.batch_size or data.seq_len, gradient "
             "accumulation (train.grad_accum) or offload (zero.offload_*)") from None
     plan_ = zstep.plan
-    platform = plan_.mesh.devices.flat[0].platform
     activations = estimate(config.model, config.data, config.train, config.zero,
                            n_batch=plan_.n_batch, n_model=plan_.n_model,
                            act_bytes=plan_.zero.gather.itemsize,
-                           platform="gpu" if platform in ("cuda", "rocm") else platform)
+                           platform=plan_.mesh.devices.flat[0].platform)
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
                   remat=getattr(config.model, "remat", None), target=target,
                   hosts=hosts, activations=activations, **flops_shape(config))
@@ -142,24 +141,29 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
       **space: narrows the search (``stages``, ``offloads``, ``prefetch``, ``grad_accum``,
         ``remat``; see :func:`zjax.planning._search.autotune`).
     """
+    devs, compile_, budget_bytes = _budgeted(budget, devices, target)
+    return _autotune(config, budget_bytes=budget_bytes, n_devices=len(devs),
+                     compile_report=compile_, progress=progress, **space)
+
+
+def _budgeted(budget: int | str | None, devices: int | None,
+              target: str | None) -> tuple[list, Callable[[Config], PlanReport], int]:
+    """The devices, their ``compile_report`` and the budget in bytes of a search: a target's
+    devices and memory (by default), or this process's first ``devices`` and ``budget``."""
     if target is not None:
         t, devs = _target_devices(target, devices)
-        budget_bytes = t.capacity_bytes if budget is None else (
-            budget if isinstance(budget, int) else parse_bytes(budget))
-        return _autotune(config, budget_bytes=budget_bytes, n_devices=len(devs),
-                         compile_report=lambda c: compile_report(c, devs, target=t),
-                         progress=progress, **space)
-    if budget is None:
-        raise ConfigError("--budget: needed unless --target gives the device memory")
-    n = devices or jax.device_count()
-    if n > jax.device_count():
-        raise ConfigError(f"--devices: {n} exceeds this process's {jax.device_count()} devices;"
-                          f" run `zjax plan CONFIG --budget B --devices {n}`")
-    budget_bytes = budget if isinstance(budget, int) else parse_bytes(budget)
-    devs = jax.devices()[:n]
-    return _autotune(config, budget_bytes=budget_bytes, n_devices=n,
-                     compile_report=lambda c: compile_report(c, devs), progress=progress,
-                     **space)
+        compile_ = functools.partial(compile_report, devices=devs, target=t)
+        budget = t.capacity_bytes if budget is None else budget
+    else:
+        if budget is None:
+            raise ConfigError("--budget: needed unless --target gives the device memory")
+        n = devices or jax.device_count()
+        if n > jax.device_count():
+            raise ConfigError(f"--devices: {n} exceeds this process's {jax.device_count()} "
+                              f"devices; run `zjax plan CONFIG --budget B --devices {n}`")
+        devs = jax.devices()[:n]
+        compile_ = functools.partial(compile_report, devices=devs)
+    return devs, compile_, budget if isinstance(budget, int) else parse_bytes(budget)
 
 
 def longest_sequence(config: Config, *, budget: int | str | None = None,
@@ -178,22 +182,8 @@ def longest_sequence(config: Config, *, budget: int | str | None = None,
     Returns:
       A :class:`zjax.planning.LongestResult` (``.table()``; ``.report``: the plan there).
     """
-    if target is not None:
-        t, devs = _target_devices(target, devices)
-        compile_ = functools.partial(compile_report, devices=devs, target=t)
-        budget_bytes = t.capacity_bytes if budget is None else budget
-    else:
-        if budget is None:
-            raise ConfigError("--budget: needed unless --target gives the device memory")
-        n = devices or jax.device_count()
-        if n > jax.device_count():
-            raise ConfigError(f"--devices: {n} exceeds this process's {jax.device_count()} "
-                              "devices; plan against a --target for more")
-        compile_ = functools.partial(compile_report, devices=jax.devices()[:n])
-        budget_bytes = budget
-    if isinstance(budget_bytes, str):
-        budget_bytes = parse_bytes(budget_bytes)
-    n = len(compile_.keywords["devices"])
+    devs, compile_, budget_bytes = _budgeted(budget, devices, target)
+    n = len(devs)
     model = config.mesh.model if config.mesh.model > 0 else (
         n // config.mesh.data if config.mesh.data > 0 else n)  # model -1: what data leaves
     return _longest(config, compile_report=compile_, budget_bytes=budget_bytes,
