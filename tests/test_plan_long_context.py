@@ -90,7 +90,9 @@ def test_the_search_tries_the_saved_inputs_on_device_split_then_on_the_host():
     assert [c.activations for c in _variants(3, 1, 2, **kw)] == ["device", "partition",
                                                                   "offload"]
     assert [c.activations for c in _variants(3, 1, 1, **kw)] == ["device", "offload"]
-    assert [c.activations for c in _variants(2, 1, 2, **kw)] == ["device"]
+    kw["remat"] = (False, True)
+    assert [(c.remat, c.activations) for c in _variants(2, 1, 2, **kw)] == [
+        (False, "device"), (True, "device"), (True, "partition"), (True, "offload")]
     config = zjax.load_config("configs/tiny.yaml", ["zero.stage=3"])
     zero = Candidate(3, 1, "none", 1, None, 2, "partition").apply(config).zero
     assert zero.partition_activations and not zero.offload_activations

@@ -27,6 +27,7 @@ from flax import nnx
 from zjax.errors import NotGatheredError
 from zjax.mesh import MODEL
 from zjax.nn import Stack, bind_runners, iter_stacks
+from zjax.partition import Comm, kept_scan
 from zjax.partition.gather import REMAT_POLICY, gather_tree, join_gathers
 from zjax.partition.plan import ShardPlan, path_str
 from zjax.partition.schedule import ScheduleSpec, scheduled_scan
@@ -109,20 +110,22 @@ def from_pytree(
     before one reduce-scatter. A loss with no layer structure trains whole, with a
     :class:`~zjax.errors.GatherFallbackWarning`. ``logical_axes`` names a leaf's dimensions by
     path for tensor parallelism (the loss then computes on local slices, see
-    :mod:`zjax.nn.tensor_parallel`).
+    :mod:`zjax.nn.tensor_parallel`). At stages 0-2 with ZeRO-R's activation settings its
+    layer scans run as the same loops, with nothing to gather.
     """
 
     def loss(params, batch, plan: ShardPlan):
+        keeping = _input_keeping(plan)
         if plan.zero.stage < 3:
-            return loss_fn(params, batch)
+            return (_kept_inputs(loss_fn, plan) if any(keeping.values()) else loss_fn)(
+                params, batch)
 
         def prefetch(layer_elements: int, n_layers: int) -> int:
             return plan.zero.prefetch_depth(layer_elements=layer_elements, n_layers=n_layers)
 
         run = gather_on_use(loss_fn, [LeafSpec(leaf.path, leaf.dim) for leaf in plan.leaves],
                             prefetch=prefetch, join=plan.join_gathers,
-                            bucket=plan.bucket_layer_gathers, comm=plan.comm,
-                            **_input_keeping(plan))
+                            bucket=plan.bucket_layer_gathers, comm=plan.comm, **keeping)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     return Trainable(init=init, loss=loss, logical_axes=logical_axes)
@@ -156,7 +159,13 @@ def from_nnx(
 
     def loss(params, batch, plan: ShardPlan):
         if plan.zero.stage < 3:
-            return loss_fn(nnx.merge(graphdef, params), batch)
+            model = nnx.merge(graphdef, params)
+            if any(_input_keeping(plan).values()):  # ZeRO-R over whole params
+                keeping = _input_keeping(plan)
+                bind_runners(model, lambda path, stack: functools.partial(
+                    kept_scan, offload=keeping["offload_inputs"],
+                    partition_axis=keeping["partition_inputs"]))
+            return loss_fn(model, batch)
         run = lambda shards, batch: _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
@@ -179,6 +188,16 @@ def _input_keeping(plan: ShardPlan) -> dict:
     split = plan.zero.partition_activations and plan.n_model > 1
     return dict(offload_inputs=plan.zero.offload_activations,
                 partition_inputs=MODEL if split else None)
+
+
+def _kept_inputs(loss_fn, plan: ShardPlan):
+    """Stages 0-2 under ZeRO-R: the loss's layer scans, over whole params, become loops that
+    keep their saved inputs as ``zero.offload_activations`` / ``partition_activations`` say
+    (the gather-on-use transform with nothing to gather or cast)."""
+    return gather_on_use(loss_fn, [LeafSpec(leaf.path, None, layered=True)
+                                   for leaf in plan.leaves],
+                         prefetch=lambda *_: 0, comm=Comm(axis_name=plan.comm.axis_name),
+                         **_input_keeping(plan))
 
 
 def _stack_runner(plan: ShardPlan):

@@ -1,6 +1,8 @@
-"""ZeRO partitioning: placement plan, gather primitive, scheduled layer scan, gather on use."""
+"""ZeRO partitioning: placement plan, gather primitive, scheduled layer scan, gather on use,
+and the layer scan that keeps saved inputs as ZeRO-R does over whole params (stages 0-2)."""
 
 from zjax.partition._bytes import nbytes
+from zjax.partition._kept_scan import kept_scan
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import (
     GATHERED,
@@ -29,6 +31,7 @@ __all__ = [
     "gather_on_use",
     "gather_tree",
     "join_gathers",
+    "kept_scan",
     "make_plan",
     "nbytes",
     "scheduled_loop",

@@ -36,10 +36,14 @@ class LeafSpec:
     Attributes:
       path: its pytree path (``a/0/b``): names the layer it belongs to.
       dim: its sharded dimension, or None (replicated: only cast).
+      layered: a whole leaf (``dim`` None) that a scan over it may still slice per
+        iteration, so the scan runs as a scheduled loop (stages 0-2 under ZeRO-R, whose
+        saved layer inputs the loop keeps).
     """
 
     path: str
     dim: int | None
+    layered: bool = False
 
 
 def layer_of(path: str) -> str:
@@ -171,7 +175,7 @@ def _scheduled(op: Op, r: _Roots, leaves: Sequence[LeafSpec]) -> tuple:
     out = []
     for pos, a in enumerate(op.ins[start:]):
         leaf = r.root.get(a) if not isinstance(a, Lit) else None
-        if leaf is None or leaves[leaf].dim is None:
+        if leaf is None or (leaves[leaf].dim is None and not leaves[leaf].layered):
             continue
         chain_ok = a == r.in_keys[leaf] or _casts_only(a, r.views, r.in_keys[leaf])
         dup = sum(1 for b in op.ins if not isinstance(b, Lit) and r.root.get(b) == leaf)

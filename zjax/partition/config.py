@@ -77,11 +77,11 @@ class ZeroConfig:
         (rounded up, so a block's largest element still fits in 127 steps: its step is up
         to 1/128 coarser).
       offload_activations: ZeRO-R's CPU checkpointing (DeepSpeed ``activation_checkpointing.
-        cpu_checkpointing``), stage 3: the layer inputs the backward recomputes from live in
+        cpu_checkpointing``), any stage: the layer inputs the backward recomputes from live in
         host memory (``pinned_host``) between the forward and the backward, one layer's
         brought back at a time.
       partition_activations: ZeRO-R's partitioned activations (DeepSpeed
-        ``activation_checkpointing.partition_activations``), stage 3 with ``mesh.model`` > 1:
+        ``activation_checkpointing.partition_activations``), any stage, with ``mesh.model`` > 1:
         each device keeps ``1/model`` of every saved layer input (they are replicated over
         ``model``), all-gathered over ``model`` when the backward reaches the layer.
     """
@@ -126,11 +126,6 @@ class ZeroConfig:
             raise ConfigError(f"zero.hpz_partition_size: {self.hpz_partition_size} partitions "
                               f"stage 3's gathered weights, but zero.stage is {self.stage}; "
                               "set zero.stage: 3 or zero.hpz_partition_size: 1")
-        for key in ("offload_activations", "partition_activations"):
-            if getattr(self, key) and self.stage < 3:
-                raise ConfigError(f"zero.{key}: acts on the saved layer inputs of stage 3's "
-                                  f"layer schedule, but zero.stage is {self.stage}; set "
-                                  "zero.stage: 3 (stages 0-2 recompute with model.remat)")
         if self.prefetch_layers is not None and self.prefetch_bucket_size is not None:
             raise ConfigError(
                 "zero.prefetch_layers and zero.prefetch_bucket_size both set "

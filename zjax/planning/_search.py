@@ -28,7 +28,7 @@ from zjax.planning._report import PlanReport, _size
 __all__ = ["ACTIVATIONS", "OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
 
 OFFLOADS = ("none", "optimizer", "optimizer+param")
-# stage 3's saved layer inputs, most preferred first: on the device; split over ``model``
+# the saved layer inputs, most preferred first: on the device; split over ``model``
 # (ZeRO-R's partitioned activations: an all-gather per layer, no transfer); in host memory
 ACTIVATIONS = ("device", "partition", "offload")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -57,7 +57,7 @@ class Candidate:
     prefetch: int | None = None
     remat: bool | None = None
     model: int = 1
-    activations: str = "device"  # stage 3's saved layer inputs: one of ACTIVATIONS
+    activations: str = "device"  # where saved layer inputs live: one of ACTIVATIONS
 
     def describe(self) -> str:
         """One line: ``model 1 stage 3 offload none prefetch 1 accum 1 remat -
@@ -131,15 +131,19 @@ def _outcome(r: PlanReport, budget_bytes: int) -> str:
 def _variants(stage: int, grad_accum: int, model: int, *, offloads, prefetch,
               remat, activations=("device",)) -> list[Candidate]:
     """A group's candidates, most preferred first (partitioned activations only where a
-    ``model`` axis splits them)."""
-    acts = [a for a in activations if a != "partition" or model > 1] if stage == 3 \
-        else ["device"]
+    ``model`` axis splits them). Below stage 3 the saved inputs leave the device only once
+    recompute is on (ZeRO-R's kept inputs are what a recomputing layer saves)."""
+    acts = [a for a in activations if a != "partition" or model > 1]
     out = []
     for off in offloads if stage else ("none",):
-        for r in remat if stage < 3 else (None,):
-            for a in acts:
-                for p in prefetch if stage == 3 else (None,):
-                    out.append(Candidate(stage, grad_accum, off, p, r, model, a))
+        if stage == 3:
+            out += [Candidate(stage, grad_accum, off, p, None, model, a)
+                    for a in acts for p in prefetch]
+            continue
+        recompute = None if remat[-1] is None else True
+        out += [Candidate(stage, grad_accum, off, None, r, model) for r in remat]
+        out += [Candidate(stage, grad_accum, off, None, recompute, model, a)
+                for a in acts if a != "device"]
     return out
 
 
