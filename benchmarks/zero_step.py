@@ -14,8 +14,10 @@ Prints one JSON object on stdout (progress goes to stderr). Rows:
   float32, ``dtype`` bfloat16): each layer's float32 weights cast to bf16 inside the scanned
   layer, the other weights where the model is merged, so XLA may gather bf16.
 - ``gspmd_fsdp_bf16_merge``: the strongest GSPMD row: every weight, stacked or not, cast to
-  bf16 once where the model is merged (a sharded cast), so each scanned layer gathers bf16
-  (the same attention kernel and chunked loss as every row: the model's own ``lm_loss``).
+  bf16 once where the model is merged (a sharded cast), so each scanned layer gathers bf16.
+  Every baseline runs the model's own ``lm_loss`` (its chunked loss), its attention under
+  ``shard_map`` over the batch (:func:`batch_sharded_attention`), so ``auto`` takes the
+  target's kernel, the one zjax's rows run.
 - ``zjax_stage3_p{k}_{f32,bf16}`` (with ``--variants``): stage 3 at prefetch k and that reduce
   dtype.
 - ``zjax_stage3_offload_{mode}`` (with ``--offload``): stage 3 with ZeRO-Offload, ``mode`` one
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -50,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -65,8 +69,10 @@ from jax.sharding import PartitionSpec as P
 from zjax import ZeroConfig, from_nnx, make_mesh, make_plan, make_step, simulate_cpu_devices
 from zjax._backend import backend
 from zjax.mesh import DATA
+from zjax.models import gpt as gpt_module
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.nn import bind_runners
+from zjax.nn.attention import attention
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 from zjax.optim import clip_by_global_norm
 from zjax.partition import nbytes
@@ -163,6 +169,22 @@ def _constrained_scan(layer_fn: Callable, params: Any, x: jax.Array, *,
     return lax.scan(body, pin(x), params)[0]
 
 
+@contextlib.contextmanager
+def batch_sharded_attention(mesh: Mesh):
+    """The model's attention under ``shard_map`` over the batch while the baselines are traced,
+    as MaxText runs its kernels (splash) under GSPMD: ``auto`` then reads the target's platform
+    and picks the kernel zjax's rows run (a Pallas kernel cannot be partitioned by GSPMD, and
+    outside a mesh ``auto`` would take blockwise)."""
+    def sharded(q, k, v, **kw):
+        spec = P(DATA)
+        fn = lambda q, k, v: attention(q, k, v, **kw)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                             check_vma=False)(q, k, v)
+
+    with unittest.mock.patch.object(gpt_module, "attention", sharded):
+        yield
+
+
 def build_baseline(kind: str, trainable: Trainable, graphdef: Any, mesh: Mesh,
                    batch: jax.ShapeDtypeStruct) -> Built:
     """Plain ``jax.jit`` baselines: ``ddp``, ``gspmd_fsdp``, ``gspmd_fsdp_noremat``,
@@ -214,7 +236,9 @@ def build_baseline(kind: str, trainable: Trainable, graphdef: Any, mesh: Mesh,
     jit_step = jax.jit(step_fn, in_shardings=(shardings, act), out_shardings=(shardings, None),
                        donate_argnums=0, compiler_options=options)
     t0 = time.perf_counter()
-    compiled = jit_step.lower(_with_shardings(abstract, shardings), batch).compile()
+    with batch_sharded_attention(mesh):
+        lowered = jit_step.lower(_with_shardings(abstract, shardings), batch)
+    compiled = lowered.compile()
     init = jax.jit(init_fn, out_shardings=shardings)
     return Built(kind, compiled, lambda: init(jax.random.key(0)),
                  _with_shardings(abstract, shardings), time.perf_counter() - t0)

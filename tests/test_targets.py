@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -104,6 +105,25 @@ def test_stage3_moves_two_gathers_and_one_reduce_scatter_per_parameter(name, pre
     # no reduce-scatter run as an all-reduce (TPU: the ring of Backend.scatter_via_ring);
     # libtpu still runs gathers this small as all-reduces of zero-padded buffers
     assert coll.reduce_scatter_via_all_reduce == 0
+
+
+@pytest.mark.slow
+def test_a_bf16_reduce_keeps_the_stacks_gradient_shards_in_bf16_until_the_loop_ends():
+    """The backward writes each layer's gradient shards into a bfloat16 stack, cast once
+    after the loop: no float32 stack of them is written (half the buffer; d_model 1024,
+    16 layers on H100: temp 532.9 -> 482.5 MB at a bf16 reduce)."""
+    zstep, compiled, _ = _compiled(GPU, "zero.stage=3", "zero.prefetch_layers=1",
+                                   "zero.reduce_dtype=bfloat16")
+    hlo, plan = compiled.as_text(), zstep.plan
+    written = {"bf16": 0, "f32": 0}
+    for leaf in plan.leaves:
+        if leaf.dim is None or not leaf.stacked:
+            continue
+        shape = [n // plan.n_shard if d == leaf.dim else n for d, n in enumerate(leaf.shape)]
+        for dtype in written:
+            pattern = rf"{dtype}\[{','.join(map(str, shape))}\]\S* dynamic-update-slice\("
+            written[dtype] += len(re.findall(pattern, hlo))
+    assert written["bf16"] > 0 and written["f32"] == 0, written
 
 
 @pytest.mark.slow

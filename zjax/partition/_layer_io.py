@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["cotangent", "float_or_none", "input_keeping", "is_float", "refill", "slice_layer"]
+__all__ = ["cotangent", "float_or_none", "grad_dtype", "input_keeping", "is_float", "refill",
+           "slice_layer"]
 
 
 def _moved(tree, space):
@@ -68,3 +69,12 @@ def refill(like: Any, float_cts: list) -> Any:
     the others (a custom_vjp's zero cotangent)."""
     it = iter(float_cts)
     return jax.tree.map(lambda x: next(it) if is_float(x) else None, like)
+
+
+def grad_dtype(leaf, dim, comm) -> np.dtype:
+    """A layer loop's gradient stack: sharded float shards stay in a narrower reduce dtype
+    until the loop ends (the same values, half a float32 buffer); not in host memory, which
+    would come back to be cast, nor after a quantized reduce (float32)."""
+    narrow = (dim is not None and is_float(leaf) and not comm.from_host and not comm.quantize
+              and comm.reduce_dtype.itemsize < leaf.dtype.itemsize)
+    return comm.reduce_dtype if narrow else leaf.dtype

@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zjax.partition._layer_io import (
     cotangent,
     float_or_none,
+    grad_dtype,
     input_keeping,
     is_float,
     refill,
@@ -326,11 +327,13 @@ def scheduled_loop(
                                                  **scatter_kw)
                 for j, dw in zip(in_bucket, mine, strict=True):
                     shards[j] = dw
-            shards = [None if dw is None else dw.astype(leaf.dtype)
-                      for dw, leaf in zip(shards, leaves, strict=True)]
+            shards = [None if dw is None else dw.astype(g)
+                      for dw, g in zip(shards, grad_dtypes, strict=True)]
             return dh, tuple(shards), dx_i, dconsts, nxt, tuple(pend)
 
-        grads = tuple(to_home(jnp.zeros(leaf.shape, leaf.dtype)) for leaf in leaves)
+        grad_dtypes = [grad_dtype(x, d, comm) for x, d in zip(leaves, spec.dims, strict=True)]
+        grads = tuple(to_home(jnp.zeros(leaf.shape, g))
+                      for leaf, g in zip(leaves, grad_dtypes, strict=True))
         dconsts = [jnp.zeros_like(c) for c in jax.tree.leaves(consts) if is_float(c)]
         xs_leaves = jax.tree.leaves(xs)
         dxs = [jnp.zeros_like(x) for x in xs_leaves if is_float(x)]
@@ -385,6 +388,7 @@ def scheduled_loop(
         (dy, buf, grads, dconsts, dxs, pend), _ = lax.scan(
             step, (dy, buf, grads, dconsts, dxs, pend), jnp.arange(n_layers))
         grads = write(grads, across_nodes(pend), 0)
+        grads = tuple(g.astype(leaf.dtype) for g, leaf in zip(grads, leaves, strict=True))
         return (grads, refill(consts, dconsts), jax.tree.map(float_or_none, dy, carry_avals),
                 refill(xs, dxs))
 
@@ -393,3 +397,4 @@ def scheduled_loop(
     # saves the stack's output instead of running the forward loop again to rebuild it
     out = run(tuple(leaves_in), consts, carry, xs)
     return jax.tree.map(lambda v: checkpoint_name(v, LAYER_INPUTS), out)
+
