@@ -74,8 +74,10 @@ def _llama_run(stage: int, mesh_model: int = 1, **zero):
     return state.params, losses
 
 
-@pytest.mark.parametrize("stage,keep", [(0, "offload_activations"), (2, "offload_activations"),
-                                        (1, "partition_activations")])
+@pytest.mark.parametrize("stage,keep", [
+    pytest.param(0, "offload_activations", marks=pytest.mark.slow),
+    (2, "offload_activations"),
+    pytest.param(1, "partition_activations", marks=pytest.mark.slow)])
 def test_training_a_stack_with_kept_inputs_equals_training_without(stage, keep):
     model = 2 if keep == "partition_activations" else 1
     params, losses = _llama_run(stage, model, **{keep: True})
@@ -101,7 +103,7 @@ def _pytree_step(name: str, mesh=None, **zero):
                           zero=ZeroConfig(stage=2, **zero))
 
 
-@pytest.mark.parametrize("name", ["jax_scan", "eqx_scan"])
+@pytest.mark.parametrize("name", ["jax_scan", pytest.param("eqx_scan", marks=pytest.mark.slow)])
 def test_a_pytree_models_scan_keeps_its_inputs_on_the_host_at_stage_2(name):
     """The same losses and gradient norms; lowered for ``h100:8`` (XLA:CPU has one memory)
     the kept step moves values to ``pinned_host``, the plain one nothing."""
