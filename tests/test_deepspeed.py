@@ -323,6 +323,10 @@ def test_activation_checkpointing_maps_to_zero_r_and_refuses_a_string_flag():
     assert "zero.offload_activations=true" in imported.overrides
     assert [k for k, _ in imported.ignored if k.startswith("activation")] == [
         "activation_checkpointing.number_checkpoints", "activation_checkpointing.profile"]
+    # any stage: a stage-2 config with CPU checkpointing loads (it was refused below stage 3)
+    config, _ = _config({"zero_optimization": {"stage": 2},
+                         "activation_checkpointing": {"cpu_checkpointing": True}})
+    assert config.zero.stage == 2 and config.zero.offload_activations
     with pytest.raises(ConfigError, match="cpu_checkpointing: expected true or false, got 'false'"):
         from_deepspeed({"activation_checkpointing": {"cpu_checkpointing": "false"}}, n_data=8)
     with pytest.raises(ConfigError, match="did you mean"):
