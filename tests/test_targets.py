@@ -45,7 +45,9 @@ def test_accelerator_records_hold_no_cpu_workaround():
         leaked = set(record.workarounds()) & set(cpu.workarounds())
         assert not leaked, f"{platform} carries CPU workarounds {leaked}"
         assert not set(record.compiler_options) & set(cpu.compiler_options)
-    assert set(backend("gpu").workarounds()) == set()
+    # the GPU record's two are measured memory choices (zjax/_backend.py), not workarounds
+    # of a CPU bug
+    assert set(backend("gpu").workarounds()) == {"bucket_layer_gathers", "prefetch_before_vjp"}
     tpu = {k for k in backend("tpu").workarounds() if not k.startswith("compiler_options.")}
     assert tpu == {"no_host_update", "bucket_layer_gathers", "scatter_via_ring",
                    "hoists_loop_casts", "prefetch_before_vjp"}
