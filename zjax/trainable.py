@@ -159,9 +159,8 @@ def from_nnx(
 
     def loss(params, batch, plan: ShardPlan):
         if plan.zero.stage < 3:
-            model = nnx.merge(graphdef, params)
-            if any(_input_keeping(plan).values()):  # ZeRO-R over whole params
-                keeping = _input_keeping(plan)
+            model, keeping = nnx.merge(graphdef, params), _input_keeping(plan)
+            if any(keeping.values()):  # ZeRO-R over whole params
                 bind_runners(model, lambda path, stack: functools.partial(
                     kept_scan, offload=keeping["offload_inputs"],
                     partition_axis=keeping["partition_inputs"]))
