@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from any_models import MODELS
 
 from zjax import ZeroConfig, from_pytree, make_mesh, make_plan, make_step
-from zjax._backend import backend
-from zjax.mesh import DATA
+from zjax.models.trainable import Trainable
 from zjax.partition.gather import gather_on_access
 from zjax.planning import collective_bytes
-from zjax.targets import target
-from zjax.trainable import Trainable
+from zjax.runtime._backend import backend
+from zjax.runtime.mesh import DATA
+from zjax.runtime.targets import target
 
 SCANNED = ("stack", "blocks")
 

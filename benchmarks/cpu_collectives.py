@@ -8,7 +8,7 @@ cut to ``--timeout`` seconds so that a hang ends as an abort. Prints one JSON ob
 
 XLA:CPU sizes its pool to max(cores, devices): on a machine with <= 8 cores, ``default`` is
 one thread per device, and a device that starts a second collective can leave none for the
-last device of the first. ``zjax.mesh.simulated_device_env`` sets 4 threads per device.
+last device of the first. ``zjax.runtime.mesh.simulated_device_env`` sets 4 threads per device.
 
 Usage: ``python benchmarks/cpu_collectives.py [--tries 3] [--nproc default,32]``
 """

@@ -18,7 +18,7 @@ from _peak_rss import peak_rss
 
 
 def write_checkpoint(run_dir: Path, args: argparse.Namespace) -> dict:
-    from zjax.mesh import simulate_cpu_devices
+    from zjax.runtime.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8)
     import jax

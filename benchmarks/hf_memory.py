@@ -58,15 +58,15 @@ def write_hf_dir(directory: Path, args: argparse.Namespace) -> dict:
 
 def write_run(hf_dir: Path, run_dir: Path) -> None:
     """A run directory whose checkpoint holds the imported weights (stage 3, 8 devices)."""
-    from zjax.mesh import simulate_cpu_devices
+    from zjax.runtime.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(8)
     import yaml
 
-    from zjax._build import build_step
     from zjax.checkpoint import CheckpointConfig, Checkpointer
     from zjax.config import load_config
     from zjax.hf import HFCheckpoint, initial_params
+    from zjax.task._build import build_step
 
     model = HFCheckpoint(hf_dir).config
     config = load_config(None, ["loop=llama", "zero.stage=3", "data.seq_len=64",

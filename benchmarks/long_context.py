@@ -29,7 +29,7 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from zjax.mesh import simulate_cpu_devices
+from zjax.runtime.mesh import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
@@ -41,7 +41,7 @@ PROBE = ["model.n_layers=2", "model.d_model=1024", "model.n_heads=16", "model.n_
 def measure(file: str, name: str, overrides: list[str]) -> dict:
     """Per-device bytes of the compiled step (``cpu``: the simulated devices)."""
     import zjax
-    from zjax.targets import target
+    from zjax.runtime.targets import target
 
     config = zjax.load_config(file, overrides)
     tgt = None if name == "cpu" else target(name)
@@ -60,7 +60,7 @@ def measure(file: str, name: str, overrides: list[str]) -> dict:
 def _devices(name: str) -> int:
     if name == "cpu":
         return 8
-    from zjax.targets import target
+    from zjax.runtime.targets import target
     return len(target(name).devices)
 
 

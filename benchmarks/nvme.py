@@ -244,7 +244,7 @@ def main() -> None:
     n = int(args.params)
     if args.train:  # before jax is imported
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        from zjax.mesh import simulate_cpu_devices
+        from zjax.runtime.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(8)
     with tempfile.TemporaryDirectory(dir=args.path) as d:

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from zjax.mesh import simulate_cpu_devices
+from zjax.runtime.mesh import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
@@ -60,7 +60,7 @@ def _program(mesh: Mesh, kind: str):
 
 
 def main() -> None:
-    from zjax.targets import target
+    from zjax.runtime.targets import target
 
     cpu = Mesh(np.array(jax.devices()), ("data",))
     for kind in ("io_callback", "pure_callback"):

@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=64)
     p.add_argument("--stages", default="0,1,2,3")
     args = p.parse_args()
-    from zjax.mesh import simulate_cpu_devices
+    from zjax.runtime.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(args.devices)  # before jax starts its backends
     import zjax

@@ -1,7 +1,8 @@
 """libtpu flags against zjax's stage-3 step: which ones raise the overlap of the ZeRO collectives.
 
 Compiles ``benchmarks/zero_step.py``'s stage-3 rows for a TPU topology (deviceless) with the
-TPU record's compiler options (:mod:`zjax._backend`) plus, per variant, extra libtpu flags, and
+TPU record's compiler options (:mod:`zjax.runtime._backend`) plus, per variant, extra libtpu
+flags, and
 prints per row: temp bytes (``memory_analysis()``), wire bytes and the fraction of all-gather
 bytes whose async start..done encloses compute (``zjax.planning``). The record keeps a flag only if
 a row here shows it helps.
@@ -23,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_step
 
-import zjax._backend as _backend
+import zjax.runtime._backend as _backend
 
 _ALL_REDUCE = {"xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
                "xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter": True,

@@ -1,7 +1,7 @@
 """Temp of a step compiled for a TPU target with one of the TPU record's quirks on and off.
 
 The figures behind ``Backend.hoists_loop_casts`` and ``Backend.prefetch_before_vjp``
-(``zjax/_backend.py``). Compile only; nothing runs on a TPU. Example::
+(``zjax/runtime/_backend.py``). Compile only; nothing runs on a TPU. Example::
 
     JAX_PLATFORMS=cpu python benchmarks/tpu_quirk.py prefetch_before_vjp zero.stage=3 \\
         zero.prefetch_layers=1 zero.reduce_dtype=bfloat16 model.d_model=768 model.d_ff=3072 \\
@@ -20,8 +20,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to contend fo
 import jax
 
 import zjax
-from zjax import _backend
-from zjax.targets import target
+from zjax.runtime import _backend
+from zjax.runtime.targets import target
 
 
 def temp_bytes(config_file: str, overrides: list[str], name: str) -> int:

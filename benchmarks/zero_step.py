@@ -34,7 +34,7 @@ row runs in a fresh process (its own memory; a runtime abort costs that row only
 ``--retries`` times).
 
 With ``--target h100:8`` (or ``h200:8``, ``v5p:2x2x2``, ...) every row is compiled by that
-accelerator's compiler for its compile-only devices (:mod:`zjax.targets`); nothing is timed.
+accelerator's compiler for its compile-only devices (:mod:`zjax.runtime.targets`); nothing is timed.
 
 Usage: ``python benchmarks/zero_step.py [--repeats 3] [--no-time] [--layers 4,8,16]
 [--target h100:8 --variants]``
@@ -67,18 +67,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax import ZeroConfig, from_nnx, make_mesh, make_plan, make_step, simulate_cpu_devices
-from zjax._backend import backend
-from zjax.mesh import DATA
 from zjax.models import gpt as gpt_module
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
+from zjax.models.trainable import Trainable
 from zjax.nn import bind_runners
 from zjax.nn.attention import attention
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
-from zjax.optim import clip_by_global_norm
 from zjax.partition import nbytes
 from zjax.planning import collective_bytes
-from zjax.targets import target
-from zjax.trainable import Trainable
+from zjax.runtime._backend import backend
+from zjax.runtime.mesh import DATA
+from zjax.runtime.targets import target
+from zjax.step.optim import clip_by_global_norm
 
 BASELINE = "gspmd_fsdp"
 
@@ -139,7 +139,8 @@ OFFLOAD_MODES = {
 def build_zjax(stage: int, trainable: Trainable, mesh: Mesh, batch: jax.ShapeDtypeStruct,
                prefetch: int = 1, offload: str | None = None,
                reduce_dtype: str = "float32") -> Built:
-    """zjax's step at ``stage``, compiled with its backend's options (:mod:`zjax._backend`)."""
+    """zjax's step at ``stage``, compiled with its backend's options
+    (:mod:`zjax.runtime._backend`)."""
     zero = ZeroConfig(stage=stage, gather_dtype="bfloat16", reduce_dtype=reduce_dtype,
                       prefetch_layers=prefetch, **OFFLOAD_MODES.get(offload, {}))
     zs = make_step(trainable, make_tx(), zero=zero, mesh=mesh)
@@ -419,7 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", default="", help="stage-3 offload rows, e.g. optimizer,both "
                    f"(modes: {', '.join(OFFLOAD_MODES)})")
     p.add_argument("--target", default=None, help="compile for an accelerator (h100:8, "
-                   "v5p:2x2x2, ...; zjax.targets): compile only, nothing timed")
+                   "v5p:2x2x2, ...; zjax.runtime.targets): compile only, nothing timed")
     p.add_argument("--variants", action="store_true", help="stage-3 rows at prefetch 0/1/2 "
                    "x reduce dtype float32/bfloat16")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # internal: one job

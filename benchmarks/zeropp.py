@@ -51,7 +51,7 @@ def main() -> None:
         args.hosts, args.per_host = map(int, args.target.split(":")[1].split("x"))
     n = args.hosts * args.per_host
     if not args.target:
-        from zjax.mesh import simulate_cpu_devices
+        from zjax.runtime.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(n)  # before jax starts its backends
     from zjax.config import load_config

@@ -32,7 +32,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=1").strip()
 
-from zjax.mesh import simulate_cpu_devices  # imports jax; its backends start later
+from zjax.runtime import quiet_plugins
+
+quiet_plugins()  # imports jax, its plugins' start-up lines held back; backends start later
+
+from zjax.runtime.mesh import simulate_cpu_devices  # noqa: E402
 
 # XLA_FLAGS' device count and PJRT_NPROC (room for collectives in flight), inherited by the
 # subprocesses tests start.

@@ -194,7 +194,7 @@ def compiled_for(name: str, *overrides: str, file: str = "configs/tiny.yaml"):
     ``name`` (``cpu``: the simulated devices), with ``TARGET_BASE`` and ``overrides``."""
     import zjax
     from zjax.planning import report
-    from zjax.targets import target
+    from zjax.runtime.targets import target
 
     config = zjax.load_config(file, [*TARGET_BASE, *overrides])
     zstep = zjax.build_step(config, None if name == "cpu" else target(name))

@@ -42,10 +42,10 @@ def test_on_accelerator_compilers_flat_and_two_gathers(tgt, name):
     from jax.sharding import PartitionSpec as P
 
     import zjax
-    from zjax._backend import backend
     from zjax.partition import ZeroConfig
     from zjax.planning import collective_bytes
-    from zjax.targets import target
+    from zjax.runtime._backend import backend
+    from zjax.runtime.targets import target
 
     mesh = zjax.make_mesh(devices=list(target(tgt).devices))
     batch = jax.ShapeDtypeStruct((16, 65), jnp.int32, sharding=NamedSharding(mesh, P("data")))

@@ -12,8 +12,8 @@ from collections import defaultdict
 import pytest
 from helpers import ROOT
 
-from zjax._loop_name import BUILTIN_LOOPS
 from zjax.config import Config, load_config
+from zjax.config._loop_name import BUILTIN_LOOPS
 from zjax.errors import ConfigError
 
 PACKAGE = ROOT / "zjax"
@@ -33,7 +33,8 @@ def _modules() -> dict[str, ast.Module]:
 
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the zjax modules it imports anywhere (functions too: a lazy import is still
-    an edge), except under ``if TYPE_CHECKING``."""
+    an edge; so is each module a package's ``_LAZY`` / ``_EXPORTS`` table loads on first
+    use), except under ``if TYPE_CHECKING``."""
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for name, tree in modules.items():
@@ -46,10 +47,19 @@ def _import_graph() -> dict[str, set[str]]:
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif _lazy_table(node):
+                targets = [v.value for v in node.value.values]
             else:
                 continue
             graph[name] |= {t for t in targets if t in modules and t != name}
     return graph
+
+
+def _lazy_table(node: ast.AST) -> bool:
+    """A package's table of names -> the modules that define them, loaded on first use."""
+    return (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+            and any(getattr(t, "id", "") in ("_LAZY", "_EXPORTS") for t in node.targets)
+            and all(isinstance(v, ast.Constant) for v in node.value.values))
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -83,11 +93,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_in_zjax():
     graph = _import_graph()
-    assert graph["zjax.trainer"] >= {"zjax.config", "zjax.step"}  # the reader sees edges
+    assert graph["zjax.training.trainer"] >= {"zjax.config", "zjax.step"}  # the reader sees edges
     assert _cycles(graph) == []
     # the checker sees one: config -> trainer would close config -> ... -> trainer -> config
     assert _cycles({**graph, "zjax.config._config": {*graph["zjax.config._config"],
-                                                     "zjax.trainer"}})
+                                                     "zjax.training.trainer"}})
 
 
 def test_config_is_at_the_bottom_of_the_import_graph():
@@ -101,10 +111,104 @@ def test_config_is_at_the_bottom_of_the_import_graph():
     loaded = json.loads(out.stdout.splitlines()[-1])
     heavy = [m for m in loaded if m.split(".")[0] in ("orbax", "grain", "flax")]
     assert heavy == []
-    engine = {"zjax.step", "zjax.trainer", "zjax.loop", "zjax.checkpoint", "zjax.data",
-              "zjax.models.gpt", "zjax.models.llama", "zjax.trainable"}
+    engine = {"zjax.step", "zjax.training", "zjax.training.trainer", "zjax.task", "zjax.hf",
+              "zjax.checkpoint._checkpointer", "zjax.data._pipeline", "zjax.runtime.targets",
+              "zjax.models.gpt", "zjax.models.llama", "zjax.models.trainable", "zjax.planning",
+              "zjax.export", "zjax.cli"}
     assert engine.isdisjoint(loaded), engine & set(loaded)
-    assert "zjax.config._gin" in loaded and "zjax.models._gpt_config" in loaded
+    # the sections come from their packages' config modules, whose packages load lazily
+    assert {"zjax.config._gin", "zjax.models.config", "zjax.data.config",
+            "zjax.checkpoint.config", "zjax.runtime.config"} <= set(loaded)
+
+
+# zjax's top level: the public entry points and what belongs to no package
+TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "schema.py", "py.typed"}
+# the packages, bottom to top: a module imports its own package and the layers below it. A
+# package's ``config.py`` is its config section, in the layer under ``zjax.config`` (which
+# composes them): it imports only errors, schema and other sections.
+LAYERS = [
+    ("zjax.errors", "zjax.schema"),
+    ("sections",),
+    ("zjax.config",),
+    ("zjax.runtime",),
+    ("zjax.offload",),
+    ("zjax.partition",),
+    ("zjax.nn",),
+    ("zjax.models",),
+    ("zjax.step",),
+    ("zjax.data",),
+    ("zjax.checkpoint",),
+    ("zjax.hf",),
+    ("zjax.task",),
+    ("zjax.planning",),
+    ("zjax.training",),
+    ("zjax.export",),
+    ("zjax.cli",),
+    ("zjax",),
+]
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 3 and parts[2] == "config":
+        return "sections"
+    return "zjax" if len(parts) == 1 or parts[1] == "__main__" else ".".join(parts[:2])
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    rank = {name: i for i, names in enumerate(LAYERS) for name in names}
+    out = []
+    for module, imports in sorted(graph.items()):
+        for target in sorted(imports):
+            if rank[_layer(target)] > rank[_layer(module)]:
+                out.append(f"{module} -> {target}")
+    return out
+
+
+def _private_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a private module (``zjax.pkg._name``) from outside its package."""
+    out = []
+    for module, imports in sorted(graph.items()):
+        for target in sorted(imports):
+            parts = target.split(".")
+            private = next((i for i, p in enumerate(parts) if p.startswith("_")
+                            and p != "__main__"), None)
+            if private is None:
+                continue
+            owner = ".".join(parts[:private])
+            if module != owner and not module.startswith(owner + "."):
+                out.append(f"{module} -> {target}")
+    return out
+
+
+def test_packages_import_down_the_layers_only():
+    graph = _import_graph()
+    assert {_layer(m) for m in _modules()} == {n for names in LAYERS for n in names}
+    assert _upward(graph) == []
+    # the checker sees one: the step reading checkpoints' tree (as it once did)
+    assert _upward({**graph, "zjax.step._nvme_io": {"zjax.checkpoint._tree"}}) == [
+        "zjax.step._nvme_io -> zjax.checkpoint._tree"]
+    # and a section importing its package's engine
+    assert _upward({"zjax.data.config": {"zjax.data._pipeline"}}) == [
+        "zjax.data.config -> zjax.data._pipeline"]
+
+
+def test_no_import_of_another_packages_private_module():
+    graph = _import_graph()
+    assert _private_imports(graph) == []
+    assert _private_imports({"zjax.export._export": {"zjax.hf._safetensors"},
+                             "zjax.hf._export": {"zjax.hf._safetensors"}}) == [
+        "zjax.export._export -> zjax.hf._safetensors"]
+
+
+def test_the_top_level_holds_only_the_entry_points():
+    top = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert top - packages == TOP_LEVEL
+    assert {f"zjax.{p}" for p in packages} == {n for names in LAYERS[2:-1] for n in names}
+    for package in packages:  # each says what it owns and what it may import
+        doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
+        assert doc and "import" in doc, package
 
 
 def test_no_file_over_the_size_limit():
@@ -153,7 +257,7 @@ def test_no_function_over_the_size_limit():
 
 
 def test_builtin_loops_name_their_model_config_without_importing_them():
-    from zjax.loop import resolve_loop
+    from zjax.task.loop import resolve_loop
 
     for name, (_, model_config) in BUILTIN_LOOPS.items():
         assert resolve_loop(name).model_config is model_config
@@ -173,7 +277,7 @@ def test_validating_a_config_does_not_instantiate_the_users_loop(tmp_path, monke
     with pytest.raises(ConfigError, match=r"^model\.width"):
         Config.from_dict({"loop": "_zjax_lazy_loop:Lazy", "model": {"width": "x"}})
     # the trainer is what builds it, and its failure names the key
-    from zjax.loop import resolve_loop
+    from zjax.task.loop import resolve_loop
 
     with pytest.raises(ConfigError, match=r"loop: .*Lazy'?\(\) failed: instantiated"):
         resolve_loop("_zjax_lazy_loop:Lazy")

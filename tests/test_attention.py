@@ -164,7 +164,7 @@ def test_bad_requests_name_what_is_wrong():
 def _lowered_on(name: str, t: int, **opts):
     """HLO text of a forward+backward of ``auto`` attention under a 1-device mesh of
     ``name``'s devices (inside shard_map, as the zjax step calls it)."""
-    from zjax.targets import target
+    from zjax.runtime.targets import target
 
     mesh = Mesh(np.array(target(name).devices[:1]), ("data",))
     q = jax.ShapeDtypeStruct((2, t, 8, 128), jnp.bfloat16)

@@ -86,7 +86,7 @@ def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
 RESTORE = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from zjax.mesh import simulate_cpu_devices
+    from zjax.runtime.mesh import simulate_cpu_devices
     simulate_cpu_devices({n})
     import jax, numpy as np, zjax
     from pathlib import Path

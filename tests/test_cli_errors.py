@@ -23,13 +23,13 @@ import pytest
 from helpers import ROOT, cli_env, run_zjax
 
 import zjax
-from zjax import _export_io as export_io
 from zjax import cli
+from zjax.checkpoint import _leaf_io as export_io
+from zjax.cli.plot import plot_run
 from zjax.config import load_config
 from zjax.export import export
 from zjax.planning import Candidate
 from zjax.planning import search as _autotune
-from zjax.plot import plot_run
 
 RUN = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2",
        "data.seq_len=16", "data.batch_size=8", "train.steps=2", "train.log_every=1",
@@ -377,7 +377,7 @@ def test_export_refuses_max_shard_size_outside_hf(run, tmp_path, fmt, capsys, cl
     ("1.5GB", 1_500_000_000), ("2GiB", 2 * 2**30), ("5GB", 5 * 10**9), ("500MB", 500 * 10**6),
     ("1.5KiB", 1536), ("2.5e3KB", 2_500_000), (" 5 GB ", 5 * 10**9)])
 def test_parse_size_reads_sizes(text, n):
-    from zjax._cli_tools import parse_size
+    from zjax.cli._tools import parse_size
 
     assert parse_size(text) == n
 
@@ -392,7 +392,7 @@ def test_parse_size_reads_sizes(text, n):
 def test_parse_size_refuses_what_is_no_size(text, needle, tmp_path, capsys, cli_logging):
     import argparse
 
-    from zjax._cli_tools import parse_size
+    from zjax.cli._tools import parse_size
 
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(needle)):
         parse_size(text)

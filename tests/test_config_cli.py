@@ -152,10 +152,10 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
 
 
 def test_readme_config_reference_is_in_sync():
-    from zjax._docs import config_reference
+    from zjax.cli._docs import config_reference
 
     assert config_reference() in (ROOT / "README.md").read_text(), (
-        "README's config reference is stale: run `python -m zjax.docs --write README.md`"
+        "README's config reference is stale: run `python -m zjax.cli.docs --write README.md`"
     )
 
 

@@ -19,11 +19,11 @@ from zjax.checkpoint import CheckpointConfig
 from zjax.config import Config, OptimizerConfig, as_config, load_config
 from zjax.data import DataConfig, load_tokens, window_batches
 from zjax.errors import ConfigError
-from zjax.loop import LanguageModel, resolve_loop
-from zjax.mesh import MeshConfig
 from zjax.models.gpt import GPTConfig
 from zjax.offload.config import OffloadConfig
 from zjax.partition.config import ZeroConfig
+from zjax.runtime.mesh import MeshConfig
+from zjax.task.loop import LanguageModel, resolve_loop
 
 # 325 bytes that expand to 9**6 strings ("billion laughs")
 BOMB = "\n".join([

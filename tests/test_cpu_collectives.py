@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import optax
 
 import zjax
-from zjax.mesh import simulated_device_env
 from zjax.models import GPT, GPTConfig, lm_loss
 from zjax.partition.plan import ShardPlan
 from zjax.planning import unordered_collectives
+from zjax.runtime.mesh import simulated_device_env
 
 _HLO = """\
 HloModule m

@@ -210,7 +210,7 @@ class _Dev:
 def test_process_batch_slice(shape, expected):
     from types import SimpleNamespace
 
-    from zjax.mesh import process_batch_slice
+    from zjax.runtime.mesh import process_batch_slice
 
     devices = np.array([_Dev(i // 4) for i in range(8)], dtype=object).reshape(shape)
     mesh = SimpleNamespace(axis_names=("data", "model"), devices=devices,

@@ -13,8 +13,8 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers import start_zjax
 
-from zjax import _ckpt_pin as pin
 from zjax.errors import CheckpointError
+from zjax.export import _pin as pin
 from zjax.export import export, read_params
 
 pytestmark = pytest.mark.slow  # races a training run
@@ -105,7 +105,7 @@ def test_a_killed_readers_pin_is_removed_by_the_next(tmp_path):
     import subprocess
     import sys
 
-    from zjax._ckpt_pin import pinned
+    from zjax.export._pin import pinned
 
     step = tmp_path / "run" / "checkpoints" / "3"
     (step / "state").mkdir(parents=True)

@@ -12,10 +12,10 @@ from helpers import GRADS, assert_trees_close
 from jax.sharding import PartitionSpec as P
 
 import zjax
-from zjax._backend import backend
 from zjax.nn import Stack
 from zjax.partition import REMAT_POLICY, Comm, ScheduleSpec, gather_tree, scheduled_scan
 from zjax.planning import collective_bytes
+from zjax.runtime._backend import backend
 
 N = 8
 
@@ -113,8 +113,8 @@ def test_scheduled_scan_with_a_secondary_partition_matches_plain_scan(prefetch, 
     """hpZ's two levels on node 2 x data 4 (shards over ("data", "node")), per leaf and as
     buckets: values and gradients as a plain scan; per layer the backward gathers over
     ``data`` only, and the gradients are reduce-scattered over ``data`` then ``node``."""
-    from zjax.mesh import split_nodes
     from zjax.partition import Comm
+    from zjax.runtime.mesh import split_nodes
 
     L, D, F = 4, 16, 32
     rng = np.random.default_rng(2)

@@ -10,9 +10,9 @@ import pytest
 from helpers import TARGET_BASE, compiled_for, sharded_params
 
 import zjax
-from zjax import _backend
-from zjax._backend import backend
-from zjax.targets import target
+from zjax.runtime import _backend
+from zjax.runtime._backend import backend
+from zjax.runtime.targets import target
 
 GPU = "h100:8"
 WIDE = ("zero.stage=3", "model.d_model=512", "model.d_ff=2048", "model.n_layers=4",

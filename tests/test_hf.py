@@ -18,7 +18,7 @@ from helpers import run_zjax
 from hf_models import TINY_HF, hf_gpt2, hf_logits, hf_model, pt_layout, write_hf
 
 import zjax
-from zjax._export_io import nested
+from zjax.checkpoint._leaf_io import nested
 from zjax.config import load_config
 from zjax.errors import CheckpointError, ConfigError
 from zjax.export import export
@@ -108,7 +108,7 @@ def test_gpt2_finetune_exports_what_transformers_loads(tmp_path):
 
 
 def test_stage3_start_reads_each_shard_from_the_files(tmp_path, model):
-    from zjax._build import build_step
+    from zjax.task._build import build_step
 
     directory = write_hf(tmp_path / "hf", model, shards=2)
     config = load_config(None, ["loop=llama", f"train.init_from={directory}", "zero.stage=3",

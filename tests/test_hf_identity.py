@@ -24,8 +24,8 @@ import zjax
 from zjax.config import load_config
 from zjax.errors import CheckpointError, ConfigError
 from zjax.export import export
+from zjax.export.sample import load_sampler
 from zjax.hf import HFCheckpoint, import_hf
-from zjax.sample import load_sampler
 
 ATOL = 1e-5  # as tests/test_hf.py: fp32 logits of O(1)
 TOKENS_HF = np.random.default_rng(1).integers(0, TINY_HF["vocab_size"], (2, 12))
@@ -136,7 +136,7 @@ def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(tmp_path
     with caplog.at_level(logging.WARNING, logger="zjax"):
         source = HFCheckpoint(both)
     assert "holds both model.safetensors and model.safetensors.index.json" in caplog.text
-    from zjax._export_io import nested
+    from zjax.checkpoint._leaf_io import nested
     from zjax.models import model_class
 
     cls = model_class(source.config)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zjax
-from zjax.targets import target
+from zjax.runtime.targets import target
 
 # the long-context probe (configs/llama3-8b.yaml shrunk): 2 layers, d_model 1024,
 # GQA 16/4, 16384 tokens per device. At half its width and tokens v5p's temp grows 19% from

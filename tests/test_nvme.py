@@ -22,7 +22,7 @@ from helpers import FP32, ROOT, assert_trees_close, cli_env
 import zjax
 from zjax.config import OptimizerConfig
 from zjax.offload.nvme import StreamingOptimizer
-from zjax.optim import make_optimizer
+from zjax.step.optim import make_optimizer
 
 
 def _arrays(rng, sizes):

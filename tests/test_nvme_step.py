@@ -168,7 +168,7 @@ def test_bad_nvme_input_is_refused_before_the_first_step(tmp_path, monkeypatch):
     monkeypatch.undo()
     zero = load_config(ROOT / "configs/tiny.yaml", [*SMALL, *nvme_overrides(tmp_path)]).zero
     with pytest.raises(zjax.ConfigError, match="not elementwise"):  # optax's clip inside tx
-        zjax.make_step(zjax.loop.resolve_loop("lm").trainable(base.model), make_tx(),
+        zjax.make_step(zjax.task.loop.resolve_loop("lm").trainable(base.model), make_tx(),
                        zero=zero, mesh=zjax.make_mesh())
     with pytest.raises(zjax.ConfigError, match=r"zero.offload_param.device: nvme is not built"):
         load_config(ROOT / "configs/tiny.yaml", [*SMALL, "zero.offload_param.device=nvme"])

@@ -17,8 +17,8 @@ import zjax
 from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
 from zjax.export import export
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
-from zjax.optim import clip_by_global_norm
 from zjax.partition import ZeroConfig, nbytes
+from zjax.step.optim import clip_by_global_norm
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 

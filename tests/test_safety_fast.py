@@ -17,14 +17,14 @@ import pytest
 from helpers import FP32, assert_trees_close, reference_run
 
 import zjax
-from zjax._digest import array_digest, tree_digests
-from zjax._metrics import read_metrics
-from zjax._nonfinite import FiniteWatch
-from zjax._preempt import Preempted
-from zjax._rundir import RunDir
+from zjax.checkpoint._digest import array_digest, tree_digests
 from zjax.errors import ConfigError, NonFiniteError
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 from zjax.partition import ZeroConfig
+from zjax.training._metrics import read_metrics
+from zjax.training._nonfinite import FiniteWatch
+from zjax.training._preempt import Preempted
+from zjax.training._rundir import RunDir
 
 
 def _trainable():
@@ -143,7 +143,7 @@ def test_torn_last_metrics_line_is_skipped_but_a_damaged_middle_is_refused(tmp_p
 
 LOCK_HOLDER = textwrap.dedent("""
     import sys, time
-    from zjax._rundir import RunDir
+    from zjax.training._rundir import RunDir
     run = RunDir(sys.argv[1])
     print("locked", flush=True)
     time.sleep(60)
@@ -262,7 +262,7 @@ def test_values_other_than_recorded_are_damage_and_the_previous_step_restores(tm
 
 
 def test_a_duplicated_ctrl_c_is_one_stop_a_later_one_stops_at_once():
-    from zjax._preempt import REPEAT_S, PreemptionGuard
+    from zjax.training._preempt import REPEAT_S, PreemptionGuard
 
     guard = PreemptionGuard()
     guard._handle(signal.SIGINT, None)

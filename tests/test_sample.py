@@ -13,8 +13,8 @@ from helpers import run_zjax
 from hf_models import hf_model, write_hf
 
 import zjax
+from zjax.export.sample import Sampler, generate, load_sampler, pick
 from zjax.models import GPT, GPTConfig, Llama, LlamaConfig
-from zjax.sample import Sampler, generate, load_sampler, pick
 
 MODELS = {
     "gpt": (GPT, GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,

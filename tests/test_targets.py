@@ -17,10 +17,10 @@ import pytest
 from helpers import ROOT, TARGET_BASE, cli_env, compiled_for, run_zjax, sharded_params
 
 import zjax
-from zjax._backend import backend
-from zjax._flops import peak_flops
 from zjax.planning import collective_bytes, compiled_memory
-from zjax.targets import target
+from zjax.planning._flops import peak_flops
+from zjax.runtime._backend import backend
+from zjax.runtime.targets import target
 
 GPU, TPU = "h100:8", "v5p:2x2x2"
 SETTINGS = {
@@ -45,7 +45,7 @@ def test_accelerator_records_hold_no_cpu_workaround():
         leaked = set(record.workarounds()) & set(cpu.workarounds())
         assert not leaked, f"{platform} carries CPU workarounds {leaked}"
         assert not set(record.compiler_options) & set(cpu.compiler_options)
-    # the GPU record's two are measured memory choices (zjax/_backend.py), not workarounds
+    # the GPU record's two are measured memory choices (zjax/runtime/_backend.py), not workarounds
     # of a CPU bug
     assert set(backend("gpu").workarounds()) == {"bucket_layer_gathers", "prefetch_before_vjp"}
     tpu = {k for k in backend("tpu").workarounds() if not k.startswith("compiler_options.")}
@@ -355,7 +355,7 @@ def test_impossible_tpu_topologies_print_only_zjax_s_error_line():
 
 
 def test_a_valid_tpu_target_starts_libtpu_quietly():
-    r = _fresh("from zjax.targets import target\n"
+    r = _fresh("from zjax.runtime.targets import target\n"
                "t = target('v5p:2x2x2')\n"
                "print(len(t.devices), t.hosts)\n")
     assert r.returncode == 0, r.stderr[-3000:]

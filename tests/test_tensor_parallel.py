@@ -310,7 +310,7 @@ def test_trainer_runs_and_evaluates_on_a_2d_mesh(tmp_path):
 def test_offload_on_a_2d_mesh_matches_no_offload(reference):
     """Both offloads (update on the host) at 4x2 give the same params as no offload."""
     from zjax.offload import OffloadConfig, OptimizerOffloadConfig
-    from zjax.optim import clip_by_global_norm
+    from zjax.step.optim import clip_by_global_norm
 
     batches, _ = reference
     host = dict(offload_optimizer=OptimizerOffloadConfig(device="host", update_on="host"),

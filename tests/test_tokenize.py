@@ -62,7 +62,7 @@ def test_data_tokenizer_encodes_text_and_sets_the_vocabulary(bpe, tmp_path):
     assert len(tokens.train) + len(tokens.eval) < len(files[0].read_bytes())
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.path={files[0]}",
                                                   f"data.tokenizer={path}"])
-    from zjax.loop import LanguageModel
+    from zjax.task.loop import LanguageModel
 
     with pytest.raises(zjax.ConfigError, match=r"^model.vocab_size: 256, but .* up to 511"):
         LanguageModel().check(cfg.model, cfg.data)

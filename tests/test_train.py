@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import zjax
+from zjax.cli.plot import plot_run
 from zjax.config import load_config
-from zjax.plot import plot_run
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 

@@ -22,7 +22,7 @@ from models import TINY_LLAMA, llama_trainable, token_batches
 
 import zjax
 from zjax.partition import ZeroConfig, kept_scan
-from zjax.targets import target
+from zjax.runtime.targets import target
 
 
 def _layer(p, h, ctx):

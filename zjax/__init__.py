@@ -17,33 +17,33 @@ _EXPORTS = {
     "ConfigError": "zjax.errors",
     "NvmeError": "zjax.errors",
     "GatherFallbackWarning": "zjax.errors",
-    "LanguageModel": "zjax.loop",
-    "Loop": "zjax.loop",
-    "MeshConfig": "zjax.mesh",
+    "LanguageModel": "zjax.task",
+    "Loop": "zjax.task",
+    "MeshConfig": "zjax.runtime",
     "NonFiniteError": "zjax.errors",
     "NotGatheredError": "zjax.errors",
     "PlanReport": "zjax.planning",
-    "Preempted": "zjax._preempt",
+    "Preempted": "zjax.training",
     "ShardPlan": "zjax.partition",
-    "TrainResult": "zjax.trainer",
+    "TrainResult": "zjax.training",
     "TrainState": "zjax.step",
-    "Trainable": "zjax.trainable",
+    "Trainable": "zjax.models",
     "TuneResult": "zjax.planning",
     "ZeroConfig": "zjax.partition",
     "ZeroStep": "zjax.step",
     "ZjaxError": "zjax.errors",
-    "abstract_batch": "zjax._build",
+    "abstract_batch": "zjax.task",
     "autotune": "zjax.planning",
-    "build_step": "zjax._build",
-    "from_nnx": "zjax.trainable",
-    "from_pytree": "zjax.trainable",
+    "build_step": "zjax.task",
+    "from_nnx": "zjax.models",
+    "from_pytree": "zjax.models",
     "load_config": "zjax.config",
-    "make_mesh": "zjax.mesh",
+    "make_mesh": "zjax.runtime",
     "make_plan": "zjax.partition",
     "make_step": "zjax.step",
     "plan": "zjax.planning",
-    "simulate_cpu_devices": "zjax.mesh",
-    "train": "zjax.trainer",
+    "simulate_cpu_devices": "zjax.runtime",
+    "train": "zjax.training",
 }
 
 __all__ = [
@@ -97,8 +97,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from zjax._build import abstract_batch, build_step
-    from zjax._preempt import Preempted
     from zjax.config import Config, load_config
     from zjax.errors import (
         ArgumentError,
@@ -110,10 +108,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         NvmeError,
         ZjaxError,
     )
-    from zjax.loop import LanguageModel, Loop
-    from zjax.mesh import MeshConfig, make_mesh, simulate_cpu_devices
+    from zjax.models import Trainable, from_nnx, from_pytree
     from zjax.partition import ShardPlan, ZeroConfig, make_plan
     from zjax.planning import PlanReport, TuneResult, autotune, plan
+    from zjax.runtime import MeshConfig, make_mesh, simulate_cpu_devices
     from zjax.step import TrainState, ZeroStep, make_step
-    from zjax.trainable import Trainable, from_nnx, from_pytree
-    from zjax.trainer import TrainResult, train
+    from zjax.task import LanguageModel, Loop, abstract_batch, build_step
+    from zjax.training import Preempted, TrainResult, train

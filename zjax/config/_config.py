@@ -2,7 +2,7 @@
 
 Each part of zjax takes only its own section (``zero``, ``mesh``, ``model``, ...), defined
 beside its consumer in a module that imports nothing heavy. All key, type and range checks go
-through :mod:`zjax._schema` (from a mapping and on direct construction), so every error names
+through :mod:`zjax.schema` (from a mapping and on direct construction), so every error names
 the dotted key, the value given and what is allowed.
 """
 
@@ -12,10 +12,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from zjax._checkpoint_config import CheckpointConfig
-from zjax._data_config import DataConfig
-from zjax._loop_name import model_config_of
-from zjax._schema import (
+from zjax.checkpoint.config import CheckpointConfig
+from zjax.config._loop_name import model_config_of
+from zjax.data.config import DataConfig
+from zjax.errors import ConfigError
+from zjax.models.config import GPTConfig
+from zjax.partition.config import ZeroConfig
+from zjax.runtime.config import MeshConfig
+from zjax.schema import (
     choices,
     from_dict,
     interval,
@@ -25,10 +29,6 @@ from zjax._schema import (
     to_dict,
     validate,
 )
-from zjax.errors import ConfigError
-from zjax.mesh import MeshConfig
-from zjax.models._gpt_config import GPTConfig
-from zjax.partition.config import ZeroConfig
 
 __all__ = [
     "CheckpointConfig",

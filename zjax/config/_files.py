@@ -11,10 +11,10 @@ from typing import Any
 import yaml
 
 import zjax.config._yaml as _yaml
-from zjax._schema import short
 from zjax.config._config import Config, section_types
 from zjax.config._gin import locate, read_gin
 from zjax.errors import ConfigError
+from zjax.schema import short
 
 __all__ = ["apply_overrides", "as_config", "load_config"]
 

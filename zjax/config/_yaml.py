@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 from yaml.constructor import ConstructorError
 
-from zjax._schema import short
 from zjax.errors import ConfigError
+from zjax.schema import short
 
 __all__ = ["MAX_VALUES", "check_expansion", "load"]
 

@@ -11,14 +11,18 @@
 - :func:`layout_for_hf` / :func:`layout_for_model`: an architecture's :class:`Layout` (its
   ``config.json`` <-> ``model`` section mapping and tensor rules).
 
-The name and layout rules are in :mod:`zjax.hf._llama` and :mod:`zjax.hf._gpt2`.
+The name and layout rules are in :mod:`zjax.hf._llama` and :mod:`zjax.hf._gpt2`. It imports
+the models (their config sections), the data package (tokenizers), the checkpoint package
+(leaf reader and writer) and the config; export, the training run and the CLI import it.
 """
 
+from zjax.hf._export import DEFAULT_SHARD_BYTES, hf_writer
 from zjax.hf._import import import_hf, initial_params
 from zjax.hf._layout import Layout, Leaf
 from zjax.hf._layouts import layout_for_hf, layout_for_model
 from zjax.hf._load import HFCheckpoint, is_hf_dir
 from zjax.hf._safetensors import SafetensorsDir, write_safetensors
 
-__all__ = ["HFCheckpoint", "Layout", "Leaf", "SafetensorsDir", "import_hf", "initial_params",
-           "is_hf_dir", "layout_for_hf", "layout_for_model", "write_safetensors"]
+__all__ = ["DEFAULT_SHARD_BYTES", "HFCheckpoint", "Layout", "Leaf", "SafetensorsDir", "hf_writer",
+           "import_hf", "initial_params", "is_hf_dir", "layout_for_hf", "layout_for_model",
+           "write_safetensors"]

@@ -120,7 +120,7 @@ def config_json(layout: Layout, model, *, dtype: str, origin: Path | None) -> di
 
 def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf],
                    n_layers: int, target: np.dtype, max_shard_bytes: int) -> None:
-    from zjax._export_io import read_leaf
+    from zjax.checkpoint import read_leaf
 
     missing = [leaf.keys for leaf in leaves if leaf.keys not in stored]
     if missing:
@@ -170,7 +170,7 @@ def _tensors(group: list[Leaf], arrays: list[np.ndarray]) -> Iterator[np.ndarray
 
 
 def _copy_tokenizer(tokenizer: Path, work: Path, vocab_size: int) -> None:
-    from zjax.tokenize import check_fits, load_tokenizer
+    from zjax.data.tokenize import check_fits, load_tokenizer
 
     if not tokenizer.is_file():
         raise CheckpointError(f"export --format hf: the run's data.tokenizer {tokenizer} is "

@@ -52,7 +52,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") ->
     Returns:
       ``out``; train with ``zjax train OUT/zjax.yaml``.
     """
-    from zjax._export_io import check_out, write_orbax_leaves
+    from zjax.checkpoint import check_out, write_orbax_leaves
     from zjax.partition.config import resolve_dtype
 
     target = resolve_dtype(dtype, key="--dtype")
@@ -83,7 +83,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") ->
 
 def _check_tokenizer(source: HFCheckpoint) -> None:
     """The tokenizer beside the weights must fit their vocabulary."""
-    from zjax.tokenize import check_fits, load_tokenizer
+    from zjax.data.tokenize import check_fits, load_tokenizer
 
     path = source.directory / "tokenizer.json"
     if path.is_file():

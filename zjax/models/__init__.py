@@ -1,7 +1,10 @@
-"""Reference models used by configs, tests and benchmarks.
+"""Models: a model as init + loss over stored params (``Trainable``: ``from_nnx`` for a Flax NNX
+module, ``from_pytree`` for any JAX model through the gather-on-use transform), and the
+reference models used by configs, tests and benchmarks (``GPT``, ``Llama``).
 
-``GPTConfig`` and ``LlamaConfig`` load without Flax (a config validates without the model);
-``GPT``, ``Llama`` and ``lm_loss`` load on first use (PEP 562).
+``GPTConfig`` and ``LlamaConfig`` (the ``model`` sections) load without Flax: a config
+validates without the model; the rest loads on first use (PEP 562). It imports ``zjax.nn``,
+``zjax.partition`` and the runtime; never the step or anything above it.
 """
 
 from __future__ import annotations
@@ -9,12 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from zjax.models._gpt_config import GPTConfig
-from zjax.models._llama_config import LlamaConfig
+from zjax.models.config import GPTConfig, LlamaConfig
 
-__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "lm_loss", "model_class"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "Trainable", "from_nnx", "from_pytree",
+           "lm_loss", "model_class"]
 
-_LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.models.llama"}
+_LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.models.llama",
+         "Trainable": "zjax.models.trainable", "from_nnx": "zjax.models.trainable",
+         "from_pytree": "zjax.models.trainable"}
 
 
 def __getattr__(name: str) -> Any:
@@ -35,3 +40,4 @@ def model_class(config: Any) -> type | None:
 if TYPE_CHECKING:
     from zjax.models.gpt import GPT, lm_loss
     from zjax.models.llama import Llama
+    from zjax.models.trainable import Trainable, from_nnx, from_pytree

@@ -19,9 +19,9 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 from zjax.models._batch import Packing
-from zjax.models._gpt_config import GPTConfig
 from zjax.models._layers import KVCache, LayerNorm, RMSNorm, check_length, param, zeros
 from zjax.models._lm import lm_loss
+from zjax.models.config import GPTConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
 

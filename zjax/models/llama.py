@@ -23,7 +23,7 @@ from flax import nnx
 from zjax.errors import ArgumentError
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param
-from zjax.models._llama_config import LlamaConfig
+from zjax.models.config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
 

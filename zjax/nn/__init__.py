@@ -1,4 +1,9 @@
-"""Flax NNX building blocks that meet zjax's layer schedule and tensor parallelism."""
+"""Flax NNX building blocks that meet zjax's layer schedule and tensor parallelism: the
+layer ``Stack``, one attention function for every backend, the tiled MLP, the chunked loss and
+Megatron's tensor-parallel operators.
+
+It imports only the runtime (mesh axes, the traced platform) and ``zjax.errors``; models and
+any user's model import it."""
 
 from zjax.nn.mlp import tiled
 from zjax.nn.stack import Stack, bind_runners, iter_stacks

@@ -21,7 +21,7 @@ import functools
 import jax
 from jax import lax
 
-from zjax.mesh import MODEL
+from zjax.runtime.mesh import MODEL
 
 __all__ = ["column_parallel_input", "model_axis_size", "row_parallel_output"]
 

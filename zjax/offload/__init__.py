@@ -1,5 +1,9 @@
 """Host offload (ZeRO-Offload) through JAX memory kinds, and the NVMe tier's streaming
-optimizer engine (ZeRO-Infinity; the step that uses it is `zjax.step._nvme`)."""
+optimizer engine (ZeRO-Infinity; the step that uses it is `zjax.step._nvme`).
+
+It owns the ``zero.offload_optimizer`` / ``zero.offload_param`` sections
+(``zjax.offload.config``) and imports only ``zjax.errors`` and the sections; the step, the
+checkpoint and planning import it."""
 
 from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 from zjax.offload.host import (

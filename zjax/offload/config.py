@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from zjax._schema import positive, validate
 from zjax.errors import ConfigError, did_you_mean
+from zjax.schema import positive, validate
 
 __all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig"]
 

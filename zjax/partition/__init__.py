@@ -1,5 +1,8 @@
 """ZeRO partitioning: placement plan, gather primitive, scheduled layer scan, gather on use,
-and the layer scan that keeps saved inputs as ZeRO-R does over whole params (stages 0-2)."""
+and the layer scan that keeps saved inputs as ZeRO-R does over whole params (stages 0-2).
+
+It owns the ``zero`` section (``zjax.partition.config``) and imports only the runtime (mesh
+axes, the backend's record) and ``zjax.errors``: nothing about models, steps or files."""
 
 from zjax.partition._bytes import nbytes
 from zjax.partition._kept_scan import kept_scan

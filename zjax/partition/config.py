@@ -7,9 +7,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from zjax._schema import choices, non_negative, positive, validate
 from zjax.errors import ConfigError, did_you_mean
 from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
+from zjax.schema import choices, non_negative, positive, validate
 
 __all__ = ["DTYPES", "ZeroConfig", "resolve_dtype"]
 

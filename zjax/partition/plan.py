@@ -24,12 +24,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zjax._backend import Backend, backend_of
 from zjax.errors import ArgumentError, ConfigError
-from zjax.mesh import DATA, MODEL, NODE, REPLICA, split_nodes
 from zjax.partition.config import ZeroConfig, resolve_dtype
 from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
+from zjax.runtime import Backend, backend_of
+from zjax.runtime.mesh import DATA, MODEL, NODE, REPLICA, split_nodes
 
 __all__ = ["LeafPlan", "ShardPlan", "make_plan", "path_str"]
 
@@ -173,7 +173,7 @@ class ShardPlan:
 
     @property
     def backend(self) -> Backend:
-        """The quirk record of the mesh's platform (:mod:`zjax._backend`)."""
+        """The quirk record of the mesh's platform (:mod:`zjax.runtime._backend`)."""
         return backend_of(self.mesh)
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zjax.mesh import MODEL
+from zjax.runtime.mesh import MODEL
 
 __all__ = ["DEFAULT_RULES", "Rules", "model_dim"]
 

@@ -173,7 +173,7 @@ def _gather_top(prog: Program, shards: list, leaves, gather_leaf, join: bool) ->
     if join and any(seg.kind == "scan" for seg in prog.segments):
         # XLA:CPU runs a loop's collectives unordered against those outside it: a segment's
         # gathers (or its gradients' reduce-scatters) could meet the loop's. As for a Stack
-        # (zjax.trainable.from_nnx), every leaf outside the loops is then gathered up front,
+        # (zjax.models.trainable.from_nnx), every leaf outside the loops is then gathered up front,
         # all joined: their cotangents are released together, after the loops' backward.
         for seg in prog.segments:
             if seg.kind == "plain":

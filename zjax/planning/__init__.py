@@ -1,5 +1,8 @@
 """Planning: what a configuration's compiled step needs, read off the compiler's own output.
 
+It imports the task (to build the step from a config), the step, partition, offload, nn,
+the runtime (compile-only targets) and the config; the training run and the CLI import it.
+
 Not to be confused with :class:`zjax.partition.ShardPlan`, the per-leaf *placement* decided
 before anything compiles. This package compiles the step (ahead of time, from
 ``ShapeDtypeStruct``s; for a compile-only accelerator target too) and reports:

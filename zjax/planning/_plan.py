@@ -3,8 +3,8 @@
 Nothing is allocated: the step is lowered from ``ShapeDtypeStruct``s. For more devices than
 this process has, the plan runs in a subprocess that simulates them on the CPU
 (``zjax plan --devices N --json``), since a process's device count is fixed when JAX starts.
-With ``target`` (``h100:8``, ``v5p:2x2x2``; :mod:`zjax.targets`) the step is compiled by that
-accelerator's own compiler for its compile-only devices, in this process.
+With ``target`` (``h100:8``, ``v5p:2x2x2``; :mod:`zjax.runtime.targets`) the step is compiled
+by that accelerator's own compiler for its compile-only devices, in this process.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from pathlib import Path
 import jax
 import yaml
 
-from zjax._build import abstract_batch, build_step, config_keys, flops_shape
 from zjax.config import Config
 from zjax.errors import ConfigError, first_line
-from zjax.loop import resolve_loop
 from zjax.planning._activations import estimate
 from zjax.planning._longest import LongestResult
 from zjax.planning._longest import longest_sequence as _longest
 from zjax.planning._report import PlanReport, report
 from zjax.planning._search import TuneResult, parse_bytes
 from zjax.planning._search import autotune as _autotune
-from zjax.targets import Target, target
+from zjax.runtime.targets import Target, target
+from zjax.task import abstract_batch, build_step, config_keys, flops_shape
+from zjax.task.loop import resolve_loop
 
 __all__ = ["autotune", "compile_report", "longest_sequence", "plan", "run_cli_json"]
 
@@ -87,7 +87,7 @@ def plan(config: Config, *, devices: int | None = None, target: str | None = Non
       config: a resolved :class:`zjax.Config`.
       devices: devices on the ``data`` axis (default: all of this process's). More than this
         process has are simulated in a subprocess.
-      target: compile for an accelerator instead (:func:`zjax.targets.target` names:
+      target: compile for an accelerator instead (:func:`zjax.runtime.targets.target` names:
         ``h100:8``, ``h200:8``, ``h100:2x8``, ``v5p:2x2x2``, ...): compile-only, in this process.
       hosts: split collective bytes into intra- and inter-host as if the devices were on this
         many hosts (contiguous blocks of the mesh, ``replica`` outermost); by default the

@@ -17,12 +17,12 @@ from typing import Any
 
 import jax
 
-from zjax._flops import flops_per_token, peak_flops
 from zjax.errors import ConfigError
 from zjax.partition import nbytes
+from zjax.planning._flops import flops_per_token, peak_flops
 from zjax.planning._hlo import collective_bytes
+from zjax.runtime.targets import Target
 from zjax.step import ZeroStep
-from zjax.targets import Target
 
 __all__ = ["PlanReport", "compiled_memory", "formula", "report"]
 
@@ -65,7 +65,7 @@ class PlanReport:
         (:mod:`zjax.planning._activations`): ``saved_inputs_bytes``, ``attention_bytes``,
         ``mlp_bytes``, ``loss_bytes`` (one layer's or chunk's working set) and
         ``host_bytes``; empty for a model section that does not describe a decoder.
-      flops: ``per_token`` (model FLOPs to train on one token, :func:`zjax._flops
+      flops: ``per_token`` (model FLOPs to train on one token, :func:`zjax.planning._flops
         .flops_per_token`), ``per_step`` (times the tokens of a step), ``peak_per_device``
         (the chip's bf16 peak, None when unknown) and ``step_s_at_peak`` (the step's model
         FLOPs at that peak on every device: the time an MFU of 100% would take).
@@ -265,7 +265,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
 
     ``target``: the compile-only target compiled for (name and device memory).
     ``tokens_per_step`` and ``model_shape`` (``n_layers``, ``d_model``, ``seq_len`` of a
-    transformer) give the model FLOPs (:mod:`zjax._flops`). ``activations``: the
+    transformer) give the model FLOPs (:mod:`zjax.planning._flops`). ``activations``: the
     estimate of :func:`zjax.planning._activations.estimate`.
     """
     plan, zero = zstep.plan, zstep.plan.zero

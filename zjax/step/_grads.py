@@ -21,11 +21,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError
-from zjax.mesh import REPLICA, batch_axes
+from zjax.models.trainable import Trainable
 from zjax.offload import to_device
 from zjax.partition.gather import scatter_levels
 from zjax.partition.plan import ShardPlan
-from zjax.trainable import Trainable
+from zjax.runtime.mesh import REPLICA, batch_axes
 
 __all__ = ["accumulate", "loss_parts", "reduce_grads", "sharded_grads", "sharded_loss"]
 

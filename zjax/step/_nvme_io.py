@@ -8,6 +8,7 @@ a run in device memory and the other way round. Here each leaf is built from the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zjax._ckpt_tree import leaf_keys
 from zjax.step._nvme import NvmeOptimizer
 from zjax.step._nvme_engine import LeafShards, Slices, local_value, shard_data
 from zjax.step._state import TrainState
+from zjax.step._storage import Keys, Reader, path_keys
 
-__all__ = ["canonical_leaves", "restore_canonical"]
+__all__ = ["NvmeStorage", "canonical_leaves", "restore_canonical"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -36,7 +37,7 @@ def _what(engine: NvmeOptimizer, canonical: dict) -> Iterator[tuple[tuple[str, .
     entries = iter(engine.state_map.entries)
     j = 0
     for path, a in jax.tree_util.tree_flatten_with_path(canonical)[0]:
-        keys = leaf_keys(path)
+        keys = path_keys(path)
         if keys[0] == "step":
             yield keys, a, ("step", 0)
         elif keys[0] == "params":
@@ -101,3 +102,19 @@ def restore_canonical(engine: NvmeOptimizer, canonical: dict,
     opt.scalars = scalars
     engine.param_norm = float(np.sqrt(sumsq))
     return engine.started(jax.tree.unflatten(engine.treedef, params), step)
+
+
+@dataclasses.dataclass(frozen=True)
+class NvmeStorage:
+    """State in the NVMe optimizer's swap files (``zero.offload_optimizer.device: nvme``):
+    each canonical leaf is built from the files when asked for, or written into fresh ones."""
+
+    canonical: dict
+    engine: NvmeOptimizer
+    resident: bool = False
+
+    def leaves(self, state: TrainState) -> Iterator[tuple[Keys, jax.Array]]:
+        return canonical_leaves(self.engine, state, self.canonical)
+
+    def restore(self, read: Reader) -> TrainState:
+        return restore_canonical(self.engine, self.canonical, read)

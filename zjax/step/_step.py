@@ -22,15 +22,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError, ConfigError
-from zjax.mesh import batch_axes
+from zjax.models.trainable import Trainable
 from zjax.offload import check_memory_kind, on_host
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
+from zjax.runtime.mesh import batch_axes
 from zjax.step._grads import sharded_grads, sharded_loss
 from zjax.step._nvme import NvmeOptimizer, nvme_parts
+from zjax.step._nvme_io import NvmeStorage
 from zjax.step._state import TrainState, make_init, state_from, state_layout
+from zjax.step._storage import MemoryStorage, StateStorage
 from zjax.step._update import apply_update, host_update_errors, store
-from zjax.trainable import Trainable
 
 __all__ = ["ZeroStep", "make_step"]
 
@@ -77,6 +79,14 @@ class ZeroStep:
         """Release what the step holds outside the state (NVMe swap files: removed)."""
         if self.nvme is not None:
             self.nvme.close()
+
+    @property
+    def storage(self) -> StateStorage:
+        """The state as canonical leaves, wherever it lives (what checkpoints read and
+        write): in device or host memory, or in the NVMe optimizer's swap files."""
+        if self.nvme is not None:
+            return NvmeStorage(self.canonical, self.nvme)
+        return MemoryStorage(self.canonical, self.plan.has_master, self.abstract_state.params)
 
     @property
     def params_target(self) -> Any:

@@ -1,0 +1,54 @@
+"""A command that succeeds on a machine without accelerators prints no compiler-plugin start-up
+lines, with the plugins installed (the CUDA stub's ``Could not find cuda drivers``, absl's
+pre-init warning, libtpu's host-bound lines); other stderr lines still come through."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+
+import pytest
+from helpers import run_zjax
+
+from zjax.cli._main import _accelerators
+from zjax.runtime import held_stderr
+
+PLUGIN_LINE = re.compile(r"(?i)cuda|libtpu|tpu_|InitializeLog|GPU will not be used")
+
+
+def _plugin_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if PLUGIN_LINE.search(line)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugins_installed_and_no_accelerator():
+    for plugin in ("jax_cuda12_plugin", "libtpu"):  # the README's test install brings both
+        assert importlib.util.find_spec(plugin) is not None, plugin
+    if _accelerators():
+        pytest.skip("an accelerator is present: the plugins' lines are not held back there")
+
+
+@pytest.mark.slow  # a training run in a fresh process: about 20 s
+def test_train_prints_no_plugin_start_up_lines():
+    r = run_zjax("train", "configs/tiny.yaml", "train.steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: loss" in r.stdout
+    assert _plugin_lines(r.stderr) == [], r.stderr[-3000:]
+
+
+def test_config_show_prints_no_plugin_start_up_lines():
+    r = run_zjax("config", "show", "configs/tiny.yaml")
+    assert r.returncode == 0 and r.stdout.startswith("loop: lm"), r.stderr[-3000:]
+    assert r.stderr == ""
+
+
+def test_held_stderr_drops_only_the_lines_it_is_told_to(capfd, caplog):
+    """fd-level writes (as the plugins' C++ makes them) are held; kept lines come back."""
+    with (caplog.at_level(logging.DEBUG, logger="zjax.runtime"),
+          held_stderr(keep=lambda line: "keep" in line)):
+        os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers\n")
+        os.write(2, b"keep this one\n")
+    assert capfd.readouterr().err == "keep this one\n"
+    assert any("cudart_stub" in r.getMessage() for r in caplog.records)

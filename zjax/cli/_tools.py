@@ -1,0 +1,161 @@
+"""The CLI's tools: ``zjax tokenize``, ``zjax import-hf``, ``zjax sample`` and ``zjax config
+from-deepspeed`` (and the DeepSpeed config under ``zjax train --deepspeed``). Separate from
+:mod:`zjax.cli` to keep it small."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+
+from zjax.errors import ConfigError
+
+__all__ = ["config_from_deepspeed", "parse_size", "run_tool", "tokenize", "tool_parsers",
+           "with_deepspeed"]
+
+
+_SIZE = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([kmg]i?b|b)?\s*",
+                   re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+               "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1.5GB``, ``500B`` or a byte count (``500``, ``1e3``),
+    rounded down to whole bytes; a count of bytes itself must be whole."""
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, or bytes: 500B, 500)")
+    unit = (m.group(2) or "").upper()
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    if _SIZE_UNITS[unit] == 1 and value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def tool_parsers(sub) -> None:
+    """The subcommands ``tokenize``, ``import-hf`` and ``sample``."""
+    tk = sub.add_parser("tokenize", help="text files to a .npy of token ids (data.path)")
+    tk.add_argument("inputs", nargs="+", help="text files, directories or globs")
+    tk.add_argument("-o", "--output", required=True, help="the .npy to write")
+    tk.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    im = sub.add_parser("import-hf", help="a Hugging Face Llama (config.json, safetensors) "
+                        "as a directory to train from (OUT/zjax.yaml)")
+    im.add_argument("hf_dir", help="config.json and *.safetensors (PyTorch layout, the Hub's)")
+    im.add_argument("out", help="a new directory")
+    im.add_argument("--dtype", default="float32", help="stored dtype: float32 or bfloat16")
+    sa = sub.add_parser("sample", help="generate text from a run's newest checkpoint, an "
+                        "import-hf directory or a Hugging Face Llama (KV cache)")
+    sa.add_argument("source", help="RUN_DIR, an import-hf OUT, or a Hugging Face directory")
+    sa.add_argument("--prompt", required=True, help="the text to continue")
+    sa.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
+    sa.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    sa.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]")
+    sa.add_argument("--seed", type=int, default=0,
+                    help="RNG seed of the draws, in [0, 2**32)")
+    sa.add_argument("-n", "--num-samples", type=int, default=1, help="continuations")
+
+
+def run_tool(args) -> int:
+    """Run the tool subcommand ``args.command``."""
+    if args.command == "tokenize":
+        return tokenize(args)
+    if args.command == "import-hf":
+        from zjax.hf import import_hf
+
+        out = import_hf(args.hf_dir, args.out, dtype=args.dtype)
+        print(f"zjax import-hf: {args.hf_dir} -> {out}; train with: zjax train "
+              f"{out / 'zjax.yaml'}")
+        return 0
+    return sample(args)
+
+
+def sample(args) -> int:
+    """``zjax sample``: print the prompt and each continuation."""
+    finite = math.isfinite
+    checks = [("--max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"),
+              ("--temperature", finite(args.temperature) and args.temperature >= 0,
+               "a finite number >= 0 (0: greedy)"),
+              ("--top-p", finite(args.top_p) and 0 < args.top_p <= 1, "a number in (0, 1]"),
+              ("--num-samples", args.num_samples >= 1, "an integer >= 1")]
+    for flag, ok, expected in checks:
+        if not ok:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            raise ConfigError(f"{flag}: {value!r}; expected {expected}")
+    from zjax.export.sample import check_seed, load_sampler, utf8
+
+    check_seed(args.seed)
+    utf8(args.prompt)  # before the model loads
+    sampler = load_sampler(args.source)
+    texts = sampler(args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    n=args.num_samples)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1}")
+        print(args.prompt + text)
+    return 0
+
+
+def with_deepspeed(ds_path: str, path: str | None, overrides: list[str], n_devices: int):
+    """``path`` + ``overrides`` with a DeepSpeed config's keys beneath the overrides, and a
+    line for each DeepSpeed key ignored (with its reason)."""
+    from zjax.config import from_deepspeed, load_config, read_deepspeed
+
+    mesh = load_config(path, overrides).mesh
+    n_data = mesh.data if mesh.model == -1 else n_devices // mesh.model
+    ds = from_deepspeed(read_deepspeed(ds_path), n_data=n_data)
+    return load_config(path, [*ds.overrides, *overrides]), [
+        f"deepspeed {key}: ignored: {why}" for key, why in ds.ignored]
+
+
+def config_from_deepspeed(ds_path: str, path: str | None, overrides: list[str], *,
+                          devices: int, output: str | None) -> int:
+    """``zjax config from-deepspeed``: the resolved config as YAML (stdout or ``output``)."""
+    from pathlib import Path
+
+    import yaml
+
+    config, ignored = with_deepspeed(ds_path, path, overrides, devices)
+    for line in ignored:  # stdout is the YAML
+        print(line, file=sys.stderr)
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    if output is None:
+        print(text, end="")
+        return 0
+    from zjax.training import atomic_write
+
+    if Path(output).exists():
+        raise ConfigError(f"-o: {output!r} already exists; zjax does not replace it")
+    atomic_write(Path(output), text)
+    return 0
+
+
+def tokenize(args) -> int:
+    """``zjax tokenize``: the inputs' token ids into one memory-mappable ``.npy``."""
+    from zjax.data import text_files
+    from zjax.data.tokenize import tokenize_files
+
+    files = [f for item in args.inputs for f in text_files(item, key="tokenize")]
+    bar = None
+    if sys.stderr.isatty():
+        from rich.progress import Progress
+
+        bar = Progress(transient=True)
+        task = bar.add_task("tokenize", total=len(files))
+        bar.start()
+    try:
+        done = tokenize_files(files, args.output, tokenizer_path=args.tokenizer,
+                              progress=None if bar is None else lambda n: bar.advance(task, n))
+    finally:
+        if bar is not None:
+            bar.stop()
+    print(f"zjax tokenize: {done['tokens']:,} tokens of {done['files']} files -> "
+          f"{args.output} ({done['dtype']}, vocabulary {done['vocab_size']:,})")
+    return 0

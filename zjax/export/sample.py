@@ -1,0 +1,207 @@
+"""``zjax sample``: text from a run's newest checkpoint or a Hugging Face directory.
+
+Generation keeps a key/value cache: the prompt runs once (``decode`` at position 0), then each
+new token attends to the cached keys and values, so a step costs one token's forward pass, not
+the whole sequence's. The loop over new tokens is a ``lax.scan`` inside one ``jit``. Sampling is
+by temperature and nucleus (top-p); temperature 0 is greedy. Inference runs on one device
+(params whole: an export-sized model), not under ZeRO.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zjax.checkpoint import nested
+from zjax.errors import ConfigError
+
+__all__ = ["SEED_LIMIT", "Sampler", "check_seed", "generate", "load_sampler", "pick", "utf8"]
+
+# jax.random.key keeps a seed's low 32 bits (without jax_enable_x64): 2**32 draws what 0
+# does, -1 what 2**32 - 1 does, and past int64 it raises OverflowError
+SEED_LIMIT = 2**32
+
+
+def check_seed(seed: int) -> None:
+    """Raises ConfigError: ``seed`` is not in [0, :data:`SEED_LIMIT`)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"--seed: {seed}; expected an integer in [0, {SEED_LIMIT}) (the "
+                          "key of the draws keeps 32 bits of a seed)")
+
+
+def utf8(text: str) -> bytes:
+    """``text`` in UTF-8.
+
+    Raises:
+      ConfigError: ``text`` holds a lone surrogate, e.g. from bytes that are not UTF-8 on the
+        command line (Python decodes such a byte 0xNN into ``\\udcNN``).
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        what = (f"the byte 0x{bad - 0xdc00:02x}" if 0xdc80 <= bad <= 0xdcff
+                else f"the lone surrogate U+{bad:04X}")
+        raise ConfigError(f"--prompt: not valid UTF-8 ({what} at character {e.start}); "
+                          "give the text in UTF-8") from None
+
+
+def pick(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float) -> jax.Array:
+    """Token ids ``[B]`` drawn from float32 ``logits`` ``[B, V]``.
+
+    ``temperature`` 0 takes the most likely token; otherwise the logits are divided by it and
+    the draw is from the smallest set of tokens whose probability reaches ``top_p`` (at least
+    the most likely one).
+    """
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits / temperature
+    if top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
+        kept = jnp.where(before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
+        logits = jnp.where(logits >= kept, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "new", "temperature", "top_p"))
+def _generate(graphdef, params, prompt, key, *, new: int, temperature: float, top_p: float):
+    model = nnx.merge(graphdef, params)
+    b, t = prompt.shape
+    cache = model.init_cache(b, t + new)
+    logits, cache = model.decode(prompt, cache, 0)
+
+    def step(carry, key):
+        last, cache, pos = carry
+        token = pick(last, key, temperature=temperature, top_p=top_p).astype(prompt.dtype)
+        logits, cache = model.decode(token[:, None], cache, pos)
+        return (logits[:, -1], cache, pos + 1), token
+
+    keys = jax.random.split(key, new)
+    _, tokens = jax.lax.scan(step, (logits[:, -1], cache, t), keys)
+    return tokens.T
+
+
+def generate(model: nnx.Module, prompt: np.ndarray, *, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, key: jax.Array) -> np.ndarray:
+    """``max_new_tokens`` tokens after each row of ``prompt`` ``[B, T]`` (int), ``[B, N]``.
+
+    Args:
+      model: a model with ``init_cache(batch, length)`` and ``decode(tokens, cache, start)``
+        (:class:`zjax.models.GPT`, :class:`zjax.models.Llama`).
+      key: the RNG key of the draws.
+    """
+    limit = model.cfg.max_seq_len
+    if prompt.shape[1] + max_new_tokens > limit:
+        raise ConfigError(f"--max-new-tokens: a prompt of {prompt.shape[1]} tokens and "
+                          f"{max_new_tokens} new ones exceed the model's max_seq_len {limit}")
+    graphdef, params = nnx.split(model)
+    return np.asarray(_generate(graphdef, params, jnp.asarray(prompt, jnp.int32), key,
+                                new=max_new_tokens, temperature=float(temperature),
+                                top_p=float(top_p)))
+
+
+class Sampler:
+    """A model and its tokenizer (byte-level when ``tokenizer`` is None).
+
+    Attributes:
+      model: the NNX model with its params.
+      tokenizer: a ``tokenizers.Tokenizer`` or None.
+      source: where it was loaded from (for messages).
+    """
+
+    def __init__(self, model: nnx.Module, tokenizer: Any, source: str):
+        self.model, self.tokenizer, self.source = model, tokenizer, source
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``. Raises ConfigError: ``text`` is not valid UTF-8."""
+        data = utf8(text)
+        if self.tokenizer is None:
+            return list(data)
+        # with the tokenizer's own template (a Llama 3 tokenizer.json adds its BOS), as
+        # transformers' tokenizer(prompt) does
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def __call__(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0, n: int = 1) -> list[str]:
+        """``n`` continuations of ``prompt`` (the prompt excluded).
+
+        Raises:
+          ConfigError: ``seed`` is not in [0, 2**32), ``prompt`` is not valid UTF-8 or is
+            empty, or the generation is longer than the model's ``max_seq_len``.
+        """
+        check_seed(seed)
+        ids = self.encode(prompt)
+        if not ids:
+            raise ConfigError("--prompt: empty (it tokenizes to no tokens); give some text")
+        rows = generate(self.model, np.asarray([ids] * n), max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_p=top_p, key=jax.random.key(seed))
+        return [self.decode(row) for row in rows]
+
+
+def load_sampler(source: str | Path) -> Sampler:
+    """The model and tokenizer at ``source``: a run directory (its newest intact
+    checkpoint), a ``zjax import-hf`` directory, or a Hugging Face Llama directory (as ``zjax
+    export --format hf`` writes).
+
+    Raises:
+      ConfigError / CheckpointError: ``source`` is none of these, or cannot be read.
+    """
+    from zjax.config import load_config
+    from zjax.data.tokenize import check_fits, load_tokenizer
+    from zjax.hf import HFCheckpoint, is_hf_dir
+
+    path = Path(source)
+    if (path / "checkpoints").is_dir() and (path / "config.yaml").is_file():
+        from zjax.export._export import read_params
+
+        config = load_config(path / "config.yaml")
+        loop, cfg, tokenizer = config.loop, config.model, config.data.tokenizer
+        params = read_params(path)[1]
+    elif (path / "zjax.yaml").is_file() and (path / "params").is_dir():
+        import orbax.checkpoint as ocp
+
+        config = load_config(path / "zjax.yaml")
+        loop, cfg, tokenizer = config.loop, config.model, config.data.tokenizer
+        params = ocp.StandardCheckpointer().restore((path / "params").resolve())
+    elif is_hf_dir(path):
+        hf = HFCheckpoint(path)
+        loop, cfg, params = hf.layout.loop, hf.config, nested(hf.host_leaves())
+        tokenizer = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
+    else:
+        raise ConfigError(f"sample: {str(source)!r} is not a run directory (config.yaml, "
+                          "checkpoints/), a zjax import-hf directory, or a Hugging Face "
+                          "model directory (config.json, *.safetensors)")
+    model = _model(loop, cfg, params, str(source))
+    if tokenizer is None:
+        if cfg.vocab_size < 256:
+            raise ConfigError(f"sample: {source} has no tokenizer and a vocabulary of "
+                              f"{cfg.vocab_size} (< 256 bytes)")
+        return Sampler(model, None, str(source))
+    tk = load_tokenizer(tokenizer, key="sample")
+    check_fits(tk, cfg.vocab_size, tokenizer_path=tokenizer, model=f"the model of {source}")
+    return Sampler(model, tk, str(source))
+
+
+def _model(loop: str, cfg: Any, params: dict, source: str) -> nnx.Module:
+    from zjax.models import model_class
+
+    cls = model_class(cfg)
+    if cls is None:
+        raise ConfigError(f"sample: {source} trains loop {loop!r}; zjax sample generates "
+                          "with the built-in loops (lm, llama)")
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))

@@ -1,0 +1,170 @@
+"""The reference models' ``model`` config sections (``GPTConfig`` for the built-in ``lm``
+loop, ``LlamaConfig`` for ``llama``), in a module that imports nothing heavy (no Flax): a config
+is read and validated without loading the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zjax.errors import ConfigError
+from zjax.schema import choices, non_negative, positive, validate
+
+__all__ = ["GPTConfig", "LlamaConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of the reference GPT (the ``model`` section of the built-in ``lm`` loop).
+
+    Attributes:
+      vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
+      d_model: width of the residual stream.
+      n_layers: transformer blocks (one ``Stack``).
+      n_heads: attention heads (must divide ``d_model``; ``mesh.model`` must divide them).
+      d_ff: MLP hidden width; empty for 4 x d_model (``mesh.model`` must divide it).
+      max_seq_len: longest sequence (size of the learned position table).
+      tie_embeddings: reuse the token embedding as the output projection.
+      norm: ``rms`` (RMSNorm) or ``layer`` (LayerNorm with a bias, GPT-2's).
+      norm_eps: the normalisation's epsilon (GPT-2: 1e-5).
+      bias: biases on every projection (GPT-2's layout; the row-parallel ones are added once,
+        after tensor parallelism's sum).
+      attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
+        backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
+        sequences elsewhere); ``dense``, ``blockwise``, ``splash``, ``triton``, ``cudnn`` force
+        one (refused where it cannot honour the mask).
+      loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
+        ``[loss_chunk, vocab]`` float32 logits, not every token's.
+      mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
+        :func:`zjax.nn.tiled`): the backward holds one chunk's ``[mlp_chunk, d_ff]`` hidden
+        units instead of every token's, for one more MLP forward; 0 (default) runs it whole.
+      remat: recompute each block in the backward pass instead of keeping its activations
+        (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
+    """
+
+    vocab_size: int = positive(256)
+    d_model: int = positive(128)
+    n_layers: int = positive(4)
+    n_heads: int = positive(4)
+    d_ff: int | None = positive(None, none_means="4 x d_model")
+    max_seq_len: int = positive(256)
+    tie_embeddings: bool = True
+    norm: str = choices("rms", "layer", default="rms")
+    norm_eps: float = positive(1e-6)
+    bias: bool = False
+    remat: bool = True
+    attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
+                             default="auto")
+    loss_chunk: int = positive(1024)
+    mlp_chunk: int = non_negative(0)
+
+    def __post_init__(self):
+        validate(self, "model")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}"
+            )
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shape of a Llama-family decoder (Llama 2/3 layout).
+
+    Attributes:
+      vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
+      d_model: width of the residual stream (Hugging Face's ``hidden_size``).
+      n_layers: decoder layers (one ``Stack``).
+      n_heads: query heads (must divide ``d_model``; ``mesh.model`` must divide them).
+      n_kv_heads: key/value heads, grouped-query attention (must divide ``n_heads``;
+        ``mesh.model`` must divide them); empty for ``n_heads`` (multi-head attention).
+      d_ff: SwiGLU hidden width (``intermediate_size``); empty for Llama 2's rule: 8/3 x
+        d_model rounded up to a multiple of 256 (11008 at d_model 4096; ``mesh.model`` must
+        divide it).
+      max_seq_len: longest sequence (rotary positions have no table; this bounds the data).
+      rope_theta: rotary embedding base (10000 in Llama 2, 500000 in Llama 3).
+      norm_eps: RMSNorm epsilon (``rms_norm_eps``).
+      rope_scaling: empty, or ``llama3``: Llama 3.1's frequency-dependent scaling of the
+        rotary frequencies for long contexts (long wavelengths divided by ``rope_factor``,
+        short ones kept, a smooth blend between), as Hugging Face's ``rope_type: llama3``.
+      rope_factor: ``llama3``: the long wavelengths' division (``factor``; 8 in Llama 3.1,
+        32 in Llama 3.2).
+      rope_low_freq_factor: ``llama3``: ``low_freq_factor``.
+      rope_high_freq_factor: ``llama3``: ``high_freq_factor`` (> ``rope_low_freq_factor``).
+      rope_original_max_len: ``llama3``: ``original_max_position_embeddings`` (8192).
+      tie_embeddings: reuse the token embedding as the output projection (untied in Llama).
+      attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
+        backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
+        sequences elsewhere); ``dense``, ``blockwise``, ``splash``, ``triton``, ``cudnn`` force
+        one (refused where it cannot honour the mask).
+      loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
+        ``[loss_chunk, vocab]`` float32 logits, not every token's.
+      mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
+        :func:`zjax.nn.tiled`): the backward holds one chunk's ``[mlp_chunk, d_ff]`` hidden
+        units instead of every token's, for one more MLP forward; 0 (default) runs it whole.
+      remat: recompute each layer in the backward pass (ZeRO stages 0-2; the stage-3 schedule
+        always keeps only the layer inputs).
+    """
+
+    vocab_size: int = positive(256)
+    d_model: int = positive(128)
+    n_layers: int = positive(4)
+    n_heads: int = positive(4)
+    n_kv_heads: int | None = positive(None, none_means="n_heads")
+    d_ff: int | None = positive(None, none_means="8/3 x d_model, rounded up to 256")
+    max_seq_len: int = positive(256)
+    rope_theta: float = positive(10000.0)
+    rope_scaling: str | None = None
+    rope_factor: float = positive(8.0)
+    rope_low_freq_factor: float = positive(1.0)
+    rope_high_freq_factor: float = positive(4.0)
+    rope_original_max_len: int = positive(8192)
+    norm_eps: float = positive(1e-5)
+    tie_embeddings: bool = False
+    remat: bool = True
+    attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
+                             default="auto")
+    loss_chunk: int = positive(1024)
+    mlp_chunk: int = non_negative(0)
+
+    def __post_init__(self):
+        validate(self, "model")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"model.n_kv_heads: {self.kv_heads} does not divide "
+                              f"model.n_heads {self.n_heads} (grouped-query attention)")
+        if self.rope_scaling not in (None, "llama3"):
+            raise ConfigError(f"model.rope_scaling: {self.rope_scaling!r} is not supported; "
+                              "choose llama3 (Llama 3.1's) or leave it empty")
+        if self.rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor: {self.rope_high_freq_factor} must "
+                              f"exceed model.rope_low_freq_factor {self.rope_low_freq_factor}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.n_heads: a head of {self.head_dim} dimensions (d_model / "
+                              "n_heads) is odd; rotary embeddings rotate pairs")
+
+    @property
+    def rope(self) -> tuple:
+        """``(theta, llama3 scaling or None)``: what :func:`zjax.models.llama.rotary` takes."""
+        scaling = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                   self.rope_original_max_len) if self.rope_scaling == "llama3" else None
+        return self.rope_theta, scaling
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        hidden = 8 * self.d_model // 3
+        return (hidden + 255) // 256 * 256

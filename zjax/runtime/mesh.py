@@ -1,0 +1,183 @@
+"""The device mesh (``data``, ``model``; ``replica`` for hybrid sharding, ``node`` for ZeRO++'s
+hierarchical partition) and CPU device simulation.
+
+This module reads the process environment (``XLA_FLAGS``, ``PJRT_NPROC``) on purpose:
+simulating devices must happen before jax initialises its backends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from zjax.errors import ConfigError
+from zjax.runtime.config import MeshConfig
+
+__all__ = [
+    "DATA",
+    "MODEL",
+    "NODE",
+    "REPLICA",
+    "MeshConfig",
+    "batch_axes",
+    "make_mesh",
+    "process_batch_slice",
+    "simulate_cpu_devices",
+    "simulated_device_env",
+    "split_nodes",
+]
+
+DATA = "data"
+MODEL = "model"
+REPLICA = "replica"
+NODE = "node"
+
+
+# Threads XLA:CPU gets per simulated device (PJRT_NPROC). Its thread pool defaults to
+# max(cores, devices): exactly one thread per device on a small machine. A collective's
+# rendezvous blocks a pool thread until every device arrives, and a device may start a second,
+# independent collective (one in a scan body, one outside it) on another thread; with no thread
+# left for the last device to arrive, the step deadlocks and XLA aborts after 40 s (measured
+# here: 2 cores, 8 devices). Four per device leaves room for three collectives in flight.
+_THREADS_PER_DEVICE = 4
+
+
+def simulated_device_env(n: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment variables that make a process's CPU backend expose ``n`` devices.
+
+    ``XLA_FLAGS`` gains ``--xla_force_host_platform_device_count=n`` (replacing any earlier
+    count), and ``PJRT_NPROC`` sizes XLA:CPU's thread pool so that collectives across the
+    simulated devices cannot starve it (see ``_THREADS_PER_DEVICE``); a ``PJRT_NPROC`` already
+    set is kept.
+
+    Args:
+      n: number of devices to simulate.
+      environ: the environment to start from (default: this process's).
+    """
+    environ = os.environ if environ is None else environ
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   environ.get("XLA_FLAGS", ""))
+    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
+    if not environ.get("PJRT_NPROC"):
+        env["PJRT_NPROC"] = str(max(os.cpu_count() or 1, _THREADS_PER_DEVICE * n))
+    return env
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Make the CPU backend expose ``n`` devices. Call before jax creates its backends."""
+    os.environ.update(simulated_device_env(n))
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
+    """Build the ``(data, model)`` mesh, or ``(replica, data, model)`` with ``replica`` > 1,
+    with automatic (GSPMD) axis types.
+
+    Args:
+      config: axis sizes; ``-1`` takes all devices left.
+      devices: devices to use (default: all of ``jax.devices()``).
+    """
+    config = config or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    n, replica = len(devices), config.replica
+    data, model = config.data, config.model
+    times = f" x mesh.replica {replica}" if replica > 1 else ""
+    if data == -1:
+        if n % (model * replica):
+            raise ConfigError(f"mesh.model: {model}{times} does not divide the {n} devices")
+        data = n // (model * replica)
+    elif model == -1:
+        if n % (data * replica):
+            raise ConfigError(f"mesh.data: {data}{times} does not divide the {n} devices")
+        model = n // (data * replica)
+    if replica * data * model != n:
+        axes = f"replica={replica} x " if replica > 1 else ""
+        raise ConfigError(
+            f"mesh: {axes}data={data} x model={model} = {replica * data * model} does not "
+            f"equal the {n} devices")
+    if replica == 1:
+        return jax.make_mesh((data, model), (DATA, MODEL),
+                             axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    return jax.make_mesh((replica, data, model), (REPLICA, DATA, MODEL),
+                         axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def split_nodes(mesh: Mesh, group: int) -> Mesh:
+    """``mesh`` with its ``data`` axis split into ``(node, data)``: groups of ``group``
+    ``data`` devices of one process (a node's) keep the name ``data``; ``node`` numbers the
+    groups. The ``data`` axis is first put in process order (a stable sort, so a mesh already
+    laid out by process keeps its order).
+
+    Raises:
+      ConfigError: ``group`` does not divide the ``data`` axis, the mesh has a ``replica``
+        axis, or a group spans processes.
+    """
+    names = mesh.axis_names
+    n = mesh.shape[DATA]
+    if REPLICA in names:
+        raise ConfigError(
+            f"zero.hpz_partition_size: {group} with mesh.replica: {mesh.shape[REPLICA]}: hybrid "
+            "sharding already keeps the weight gathers inside a replica group; use one of them")
+    if group < 1 or n % group:
+        raise ConfigError(f"zero.hpz_partition_size: {group} does not divide the data axis "
+                          f"({n} devices); use a divisor of {n}, e.g. the devices per node")
+    if group == n:  # one node: plain stage 3
+        return mesh
+    d = names.index(DATA)
+    # the data axis in process order (stable): a mesh laid out by the interconnect's topology
+    # (TPU) may interleave hosts along it, and a group must be one node's devices
+    moved = np.moveaxis(mesh.devices, d, 0)
+    order = sorted(range(n), key=lambda i: min(dev.process_index for dev in moved[i].flat))
+    devices = np.moveaxis(moved[order], 0, d)
+    devices = devices.reshape(*devices.shape[:d], n // group, group, *devices.shape[d + 1:])
+    for idx in np.ndindex(devices.shape[:d + 1]):
+        groups = devices[idx]
+        procs = {dev.process_index for dev in groups.reshape(-1)}
+        if len(procs) > 1:
+            raise ConfigError(
+                f"zero.hpz_partition_size: {group} puts devices of processes {sorted(procs)} "
+                "in one secondary group; use the devices per process (or a divisor of it)")
+    new_names = (*names[:d], NODE, *names[d:])
+    return Mesh(devices, new_names, axis_types=(AxisType.Auto,) * len(new_names))
+
+
+def batch_axes(mesh: Mesh) -> str | tuple[str, str]:
+    """The mesh axes a global batch is split over: ``data``, or ``(replica, data)`` /
+    ``(node, data)``."""
+    for outer in (REPLICA, NODE):
+        if outer in mesh.axis_names:
+            return (outer, DATA)
+    return DATA
+
+
+def process_batch_slice(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
+    """Which of ``count`` equal slices of each global batch this process loads: ``(i, count)``.
+
+    The batch is split over ``replica`` (or ``node``) x ``data`` only, so processes whose
+    devices sit at the same coordinates there (a ``model`` axis spanning processes) load the
+    same slice.
+    """
+    process_index = jax.process_index() if process_index is None else process_index
+    names = mesh.axis_names
+    n_data = mesh.shape[DATA]
+    axes = batch_axes(mesh)
+    outer = axes[0] if isinstance(axes, tuple) else None
+    rows: dict[int, set] = {}
+    for idx in np.ndindex(mesh.devices.shape):
+        group = idx[names.index(outer)] if outer else 0
+        rows.setdefault(mesh.devices[idx].process_index, set()).add(
+            group * n_data + idx[names.index(DATA)])
+    slices = sorted({tuple(sorted(r)) for r in rows.values()})
+    flat = [i for s in slices for i in s]
+    if len(flat) != len(set(flat)) or len({len(s) for s in slices}) != 1:
+        shape = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+        raise ConfigError(
+            f"mesh: {shape} gives the processes overlapping or unequal slices of the batch "
+            f"({slices}); choose axis sizes whose data rows divide evenly among the processes"
+        )
+    return slices.index(tuple(sorted(rows[process_index]))), len(slices)

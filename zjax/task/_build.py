@@ -1,0 +1,91 @@
+"""From a whole :class:`~zjax.config.Config` to the parts that each take their own section.
+
+The one place that reads a config's sections to build a step: the trainer, the planner, the
+autotuner and the tests all go through :func:`build_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+
+from zjax.errors import ArgumentError
+from zjax.runtime.mesh import make_mesh
+from zjax.runtime.targets import Target
+from zjax.step import ZeroStep, make_step
+from zjax.step.optim import make_optimizer
+from zjax.task.loop import Loop, resolve_loop
+
+if TYPE_CHECKING:
+    from zjax.config import Config
+
+__all__ = ["CONFIG_KEYS", "abstract_batch", "build_step", "config_keys", "flops_shape"]
+
+# the engine's argument -> the config key it is built from (errors name the key)
+CONFIG_KEYS = {
+    "batch": "data.batch_size",
+    "micro_batches": "train.grad_accum",
+    "mesh": "mesh.model",  # the engine's mesh errors are all about its model axis
+    "tokens": "data.seq_len",
+}
+
+
+@contextlib.contextmanager
+def config_keys() -> Iterator[None]:
+    """Errors about the engine's arguments, raised inside, name the config keys instead."""
+    try:
+        yield
+    except ArgumentError as e:
+        raise e.renamed(CONFIG_KEYS) from None
+
+
+def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = None, *,
+               loop: Loop | None = None) -> ZeroStep:
+    """The ZeRO step ``config`` describes, on ``devices``.
+
+    Args:
+      config: a resolved config; its ``mesh``, ``optimizer``, ``zero``, ``model`` and
+        ``train`` sections are read.
+      devices: the devices of the mesh, or a compile-only :class:`~zjax.runtime.targets.Target`
+        (its devices). Default: all of this process's.
+      loop: the task (model and data); default: the one ``config.loop`` names.
+
+    Returns:
+      A :class:`~zjax.step.ZeroStep`, not compiled yet.
+    """
+    loop = loop if loop is not None else resolve_loop(config.loop)
+    if isinstance(devices, Target):
+        devices = devices.devices
+    mesh = make_mesh(config.mesh, devices=None if devices is None else list(devices))
+    # the NVMe optimizer updates sub-groups apart: the step clips, by the norm of the whole
+    nvme = config.zero.offload_optimizer.nvme
+    tx = make_optimizer(config.optimizer, total_steps=config.train.steps, clip_in_step=nvme)
+    with config_keys():
+        return make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
+                         micro_batches=config.train.grad_accum,
+                         skip_nonfinite=config.train.on_nonfinite == "skip",
+                         clip_norm=config.optimizer.clip_norm if nvme else None)
+
+
+def abstract_batch(config: Config, *, loop: Loop | None = None) -> jax.ShapeDtypeStruct:
+    """The global batch of ``config``'s data as a ``ShapeDtypeStruct`` (nothing loaded when
+    the loop knows its shape; a user's loop gives its first batch)."""
+    loop = loop if loop is not None else resolve_loop(config.loop)
+    if hasattr(loop, "abstract_batch"):
+        return loop.abstract_batch(config.data)
+    first = next(iter(loop.data(config.data, split="train", seed=0)))
+    return jax.ShapeDtypeStruct((config.data.batch_size, *first.shape[1:]), first.dtype)
+
+
+def flops_shape(config: Config) -> dict:
+    """``tokens_per_step`` and ``model_shape`` of :func:`zjax.planning.report` (model FLOPs):
+    the global batch's tokens, and the transformer's depth, width and sequence length when
+    the model section names them (a user's model may not: then 6N only)."""
+    model = config.model
+    shape = {"n_layers": getattr(model, "n_layers", None),
+             "d_model": getattr(model, "d_model", None), "seq_len": config.data.seq_len}
+    return {"tokens_per_step": config.data.batch_size * config.data.seq_len,
+            "model_shape": shape if None not in shape.values() else {}}

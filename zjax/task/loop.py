@@ -1,0 +1,115 @@
+"""The ``Loop`` protocol a user implements, and the built-in language-model loop.
+
+A loop says what to train; :func:`zjax.train` says how (ZeRO, mesh, optimizer, logging). It
+builds the model from its ``model`` config section (an NNX module through
+:func:`zjax.from_nnx`, or a params pytree and pure loss through :func:`zjax.from_pytree`), and
+gives the data: an iterator of this process's slice of each global batch. A config file names
+its loop: ``loop: lm`` for the built-in one, or ``package.module:Name`` for a user's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+
+from zjax.config import NEEDS, find_loop
+from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
+from zjax.errors import ConfigError, first_line
+from zjax.models.gpt import GPT, GPTConfig, lm_loss
+from zjax.models.llama import Llama, LlamaConfig
+from zjax.models.trainable import Trainable, from_nnx
+from zjax.schema import short
+
+__all__ = ["LanguageModel", "LlamaLanguageModel", "Loop", "resolve_loop"]
+
+
+@runtime_checkable
+class Loop(Protocol):
+    """What a user implements to train their own model with ``zjax.train``.
+
+    Attributes:
+      model_config: the dataclass that validates the config's ``model`` section.
+    """
+
+    model_config: type
+
+    def trainable(self, model: Any) -> Trainable:
+        """The model and its per-replica loss (``(loss_sum, count)`` or with a metrics dict)."""
+        ...
+
+    def data(self, data: DataConfig, *, split: str, seed: int, process_index: int,
+             process_count: int) -> Iterator[np.ndarray]:
+        """This process's slice of each global batch; ``get_state``/``set_state`` if it can."""
+        ...
+
+
+class LanguageModel:
+    """The built-in loop (``loop: lm``): the reference GPT on byte-level or token data."""
+
+    model_config = GPTConfig
+
+    def __init__(self) -> None:
+        self._tokens: dict[tuple, Tokens] = {}
+
+    def tokens(self, data: DataConfig) -> Tokens:
+        key = (data.path, data.eval_fraction, data.tokenizer)
+        if key not in self._tokens:
+            self._tokens[key] = load_tokens(data.path, eval_fraction=data.eval_fraction,
+                                            tokenizer=data.tokenizer)
+        return self._tokens[key]
+
+    def trainable(self, model: GPTConfig) -> Trainable:
+        return from_nnx(lambda rngs: GPT(model, rngs=rngs), lm_loss)
+
+    def check(self, model: GPTConfig, data: DataConfig) -> None:
+        """Cross-section checks: the vocabulary must cover the data's tokens."""
+        vocab = self.tokens(data).vocab_size or BYTE_VOCAB
+        if model.vocab_size < vocab:
+            raise ConfigError(
+                f"model.vocab_size: {model.vocab_size}, but {self.tokens(data).source} holds "
+                f"token ids up to {vocab - 1}; set model.vocab_size to at least {vocab}"
+            )
+
+    def abstract_batch(self, data: DataConfig) -> jax.ShapeDtypeStruct:
+        """The global batch's shape and dtype, without reading the data (for ``zjax plan``)."""
+        return jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), np.int32)
+
+    def data(self, data: DataConfig, *, split: str, seed: int, process_index: int = 0,
+             process_count: int = 1) -> Iterator[np.ndarray]:
+        return window_batches(self.tokens(data).split(split), global_batch=data.batch_size,
+                              seq_len=data.seq_len, seed=seed, process_index=process_index,
+                              process_count=process_count, split=split)
+
+
+class LlamaLanguageModel(LanguageModel):
+    """The built-in ``loop: llama``: the reference Llama on the same data as ``lm``."""
+
+    model_config = LlamaConfig
+
+    def trainable(self, model: LlamaConfig) -> Trainable:
+        return from_nnx(lambda rngs: Llama(model, rngs=rngs), lm_loss)
+
+
+def resolve_loop(name: str) -> Loop:
+    """``lm`` or ``package.module:Name`` -> a Loop instance.
+
+    A ``package.module:Name`` imports that module (running its code) and instantiates
+    ``Name`` if it is a class; what it gives must have ``model_config`` (a dataclass),
+    ``trainable()`` and ``data()`` (:func:`zjax.config._loop_name.find_loop` checks the name).
+    """
+    found = find_loop(name)
+    if isinstance(found, type):
+        try:
+            loop = found()
+        except Exception as e:  # a user's constructor: one line, naming the key
+            why = first_line(e) or type(e).__name__
+            raise ConfigError(f"loop: {short(name)}() failed: {why}") from None
+    else:
+        loop = found
+    if not isinstance(loop, Loop) or not dataclasses.is_dataclass(loop.model_config):
+        raise ConfigError(f"loop: {short(name)} is not a Loop ({NEEDS})")
+    return loop
