@@ -122,12 +122,12 @@ def test_config_is_at_the_bottom_of_the_import_graph():
 
 
 # zjax's top level: the public entry points and what belongs to no package
-TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "schema.py", "py.typed"}
+TOP_LEVEL = {"__init__.py", "__main__.py", "_lazy.py", "errors.py", "schema.py", "py.typed"}
 # the packages, bottom to top: a module imports its own package and the layers below it. A
 # package's ``config.py`` is its config section, in the layer under ``zjax.config`` (which
 # composes them): it imports only errors, schema and other sections.
 LAYERS = [
-    ("zjax.errors", "zjax.schema"),
+    ("zjax.errors", "zjax.schema", "zjax._lazy"),
     ("sections",),
     ("zjax.config",),
     ("zjax.runtime",),
@@ -199,6 +199,18 @@ def test_no_import_of_another_packages_private_module():
     assert _private_imports({"zjax.export._export": {"zjax.hf._safetensors"},
                              "zjax.hf._export": {"zjax.hf._safetensors"}}) == [
         "zjax.export._export -> zjax.hf._safetensors"]
+
+
+def test_checkpoints_see_the_state_only_through_its_storage():
+    """Where the state lives (device, host memory, NVMe swap files) is the step's business:
+    the checkpoint package reads ``ZeroStep.storage``, never the NVMe engine."""
+    seen = {}
+    for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        seen[path.name] = attrs & {"nvme", "storage"}
+    assert all("nvme" not in a for a in seen.values()), seen
+    assert "storage" in seen["_checkpointer.py"]
 
 
 def test_the_top_level_holds_only_the_entry_points():

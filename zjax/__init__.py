@@ -7,8 +7,9 @@ Orbax until something asks for them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from zjax._lazy import exports
 
 _EXPORTS = {
     "ArgumentError": "zjax.errors",
@@ -83,13 +84,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'zjax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

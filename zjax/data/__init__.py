@@ -9,9 +9,9 @@ config).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from zjax._lazy import exports
 from zjax.data.config import DataConfig
 
 _LAZY = {
@@ -44,13 +44,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see

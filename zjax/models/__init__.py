@@ -9,9 +9,9 @@ validates without the model; the rest loads on first use (PEP 562). It imports `
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from zjax._lazy import exports
 from zjax.models.config import GPTConfig, LlamaConfig
 
 __all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "Trainable", "from_nnx", "from_pytree",
@@ -22,12 +22,7 @@ _LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.
          "from_pytree": "zjax.models.trainable"}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'zjax.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _LAZY)
 
 
 def model_class(config: Any) -> type | None:
