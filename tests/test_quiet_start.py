@@ -13,7 +13,7 @@ import pytest
 from helpers import run_zjax
 
 from zjax.cli._main import _accelerators
-from zjax.runtime import held_stderr
+from zjax.runtime import held_stderr, write_stderr
 
 PLUGIN_LINE = re.compile(r"(?i)cuda|libtpu|tpu_|InitializeLog|GPU will not be used")
 
@@ -50,5 +50,7 @@ def test_held_stderr_drops_only_the_lines_it_is_told_to(capfd, caplog):
           held_stderr(keep=lambda line: "keep" in line)):
         os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers\n")
         os.write(2, b"keep this one\n")
+        write_stderr("not held: an interrupt's message\n")  # before os._exit, no finally
+        assert capfd.readouterr().err == "not held: an interrupt's message\n"
     assert capfd.readouterr().err == "keep this one\n"
     assert any("cudart_stub" in r.getMessage() for r in caplog.records)

@@ -14,6 +14,7 @@ import sys
 import threading
 
 from zjax.errors import ConfigError, NonFiniteError, ZjaxError
+from zjax.runtime import write_stderr
 from zjax.runtime.distributed import ENV
 from zjax.training import Preempted
 
@@ -279,7 +280,7 @@ def _setup_logging() -> None:
 
 
 def _interrupted(signum, frame) -> None:
-    print("zjax: interrupted", file=sys.stderr, flush=True)
+    write_stderr("zjax: interrupted\n")  # the real stderr, even while the plugins' is held
     sys.stdout.flush()
     os._exit(130)  # see main()
 

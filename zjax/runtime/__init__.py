@@ -37,6 +37,7 @@ _LAZY = {
     "process_batch_slice": "zjax.runtime.mesh",
     "held_stderr": "zjax.runtime._plugins",
     "quiet_plugins": "zjax.runtime._plugins",
+    "write_stderr": "zjax.runtime._plugins",
     "simulate_cpu_devices": "zjax.runtime.mesh",
     "simulated_device_env": "zjax.runtime.mesh",
     "split_nodes": "zjax.runtime.mesh",
@@ -70,6 +71,7 @@ __all__ = [
     "simulated_device_env",
     "split_nodes",
     "target",
+    "write_stderr",
 ]
 
 
@@ -78,7 +80,7 @@ __getattr__ = exports(__name__, _LAZY)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.runtime._backend import Backend, Quirk, backend, backend_of
-    from zjax.runtime._plugins import held_stderr, quiet_plugins
+    from zjax.runtime._plugins import held_stderr, quiet_plugins, write_stderr
     from zjax.runtime.distributed import ENV, ProcessSpec, detect, initialize
     from zjax.runtime.launch import launch
     from zjax.runtime.mesh import (

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 
-__all__ = ["held_stderr", "quiet_plugins"]
+__all__ = ["held_stderr", "quiet_plugins", "write_stderr"]
 
 log = logging.getLogger("zjax.runtime")
 
@@ -30,6 +30,15 @@ _START_UP = re.compile(
     r"cudart_stub\.cc|All log messages before absl::InitializeLog\(\) is called"
     r"|Could not find cuda drivers|Failed to find host bounds|unexpected worker hostname"
     r"|TPU_WORKER_HOSTNAMES|libtpu")
+# the real stderr's fd while held_stderr holds fd 2 (innermost last)
+_real: list[int] = []
+
+
+def write_stderr(text: str) -> None:
+    """Write ``text`` to the process's stderr, also while :func:`held_stderr` holds fd 2: an
+    interrupt's message is written before ``os._exit``, which runs no ``finally``."""
+    sys.stderr.flush()
+    os.write(_real[-1] if _real else 2, text.encode())
 
 
 @contextlib.contextmanager
@@ -42,6 +51,7 @@ def held_stderr(*, keep: Callable[[str], bool] = lambda line: True) -> Iterator[
     """
     sys.stderr.flush()
     saved = os.dup(2)
+    _real.append(saved)
     replay_all = False
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)
@@ -53,6 +63,7 @@ def held_stderr(*, keep: Callable[[str], bool] = lambda line: True) -> Iterator[
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
+            _real.remove(saved)
             os.close(saved)
             tmp.seek(0)
             captured = tmp.read()
