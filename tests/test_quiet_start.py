@@ -38,6 +38,7 @@ def test_train_prints_no_plugin_start_up_lines():
     assert _plugin_lines(r.stderr) == [], r.stderr[-3000:]
 
 
+@pytest.mark.slow  # a fresh process: the quick loop's time stays as it was
 def test_config_show_prints_no_plugin_start_up_lines():
     r = run_zjax("config", "show", "configs/tiny.yaml")
     assert r.returncode == 0 and r.stdout.startswith("loop: lm"), r.stderr[-3000:]
