@@ -43,8 +43,6 @@ __all__ = ["CheckpointConfig", "Checkpointer", "from_canonical", "to_canonical"]
 log = logging.getLogger("zjax")
 
 
-
-
 def to_canonical(state: TrainState, zstep: ZeroStep) -> dict:
     """The stage-independent form: float32 master params, optax state, step.
 
