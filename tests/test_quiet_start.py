@@ -45,13 +45,26 @@ def test_config_show_prints_no_plugin_start_up_lines():
     assert r.stderr == ""
 
 
-def test_held_stderr_drops_only_the_lines_it_is_told_to(capfd, caplog):
+def test_held_stderr_drops_only_the_lines_it_is_told_to(capfd):
     """fd-level writes (as the plugins' C++ makes them) are held; kept lines come back."""
-    with (caplog.at_level(logging.DEBUG, logger="zjax.runtime"),
-          held_stderr(keep=lambda line: "keep" in line)):
-        os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers\n")
-        os.write(2, b"keep this one\n")
-        write_stderr("not held: an interrupt's message\n")  # before os._exit, no finally
-        assert capfd.readouterr().err == "not held: an interrupt's message\n"
-    assert capfd.readouterr().err == "keep this one\n"
-    assert any("cudart_stub" in r.getMessage() for r in caplog.records)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("zjax.runtime")
+    # its own handler only: another test's CLI may leave a handler on a closed stream above
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        with held_stderr(keep=lambda line: "keep" in line):
+            os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers\n")
+            os.write(2, b"keep this one\n")
+            write_stderr("not held: an interrupt's message\n")  # before os._exit, no finally
+            assert capfd.readouterr().err == "not held: an interrupt's message\n"
+        assert capfd.readouterr().err == "keep this one\n"
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+    assert any("cudart_stub" in r.getMessage() for r in records)
