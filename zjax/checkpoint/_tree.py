@@ -23,18 +23,12 @@ from orbax.checkpoint import v1 as ocp_v1
 
 from zjax.checkpoint._digest import leaf_name, tree_digests
 from zjax.checkpoint._leaf_io import item_read, nested
-from zjax.step import path_keys
 
-__all__ = ["canonical", "leaf_keys", "leaf_target", "on_disk", "read_leaf", "write_step"]
+__all__ = ["canonical", "leaf_target", "on_disk", "read_leaf", "write_step"]
 
 
 def _names(tree: Any) -> list[tuple[str, Any]]:
     return [(leaf_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def leaf_keys(path) -> tuple[str, ...]:
-    """A tree path as the string keys of a leaf-by-leaf save."""
-    return path_keys(path)
 
 
 def _layout_map(meta_tree: Any, leaf: Callable[[tuple[str, ...]], Any]) -> Any:

@@ -182,7 +182,6 @@ def _setup_devices(n: int | None) -> None:
             f"{MAX_SIMULATED_DEVICES}: each costs memory and threads, and starting "
             f"{n} takes minutes); for a large accelerator count, plan against a compile-only "
             "target instead, e.g. `zjax plan --target h100:64x8` or `--target v5p:8x8x8`")
-    _cpu_unless_accelerator()
     if n is None:
         if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
             return
@@ -249,7 +248,6 @@ def _export(args) -> int:
         raise ConfigError(f"--max-shard-size: only --format hf splits its weights into "
                           f"files of at most a size; --format {args.format!r} writes them "
                           "whole (drop --max-shard-size, or use --format hf)")
-    _cpu_unless_accelerator()  # the export reads to host memory: no device needed
     from zjax.export import export
 
     print(export(args.run_dir, args.out, dtype=args.dtype, format=args.format,
