@@ -120,15 +120,15 @@ def children(pid: int) -> list[int]:
 
 
 def latest_checkpoint(run_dir: Path, overrides=(), *, step: int | None = None,
-                      devices=None) -> tuple[int, dict]:
+                      devices=None, config: str = "configs/tiny.yaml") -> tuple[int, dict]:
     """``(step, canonical state as numpy)`` of the newest checkpoint (or the one at ``step``)
-    of a ``configs/tiny.yaml`` run trained with ``overrides``, restored into the step those
-    overrides build on ``devices`` (default: this process's)."""
+    of a ``config`` run trained with ``overrides``, restored into the step those overrides
+    build on ``devices`` (default: this process's)."""
     from zjax import build_step
     from zjax.checkpoint import CheckpointConfig, Checkpointer, to_canonical
     from zjax.config import load_config
 
-    zstep = build_step(load_config(ROOT / "configs/tiny.yaml", overrides), devices)
+    zstep = build_step(load_config(ROOT / config, overrides), devices)
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", CheckpointConfig())
     try:
         if step is None:

@@ -41,10 +41,20 @@ def parse_size(text: str) -> int:
 
 def tool_parsers(sub) -> None:
     """The subcommands ``tokenize``, ``import-hf`` and ``sample``."""
-    tk = sub.add_parser("tokenize", help="text files to a .npy of token ids (data.path)")
-    tk.add_argument("inputs", nargs="+", help="text files, directories or globs")
-    tk.add_argument("-o", "--output", required=True, help="the .npy to write")
+    tk = sub.add_parser("tokenize", help="records or text files to token ids, document "
+                        "boundaries and loss masks (a directory), or text to one .npy stream "
+                        "(data.path)")
+    tk.add_argument("inputs", nargs="+", help="record files (.jsonl[.gz|.zst], .parquet, "
+                    ".arrow, datasets directories) or text files, directories or globs")
+    tk.add_argument("-o", "--output", required=True, help="a new directory (documents), or a "
+                    ".npy (text files as one token stream)")
     tk.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    from zjax.data.config import FORMATS
+
+    tk.add_argument("--format", default="text", choices=FORMATS, help="as data.format")
+    tk.add_argument("--text-field", default="text", help="as data.text_field")
+    tk.add_argument("--messages-field", default="messages", help="as data.messages_field")
+    tk.add_argument("--train-on-prompt", action="store_true", help="as data.train_on_prompt")
     im = sub.add_parser("import-hf", help="a Hugging Face Llama (config.json, safetensors) "
                         "as a directory to train from (OUT/zjax.yaml)")
     im.add_argument("hf_dir", help="config.json and *.safetensors (PyTorch layout, the Hub's)")
@@ -53,7 +63,10 @@ def tool_parsers(sub) -> None:
     sa = sub.add_parser("sample", help="generate text from a run's newest checkpoint, an "
                         "import-hf directory or a Hugging Face Llama (KV cache)")
     sa.add_argument("source", help="RUN_DIR, an import-hf OUT, or a Hugging Face directory")
-    sa.add_argument("--prompt", required=True, help="the text to continue")
+    said = sa.add_mutually_exclusive_group(required=True)
+    said.add_argument("--prompt", help="the text to continue")
+    said.add_argument("--chat", help="a user turn: rendered with the tokenizer's chat "
+                      "template and its generation prompt; the reply is printed")
     sa.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
     sa.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     sa.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1]")
@@ -91,15 +104,16 @@ def sample(args) -> int:
     from zjax.export.sample import check_seed, load_sampler, utf8
 
     check_seed(args.seed)
-    utf8(args.prompt)  # before the model loads
+    utf8(args.prompt if args.chat is None else args.chat)  # before the model loads
     sampler = load_sampler(args.source)
-    texts = sampler(args.prompt, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                    n=args.num_samples)
+    how = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+               top_p=args.top_p, seed=args.seed, n=args.num_samples)
+    texts = (sampler(args.prompt, **how) if args.chat is None
+             else sampler.chat(args.chat, **how))
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1}")
-        print(args.prompt + text)
+        print(text if args.chat is not None else args.prompt + text)
     return 0
 
 
@@ -138,24 +152,40 @@ def config_from_deepspeed(ds_path: str, path: str | None, overrides: list[str], 
 
 
 def tokenize(args) -> int:
-    """``zjax tokenize``: the inputs' token ids into one memory-mappable ``.npy``."""
-    from zjax.data import text_files
-    from zjax.data.tokenize import tokenize_files
+    """``zjax tokenize``: records (or text files) into a directory of documents, or text
+    files into one memory-mappable ``.npy`` stream."""
+    from zjax.data import DataConfig, text_files
+    from zjax.data.tokenize import tokenize_files, tokenize_records
 
-    files = [f for item in args.inputs for f in text_files(item, key="tokenize")]
+    stream = str(args.output).endswith(".npy")
     bar = None
     if sys.stderr.isatty():
         from rich.progress import Progress
 
         bar = Progress(transient=True)
-        task = bar.add_task("tokenize", total=len(files))
+        task = bar.add_task("tokenize")
         bar.start()
+    advance = None if bar is None else (lambda n: bar.advance(task, n))
     try:
-        done = tokenize_files(files, args.output, tokenizer_path=args.tokenizer,
-                              progress=None if bar is None else lambda n: bar.advance(task, n))
+        if stream:
+            files = [f for item in args.inputs for f in text_files(item, key="tokenize")]
+            if bar is not None:
+                bar.update(task, total=len(files))
+            done = tokenize_files(files, args.output, tokenizer_path=args.tokenizer,
+                                  progress=advance)
+        else:
+            data = DataConfig(tokenizer=args.tokenizer, format=args.format,
+                              text_field=args.text_field, messages_field=args.messages_field,
+                              train_on_prompt=args.train_on_prompt)
+            done = tokenize_records(args.inputs, args.output, data=data, progress=advance)
     finally:
         if bar is not None:
             bar.stop()
-    print(f"zjax tokenize: {done['tokens']:,} tokens of {done['files']} files -> "
-          f"{args.output} ({done['dtype']}, vocabulary {done['vocab_size']:,})")
+    if stream:
+        print(f"zjax tokenize: {done['tokens']:,} tokens of {done['files']} files -> "
+              f"{args.output} ({done['dtype']}, vocabulary {done['vocab_size']:,})")
+    else:
+        print(f"zjax tokenize: {done['documents']:,} documents, {done['tokens']:,} tokens "
+              f"({done['loss_tokens']:,} trained on) -> {args.output}; train with "
+              f"data.path={args.output}")
     return 0

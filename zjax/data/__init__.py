@@ -1,6 +1,8 @@
-"""The data pipeline: token sources (text files as bytes or through a Hugging Face
-``tokenizer.json``, ``.npy`` token arrays), ``zjax tokenize``, and the fixed-window batches a
-loop's ``data`` yields.
+"""The data pipeline: token streams (text files as bytes or through a Hugging Face
+``tokenizer.json``, ``.npy`` token arrays) cut into windows, and documents (JSON lines, Parquet,
+Arrow and ``datasets`` directories, ``zjax tokenize`` output) in the ``text``, ``chat`` and
+``prompt_completion`` formats, with loss masks, packed into windows with segment ids: the
+batches a loop's ``data`` yields.
 
 It owns the ``data`` section (``zjax.data.config``, light). It imports ``zjax.errors`` and
 ``zjax.schema`` only; the pipeline's names load on first use (Grain is not loaded by reading a
@@ -12,15 +14,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zjax._lazy import exports
-from zjax.data.config import DataConfig
+from zjax.data.config import FORMATS, DataConfig
 
 _LAZY = {
     "BYTE_VOCAB": "zjax.data._pipeline",
+    "ChatTemplate": "zjax.data._chat",
+    "Corpus": "zjax.data._records",
+    "Documents": "zjax.data._store",
+    "Encoder": "zjax.data._documents",
+    "abstract_documents_batch": "zjax.data._records",
+    "document_batches": "zjax.data._records",
+    "load_chat_template": "zjax.data._chat",
+    "load_corpus": "zjax.data._records",
+    "pack": "zjax.data._packing",
+    "read_store": "zjax.data._store",
+    "tokenize_records": "zjax.data.tokenize",
+    "uses_documents": "zjax.data._records",
     "Tokens": "zjax.data._pipeline",
-    "check_fits": "zjax.data.tokenize",
+    "check_fits": "zjax.data._tokenizer",
     "encode_files": "zjax.data.tokenize",
-    "id_bound": "zjax.data.tokenize",
-    "load_tokenizer": "zjax.data.tokenize",
+    "id_bound": "zjax.data._tokenizer",
+    "load_tokenizer": "zjax.data._tokenizer",
     "load_tokens": "zjax.data._pipeline",
     "stdlib_files": "zjax.data._pipeline",
     "text_files": "zjax.data._pipeline",
@@ -30,16 +44,29 @@ _LAZY = {
 
 __all__ = [
     "BYTE_VOCAB",
+    "FORMATS",
+    "ChatTemplate",
+    "Corpus",
     "DataConfig",
+    "Documents",
+    "Encoder",
     "Tokens",
+    "abstract_documents_batch",
     "check_fits",
+    "document_batches",
     "encode_files",
     "id_bound",
+    "load_chat_template",
+    "load_corpus",
     "load_tokenizer",
     "load_tokens",
+    "pack",
+    "read_store",
     "stdlib_files",
     "text_files",
     "tokenize_files",
+    "tokenize_records",
+    "uses_documents",
     "window_batches",
 ]
 
@@ -48,6 +75,9 @@ __getattr__ = exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from zjax.data._chat import ChatTemplate, load_chat_template
+    from zjax.data._documents import Encoder
+    from zjax.data._packing import pack
     from zjax.data._pipeline import (
         BYTE_VOCAB,
         Tokens,
@@ -56,10 +86,19 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         text_files,
         window_batches,
     )
+    from zjax.data._records import (
+        Corpus,
+        abstract_documents_batch,
+        document_batches,
+        load_corpus,
+        uses_documents,
+    )
+    from zjax.data._store import Documents, read_store
     from zjax.data.tokenize import (
         check_fits,
         encode_files,
         id_bound,
         load_tokenizer,
         tokenize_files,
+        tokenize_records,
     )

@@ -87,7 +87,7 @@ def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
     tokens = _load_tokens(path, eval_fraction=eval_fraction, max_bytes=max_bytes,
                           tokenizer=tokenizer)
     if tokenizer is not None:
-        from zjax.data.tokenize import id_bound, load_tokenizer
+        from zjax.data._tokenizer import id_bound, load_tokenizer
 
         tokens.vocab_size = max(tokens.vocab_size, id_bound(load_tokenizer(tokenizer)))
     return tokens
@@ -126,7 +126,7 @@ def _load_tokens(path: str | None, *, eval_fraction: float, max_bytes: int | Non
         raise ConfigError(f"data.path: {path!r} holds no data (all files are empty)")
     source = "the Python standard library" if path is None else str(path)
     if tokenizer is not None:
-        from zjax.data.tokenize import load_tokenizer
+        from zjax.data._tokenizer import load_tokenizer
 
         text = b"\n".join(chunks).decode("utf-8", errors="replace")
         ids = load_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids

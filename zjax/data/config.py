@@ -4,10 +4,15 @@ is read and validated without loading the data pipeline."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
-from zjax.schema import interval, positive, validate
+from zjax.errors import ConfigError
+from zjax.schema import choices, interval, positive, short, validate
 
-__all__ = ["DataConfig"]
+__all__ = ["FORMATS", "DataConfig"]
+
+FORMATS = ("text", "chat", "prompt_completion")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,20 +22,77 @@ class DataConfig:
     Attributes:
       batch_size: global batch (sequences per optimizer step, over all replicas).
       seq_len: tokens per sequence (each example holds ``seq_len + 1`` for the shifted targets).
-      path: a text file, directory or glob (byte-level), or a ``.npy`` token array; empty for
-        the ``.py`` files of Python's standard library.
-      eval_fraction: the tail of the token stream held out for evaluation.
-      tokenizer: a Hugging Face ``tokenizer.json``: a text ``path`` is tokenized with it as
-        it is read (instead of byte-level), and ``model.vocab_size`` must cover its
-        vocabulary; for large corpora tokenize once with ``zjax tokenize`` and train on the
-        ``.npy``. Empty for byte-level text.
+      path: where the data is, by extension: records (``.jsonl``, ``.jsonl.gz``,
+        ``.jsonl.zst``, ``.parquet``, ``.arrow``, a ``datasets.save_to_disk`` directory, or a
+        ``zjax tokenize`` directory) are documents, packed into windows; a text file,
+        directory or glob (byte-level, or with ``data.tokenizer``) or a ``.npy`` of token ids
+        is one token stream cut into windows. A list of paths is one source; a mapping
+        ``{path: weight}`` mixes its sources in those proportions. Empty for the ``.py``
+        files of Python's standard library.
+      eval_fraction: the tail of the data held out for evaluation (documents, or tokens of a
+        stream).
+      tokenizer: a Hugging Face ``tokenizer.json``: text is tokenized with it as it is read
+        (instead of byte-level), and ``model.vocab_size`` must cover its vocabulary; its
+        ``tokenizer_config.json`` (beside it) gives the end-of-sequence token and the chat
+        template. For large corpora tokenize once with ``zjax tokenize``. Empty for
+        byte-level text.
+      format: what a record holds: ``text`` (``data.text_field``), ``chat`` (a list of
+        ``{role, content}`` messages in ``data.messages_field``, rendered with the
+        tokenizer's chat template) or ``prompt_completion`` (``prompt`` and ``completion``
+        fields).
+      text_field: the column of a ``text`` record.
+      messages_field: the column of a ``chat`` record's messages.
+      packing: pack documents into each window (segment ids keep them apart); false gives
+        each document its own window, the rest padded (and masked).
+      train_on_prompt: train on every token; by default a ``chat`` record trains only on
+        its assistant turns and a ``prompt_completion`` record only on its completion.
     """
 
     batch_size: int = positive(16)
     seq_len: int = positive(128)
-    path: str | None = None
+    path: str | list | dict | None = None
     eval_fraction: float = interval(0, 1, default=0.05)
     tokenizer: str | None = None
+    format: str = choices(*FORMATS, default="text")
+    text_field: str = "text"
+    messages_field: str = "messages"
+    packing: bool = True
+    train_on_prompt: bool = False
 
     def __post_init__(self):
         validate(self, "data")
+        if isinstance(self.path, list | tuple | dict):
+            object.__setattr__(self, "path", _paths(self.path))
+        for key in ("text_field", "messages_field"):
+            if not getattr(self, key):
+                raise ConfigError(f"data.{key}: must name a field, got an empty string")
+
+    @property
+    def sources(self) -> tuple[tuple[str | list | None, float], ...]:
+        """``((path or paths, weight), ...)``: one source of weight 1 unless ``path`` is a
+        mapping."""
+        if isinstance(self.path, dict):
+            return tuple(self.path.items())
+        return ((self.path, 1.0),)
+
+
+def _paths(value) -> list | dict:
+    """A list of paths, or a ``{path: weight}`` mapping with positive finite weights."""
+    if isinstance(value, list | tuple):
+        if not value:
+            raise ConfigError("data.path: an empty list names no data")
+        for item in value:
+            if not isinstance(item, str) or not item:
+                raise ConfigError(f"data.path: a list of paths holds {short(item)}; expected "
+                                  "file names or globs")
+        return list(value)
+    if not value:
+        raise ConfigError("data.path: an empty mapping names no data")
+    for key, weight in value.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"data.path: the mapping's key {short(key)} is not a path")
+        if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
+                or not math.isfinite(weight) or weight <= 0):
+            raise ConfigError(f"data.path.{key}: the mixing weight must be a number > 0, got "
+                              f"{short(weight)}")
+    return {k: float(w) for k, w in value.items()}

@@ -1,9 +1,11 @@
 """Text to token ids with a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library).
 
-``zjax tokenize INPUTS -o OUT.npy --tokenizer tokenizer.json`` writes one flat ``.npy`` array of
-token ids that training memory-maps (``data.path: OUT.npy``); ``data.tokenizer`` tokenizes a
-text ``data.path`` as it is read instead. Files are encoded in batches by the tokenizer's own
-threads (Rust, all cores); the ids of consecutive files are concatenated, in the order given.
+``zjax tokenize INPUTS -o OUT.npy --tokenizer tokenizer.json`` writes the text files' ids as
+one flat ``.npy`` stream that training memory-maps (``data.path: OUT.npy``); with ``-o OUT``
+(a directory) it writes documents (records, or one per text file) with their loss masks
+(:func:`tokenize_records`), which training reads as it reads the records themselves.
+``data.tokenizer`` tokenizes a ``data.path`` as it is read instead. Files are encoded in
+batches by the tokenizer's own threads (Rust, all cores), in the order given.
 """
 
 from __future__ import annotations
@@ -15,45 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
+from zjax.data._documents import Encoder
+from zjax.data._pipeline import text_files
+from zjax.data._sources import record_files, rows, source_kind
+from zjax.data._store import write_store
+from zjax.data._tokenizer import check_fits, id_bound, load_tokenizer
+from zjax.data.config import DataConfig
 from zjax.errors import ConfigError
 
-__all__ = ["check_fits", "encode_files", "id_bound", "load_tokenizer", "tokenize_files"]
-
-
-def load_tokenizer(path: str | os.PathLike, *, key: str = "data.tokenizer"):
-    """The ``tokenizers.Tokenizer`` saved at ``path`` (a ``tokenizer.json``)."""
-    from tokenizers import Tokenizer
-
-    if not Path(path).is_file():
-        raise ConfigError(f"{key}: {str(path)!r} is not a file (expected a tokenizer.json)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library's own parse error, one line
-        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ConfigError(f"{key}: {str(path)!r} is not a tokenizer.json the tokenizers "
-                          f"library reads: {why}") from None
-
-
-def id_bound(tokenizer) -> int:
-    """One past the largest id ``tokenizer`` can produce (added tokens included; a
-    vocabulary's ids need not be contiguous)."""
-    ids = tokenizer.get_vocab(with_added_tokens=True).values()
-    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
-
-
-def check_fits(tokenizer, vocab_size: int, *, tokenizer_path: str | os.PathLike,
-               model: str) -> None:
-    """Refuse a tokenizer whose ids do not all have a row in the model's embedding.
-
-    Raises:
-      ConfigError: naming the tokenizer file, its largest id and the model's vocabulary.
-    """
-    bound = id_bound(tokenizer)
-    if bound > vocab_size:
-        raise ConfigError(
-            f"{tokenizer_path}: the tokenizer has token ids up to {bound - 1}, but {model} has "
-            f"a vocabulary of {vocab_size} (ids 0..{vocab_size - 1}): not this model's "
-            "tokenizer (its ids past the vocabulary would have no embedding)")
+__all__ = ["check_fits", "encode_files", "id_bound", "load_tokenizer", "tokenize_files",
+           "tokenize_records"]
 
 
 def _read(path: Path) -> str:
@@ -115,3 +88,30 @@ def tokenize_files(files: Sequence[Path], out: str | os.PathLike, *, tokenizer_p
         os.replace(tmp, out)
     return {"tokens": total, "files": len(files), "vocab_size": tokenizer.get_vocab_size(),
             "dtype": dtype.name}
+
+
+def _text_rows(files: Sequence[Path], field: str):
+    for f in files:
+        yield str(f), {field: _read(f)}
+
+
+def tokenize_records(inputs: Sequence[str], out: str | os.PathLike, *, data: DataConfig,
+                     progress: Callable[[int], None] | None = None) -> dict:
+    """Write the documents of ``inputs`` (record files, or text files: one document each) as a
+    ``zjax tokenize`` directory (:mod:`zjax.data._store`), encoded as ``data`` says.
+
+    Returns:
+      The directory's metadata: ``documents``, ``tokens``, ``loss_tokens``, ``vocab_size``...
+    """
+    kind = source_kind(list(inputs), key="tokenize")
+    if kind == "store":
+        raise ConfigError("tokenize: the inputs are already a zjax tokenize directory")
+    encoder = Encoder(data)
+    found = (rows(record_files(list(inputs), key="tokenize"), encoder.columns)
+             if kind == "records"
+             else _text_rows([f for i in inputs for f in text_files(i, key="tokenize")],
+                             encoder.columns[0]))
+    if kind == "stream" and data.format != "text":
+        raise ConfigError(f"--format: {data.format} needs records (.jsonl, .parquet, .arrow)")
+    return write_store(out, encoder.documents(found), vocab_size=encoder.vocab_size,
+                       meta=encoder.meta, progress=progress)

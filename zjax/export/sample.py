@@ -118,8 +118,10 @@ class Sampler:
       source: where it was loaded from (for messages).
     """
 
-    def __init__(self, model: nnx.Module, tokenizer: Any, source: str):
+    def __init__(self, model: nnx.Module, tokenizer: Any, source: str,
+                 tokenizer_path: str | Path | None = None):
         self.model, self.tokenizer, self.source = model, tokenizer, source
+        self.tokenizer_path = tokenizer_path
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. Raises ConfigError: ``text`` is not valid UTF-8."""
@@ -150,6 +152,35 @@ class Sampler:
         rows = generate(self.model, np.asarray([ids] * n), max_new_tokens=max_new_tokens,
                         temperature=temperature, top_p=top_p, key=jax.random.key(seed))
         return [self.decode(row) for row in rows]
+
+    def chat(self, text: str, *, max_new_tokens: int = 100, temperature: float = 1.0,
+             top_p: float = 1.0, seed: int = 0, n: int = 1) -> list[str]:
+        """``n`` assistant replies to ``text`` as a user turn, rendered with the tokenizer's
+        chat template and its generation prompt; each reply ends before its end-of-turn
+        token.
+
+        Raises:
+          ConfigError: no tokenizer or no chat template, or as :meth:`__call__`.
+        """
+        from zjax.data import load_chat_template
+
+        check_seed(seed)
+        if self.tokenizer_path is None:
+            raise ConfigError(f"--chat: {self.source} has no tokenizer (a chat needs its "
+                              "chat template)")
+        template = load_chat_template(self.tokenizer_path, key="--chat")
+        prompt = template.render([{"role": "user", "content": utf8(text).decode()}],
+                                 add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        rows = generate(self.model, np.asarray([ids] * n), max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_p=top_p, key=jax.random.key(seed))
+        stop = {self.tokenizer.token_to_id(t) for t in template.special_tokens.values()}
+        replies = []
+        for row in rows:
+            ends = [i for i, t in enumerate(row.tolist()) if t in stop]
+            kept = row[:ends[0]] if ends else row
+            replies.append(self.tokenizer.decode([int(i) for i in kept]))
+        return replies
 
 
 def load_sampler(source: str | Path) -> Sampler:
@@ -193,7 +224,7 @@ def load_sampler(source: str | Path) -> Sampler:
         return Sampler(model, None, str(source))
     tk = load_tokenizer(tokenizer, key="sample")
     check_fits(tk, cfg.vocab_size, tokenizer_path=tokenizer, model=f"the model of {source}")
-    return Sampler(model, tk, str(source))
+    return Sampler(model, tk, str(source), tokenizer)
 
 
 def _model(loop: str, cfg: Any, params: dict, source: str) -> nnx.Module:

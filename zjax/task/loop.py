@@ -17,7 +17,18 @@ import jax
 import numpy as np
 
 from zjax.config import NEEDS, find_loop
-from zjax.data import BYTE_VOCAB, DataConfig, Tokens, load_tokens, window_batches
+from zjax.data import (
+    BYTE_VOCAB,
+    Corpus,
+    DataConfig,
+    Tokens,
+    abstract_documents_batch,
+    document_batches,
+    load_corpus,
+    load_tokens,
+    uses_documents,
+    window_batches,
+)
 from zjax.errors import ConfigError, first_line
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.models.llama import Llama, LlamaConfig
@@ -48,18 +59,32 @@ class Loop(Protocol):
 
 
 class LanguageModel:
-    """The built-in loop (``loop: lm``): the reference GPT on byte-level or token data."""
+    """The built-in loop (``loop: lm``): the reference GPT on byte-level or token data.
+
+    Args:
+      source: a Python dataset to train on instead of ``data.path``: a ``datasets.Dataset``,
+        a grain data source or a list of records, read as ``data.format`` says.
+    """
 
     model_config = GPTConfig
 
-    def __init__(self) -> None:
-        self._tokens: dict[tuple, Tokens] = {}
+    def __init__(self, source: Any = None) -> None:
+        self.source = source
+        self._tokens: dict[str, Tokens | Corpus] = {}
 
-    def tokens(self, data: DataConfig) -> Tokens:
-        key = (data.path, data.eval_fraction, data.tokenizer)
+    def documents(self, data: DataConfig) -> bool:
+        """Whether the data are documents (packed windows) rather than one token stream."""
+        return self.source is not None or uses_documents(data)
+
+    def tokens(self, data: DataConfig) -> Tokens | Corpus:
+        """The data's tokens (read once per distinct source)."""
+        key = repr((data.path, data.tokenizer, data.format, data.text_field,
+                    data.messages_field, data.train_on_prompt,
+                    None if self.documents(data) else data.eval_fraction))
         if key not in self._tokens:
-            self._tokens[key] = load_tokens(data.path, eval_fraction=data.eval_fraction,
-                                            tokenizer=data.tokenizer)
+            self._tokens[key] = (load_corpus(data, self.source) if self.documents(data)
+                                 else load_tokens(data.path, eval_fraction=data.eval_fraction,
+                                                  tokenizer=data.tokenizer))
         return self._tokens[key]
 
     def trainable(self, model: GPTConfig) -> Trainable:
@@ -67,22 +92,29 @@ class LanguageModel:
 
     def check(self, model: GPTConfig, data: DataConfig) -> None:
         """Cross-section checks: the vocabulary must cover the data's tokens."""
-        vocab = self.tokens(data).vocab_size or BYTE_VOCAB
+        tokens = self.tokens(data)
+        vocab = tokens.vocab_size or BYTE_VOCAB
         if model.vocab_size < vocab:
             raise ConfigError(
-                f"model.vocab_size: {model.vocab_size}, but {self.tokens(data).source} holds "
+                f"model.vocab_size: {model.vocab_size}, but {tokens.source} holds "
                 f"token ids up to {vocab - 1}; set model.vocab_size to at least {vocab}"
             )
 
-    def abstract_batch(self, data: DataConfig) -> jax.ShapeDtypeStruct:
-        """The global batch's shape and dtype, without reading the data (for ``zjax plan``)."""
+    def abstract_batch(self, data: DataConfig) -> Any:
+        """The global batch's shapes and dtypes, without reading the data (for ``zjax plan``)."""
+        if self.documents(data):
+            return abstract_documents_batch(data)
         return jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), np.int32)
 
     def data(self, data: DataConfig, *, split: str, seed: int, process_index: int = 0,
-             process_count: int = 1) -> Iterator[np.ndarray]:
-        return window_batches(self.tokens(data).split(split), global_batch=data.batch_size,
-                              seq_len=data.seq_len, seed=seed, process_index=process_index,
-                              process_count=process_count, split=split)
+             process_count: int = 1) -> Iterator[Any]:
+        shard = dict(split=split, seed=seed, process_index=process_index,
+                     process_count=process_count)
+        tokens = self.tokens(data)
+        if isinstance(tokens, Corpus):
+            return document_batches(tokens, data, **shard)
+        return window_batches(tokens.split(split), global_batch=data.batch_size,
+                              seq_len=data.seq_len, **shard)
 
 
 class LlamaLanguageModel(LanguageModel):

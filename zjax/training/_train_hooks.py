@@ -100,6 +100,7 @@ class MetricsLog:
     def metrics(self, s: StepInfo) -> None:
         """Every ``train.log_every`` steps: read the metrics (this waits for the step)."""
         row = {k: float(v) for k, v in s.metrics.items() if k not in ("count", "finite")}
+        row["loss_tokens"] = float(s.metrics["count"])  # the targets the loss averages over
         self.watch.poll(wait=True)
         dt = time.perf_counter() - self._t0 - self._paused
         s.row.update(row, lr=float(self.schedule(s.step - 1)),

@@ -165,7 +165,8 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
             if it is not None and data_state.get(split) is not None:
                 _set_iterator(it, data_state[split], start, ckpt, split)
     first = put(next(train_data))
-    compiled = zstep.lower(jax.ShapeDtypeStruct(first.shape, first.dtype)).compile()
+    compiled = zstep.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                        first)).compile()
     memory, planned = _memory_row(zstep, compiled, config, info)
     if run is not None:  # every check has passed: only now is the run directory changed
         run.truncate_metrics(start)  # rows after the resumed step (all, starting afresh)
@@ -240,11 +241,14 @@ def _data(loop: Loop, config: Config, zstep: ZeroStep):
     eval_data = loop.data(config.data, split="eval", **shard) if config.train.eval_every \
         else None
 
-    def put(local: Any) -> jax.Array:
+    def put_one(local: Any) -> jax.Array:
         local = np.asarray(local)
         global_shape = (local.shape[0] * count, *local.shape[1:])
         zstep.check_batch(global_shape)
         return jax.make_array_from_process_local_data(zstep.batch_sharding, local, global_shape)
+
+    def put(local: Any) -> Any:  # an array, or a dict of them (packed documents)
+        return jax.tree.map(put_one, local) if isinstance(local, dict) else put_one(local)
 
     return train_data, eval_data, put
 

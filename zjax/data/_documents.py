@@ -1,0 +1,167 @@
+"""Records to documents: each row's token ids and loss mask (1 where the token is trained on).
+
+- ``text``: the text encoded with the tokenizer's special tokens (its BOS), then EOS; every
+  token is trained on.
+- ``prompt_completion``: the prompt (with the special tokens), the completion, then EOS; the
+  loss is on the completion and its EOS.
+- ``chat``: the conversation rendered with the tokenizer's chat template and encoded as
+  transformers' ``apply_chat_template`` encodes it (no added special tokens: the template
+  writes them); the loss is on the assistant turns' tokens, each turn's end-of-turn token
+  included, as ``return_assistant_tokens_mask`` marks them.
+
+``data.train_on_prompt`` trains on every token. Without ``data.tokenizer`` text is
+byte-level (UTF-8 bytes, no BOS or EOS). Rows are encoded in groups, by the tokenizer's own
+threads (all cores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from zjax.data._chat import ROLES, load_chat_template, special_token, tokenizer_config
+from zjax.data.config import DataConfig
+from zjax.errors import ConfigError, did_you_mean
+
+__all__ = ["Encoder"]
+
+_GROUP = 256  # rows per parallel encode call
+
+
+class Encoder:
+    """Encodes the rows of one ``data`` section.
+
+    Attributes:
+      columns: the fields a row must have.
+      vocab_size: one past the largest id it can produce.
+      eos_id: the end-of-sequence id appended to text and completions (None: byte-level or
+        none known).
+      meta: what a ``zjax tokenize`` directory records of how it was made.
+    """
+
+    def __init__(self, data: DataConfig):
+        self.format, self.train_all = data.format, data.train_on_prompt
+        self.columns = {"text": (data.text_field,), "chat": (data.messages_field,),
+                        "prompt_completion": ("prompt", "completion")}[data.format]
+        self.meta = {"format": data.format, "train_on_prompt": data.train_on_prompt,
+                     "tokenizer": data.tokenizer, "text_field": data.text_field,
+                     "messages_field": data.messages_field}
+        self.tokenizer, self.eos_id, self.template = None, None, None
+        self.vocab_size = 256
+        if data.tokenizer is not None:
+            from zjax.data._tokenizer import id_bound, load_tokenizer
+
+            self.tokenizer = load_tokenizer(data.tokenizer)
+            self.vocab_size = id_bound(self.tokenizer)
+            eos = special_token(tokenizer_config(data.tokenizer), "eos_token")
+            self.eos_id = None if eos is None else self.tokenizer.token_to_id(eos)
+        if data.format == "chat":
+            if self.tokenizer is None:
+                raise ConfigError("data.format: chat needs data.tokenizer (a tokenizer.json "
+                                  "with its chat template in the tokenizer_config.json beside)")
+            self.template = load_chat_template(data.tokenizer)
+
+    def documents(self, rows: Iterable[tuple[str, dict]]) -> Iterator[tuple[np.ndarray,
+                                                                            np.ndarray]]:
+        """``(ids int32, loss mask uint8)`` of each row, in order."""
+        group: list[tuple[str, dict]] = []
+        for item in rows:
+            group.append(item)
+            if len(group) == _GROUP:
+                yield from self._group(group)
+                group = []
+        if group:
+            yield from self._group(group)
+
+    def _group(self, group: list[tuple[str, dict]]):
+        if self.format == "text":
+            texts = [_text(row, self.columns[0], where) for where, row in group]
+            for ids in self._encode(texts, special=True):
+                ids = self._with_eos(ids)
+                yield ids, np.ones(len(ids), np.uint8)
+        elif self.format == "prompt_completion":
+            yield from self._prompt_completion(group)
+        else:
+            yield from self._chat(group)
+
+    def _encode(self, texts: list[str], *, special: bool) -> list[np.ndarray]:
+        if self.tokenizer is None:
+            return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
+        encs = self.tokenizer.encode_batch(texts, add_special_tokens=special)
+        return [np.asarray(e.ids, np.int32) for e in encs]
+
+    def _with_eos(self, ids: np.ndarray) -> np.ndarray:
+        if self.eos_id is None or (len(ids) and ids[-1] == self.eos_id):
+            return ids
+        return np.append(ids, np.int32(self.eos_id))
+
+    def _prompt_completion(self, group):
+        prompts = [_text(row, "prompt", where) for where, row in group]
+        completions = [_text(row, "completion", where) for where, row in group]
+        for p, c in zip(self._encode(prompts, special=True),
+                        self._encode(completions, special=False), strict=True):
+            c = self._with_eos(c)
+            mask = np.concatenate([np.full(len(p), self.train_all, np.uint8),
+                                   np.ones(len(c), np.uint8)])
+            yield np.concatenate([p, c]), mask
+
+    def _chat(self, group):
+        field = self.columns[0]
+        rendered = []
+        for where, row in group:
+            messages = _messages(row[field], field, where)
+            try:
+                rendered.append(self.template.render_with_spans(messages))
+            except ValueError as e:
+                raise ConfigError(f"{where}: field {field!r}: {e}") from None
+            if not self.train_all and not rendered[-1][1]:
+                raise ConfigError(f"{where}: field {field!r} holds no assistant turn: nothing "
+                                  "to train on (or set data.train_on_prompt: true)")
+        encs = self.tokenizer.encode_batch([text for text, _ in rendered],
+                                           add_special_tokens=False)
+        for enc, (_, spans) in zip(encs, rendered, strict=True):
+            ids = np.asarray(enc.ids, np.int32)
+            mask = np.ones(len(ids), np.uint8) if self.train_all else span_mask(enc, spans)
+            yield ids, mask
+
+
+def span_mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """1 on the tokens from the one holding each span's first character to the one holding
+    its last (``return_assistant_tokens_mask``'s rule)."""
+    mask = np.zeros(len(encoding.ids), np.uint8)
+    for start, end in spans:
+        if end <= start:
+            continue
+        first = encoding.char_to_token(start)
+        last = encoding.char_to_token(end - 1)
+        if first is None:  # past the encoded text
+            break
+        mask[first:len(mask) if last is None else last + 1] = 1
+    return mask
+
+
+def _text(row: dict, field: str, where: str) -> str:
+    value = row[field]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: field {field!r} holds {type(value).__name__}, expected "
+                          "text (a string)")
+    return value
+
+
+def _messages(value, field: str, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: field {field!r} must be a non-empty list of "
+                          f"{{role, content}} messages, got {type(value).__name__}")
+    for i, m in enumerate(value):
+        at = f"{where}: field {field!r}, message {i}"
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ConfigError(f"{at}: expected {{role, content}}, got {str(m)[:80]!r}")
+        if m["role"] not in ROLES:
+            raise ConfigError(f"{at}: unknown role {m['role']!r}"
+                              f"{did_you_mean(str(m['role']), ROLES)}; roles: "
+                              f"{', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ConfigError(f"{at}: content holds {type(m['content']).__name__}, expected "
+                              "text (a string)")
+    return value

@@ -1,0 +1,136 @@
+"""Document sources (records and ``zjax tokenize`` directories) as training batches: each
+source's documents, split into train and a held-out tail, packed into windows, shuffled every
+epoch, mixed by weight, sliced by process and batched.
+
+A batch is a dict of int32 ``[rows, seq_len + 1]`` arrays: ``tokens``, ``segment_ids``,
+``positions`` and ``loss_mask`` (what :func:`zjax.models.lm_loss` reads). The iterator is
+grain's, so its ``get_state()`` / ``set_state()`` resume at the exact next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from zjax.data._documents import Encoder
+from zjax.data._packing import pack
+from zjax.data._sources import object_rows, record_files, rows, source_kind
+from zjax.data._store import Documents, build_documents, read_store
+from zjax.data.config import DataConfig
+from zjax.errors import ConfigError
+
+__all__ = ["Corpus", "abstract_documents_batch", "document_batches", "load_corpus",
+           "uses_documents"]
+
+BATCH_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
+
+
+def uses_documents(data: DataConfig) -> bool:
+    """Whether ``data.path`` names document sources (records or tokenized directories)."""
+    kinds = {source_kind(path) for path, _ in data.sources}
+    if "stream" in kinds and (len(kinds) > 1 or data.format != "text"):
+        raise ConfigError(f"data.path: {data.path!r}: data.format {data.format} and mixing "
+                          "need records (.jsonl, .parquet, .arrow, a datasets directory) or "
+                          "zjax tokenize directories; text and .npy sources are one token "
+                          "stream")
+    return kinds != {"stream"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Each source's documents and mixing weight.
+
+    Attributes:
+      sources: ``((documents, weight), ...)``.
+      vocab_size: one past the largest token id the sources can hold.
+    """
+
+    sources: tuple[tuple[Documents, float], ...]
+    vocab_size: int
+
+    @property
+    def source(self) -> str:
+        return " + ".join(d.source for d, _ in self.sources)
+
+    def split(self, name: str, eval_fraction: float) -> tuple[tuple[Documents, float], ...]:
+        """Each source's ``train`` documents, or its held-out tail (``eval``)."""
+        if name not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {name!r}")
+        out = []
+        for docs, weight in self.sources:
+            cut = len(docs) - int(len(docs) * eval_fraction)
+            out.append((docs.select(0, cut) if name == "train" else docs.select(cut, len(docs)),
+                        weight))
+        return tuple(out)
+
+
+def _store(path: str, data: DataConfig) -> Documents:
+    docs = read_store(path)
+    for key in ("format", "train_on_prompt"):
+        made = docs.meta.get(key)
+        if made is not None and made != getattr(data, key):
+            raise ConfigError(f"data.{key}: {getattr(data, key)!r}, but {path} was tokenized "
+                              f"with {key} {made!r}; set data.{key}: {made!r} or tokenize "
+                              "again")
+    return docs
+
+
+def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
+    """The documents of ``data.path`` (or of ``source``, a Python dataset: a
+    ``datasets.Dataset``, a grain source or a list of records), tokenized with ``data``'s
+    format and tokenizer."""
+    encoder, loaded = None, []
+    specs = [(source, 1.0)] if source is not None else data.sources
+    for spec, weight in specs:
+        if source is None and source_kind(spec) == "store":
+            loaded.append((_store(spec, data), weight))
+            continue
+        encoder = encoder or Encoder(data)
+        found = (object_rows(spec, encoder.columns) if source is not None
+                 else rows(record_files(spec), encoder.columns))
+        name = type(spec).__name__ if source is not None else str(spec)
+        loaded.append((build_documents(encoder.documents(found), vocab_size=encoder.vocab_size,
+                                       source=name, meta=encoder.meta), weight))
+    vocab = max(d.vocab_size for d, _ in loaded)
+    if encoder is None and data.tokenizer is not None:
+        vocab = max(vocab, Encoder(data).vocab_size)
+    return Corpus(tuple(loaded), vocab)
+
+
+def document_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: int,
+                     process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+    """A checkpointable iterator of this process's ``[batch_size / processes, seq_len + 1]``
+    dicts; windows are reshuffled every epoch from ``seed``."""
+    if data.batch_size % process_count:
+        raise ConfigError(f"data.batch_size: {data.batch_size} is not divisible by the "
+                          f"{process_count} processes")
+    parts, weights = [], []
+    for k, (docs, weight) in enumerate(corpus.split(split, data.eval_fraction)):
+        if len(docs) == 0:
+            raise ConfigError(_too_few(split, docs.source, "no documents", data))
+        windows = pack(docs, seq_len=data.seq_len, packing=data.packing)
+        if len(windows) < data.batch_size:
+            raise ConfigError(_too_few(split, docs.source, f"{len(windows)} windows", data))
+        parts.append(grain.MapDataset.source(windows).shuffle(seed=seed + k).repeat())
+        weights.append(weight)
+    ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+    ds = ds.slice(slice(process_index, None, process_count))
+    ds = ds.batch(data.batch_size // process_count, drop_remainder=True)
+    return iter(ds.to_iter_dataset())
+
+
+def _too_few(split: str, source: str, what: str, data: DataConfig) -> str:
+    fix = ("raise data.eval_fraction, or set train.eval_every=0" if split == "eval"
+           else "lower data.batch_size or data.seq_len")
+    return (f"data.path: the {split} split of {source} holds {what} of {data.seq_len + 1} "
+            f"tokens, fewer than one batch of {data.batch_size}; {fix}")
+
+
+def abstract_documents_batch(data: DataConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch of a document source, as ``ShapeDtypeStruct``s (nothing read)."""
+    shape = (data.batch_size, data.seq_len + 1)
+    return {k: jax.ShapeDtypeStruct(shape, np.int32) for k in BATCH_FIELDS}
