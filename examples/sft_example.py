@@ -44,7 +44,7 @@ def conversation(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         messages.append({"role": "system", "content": "You are a careful calculator."})
     for _ in range(rng.choice((1, 1, 2))):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
         op = rng.choice("+-")
         value = a + b if op == "+" else a - b
         messages.append({"role": "user", "content": f"What is {a} {op} {b}?"})
@@ -110,6 +110,9 @@ def write_base(directory: Path, tokenizer_texts: list[str], *, seed: int = 0) ->
 
 
 def main() -> None:
+    from zjax.runtime import quiet_plugins
+
+    quiet_plugins()  # no accelerator plugin's start-up lines
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default="data/sft")
     parser.add_argument("--conversations", type=int, default=4000)

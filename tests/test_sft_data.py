@@ -227,3 +227,36 @@ def test_a_chat_without_a_template_and_a_bad_row_stop_training_before_it_starts(
     r = run_zjax(*common, f"data.tokenizer={chat[0]}")
     assert r.returncode == 2 and "row 2: expected a JSON object" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_sample_chat_renders_a_user_turn_and_stops_at_the_end_of_turn(chat, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from zjax.export import sample as sampling
+
+    tokenizer = Tokenizer.from_file(str(chat[0]))
+    seen = {}
+    reply = [*tokenizer.encode("2 + 2 = 4.").ids, tokenizer.token_to_id("<|im_end|>"), 5, 6]
+
+    def fake_generate(model, prompt, **kw):  # the model's part is tested in test_sample
+        seen["prompt"] = prompt
+        return np.asarray([reply] * len(prompt))
+
+    monkeypatch.setattr(sampling, "generate", fake_generate)
+    sampler = sampling.Sampler(None, tokenizer, "test", chat[0])
+    assert sampler.chat("What is 2 + 2?", n=2) == ["2 + 2 = 4."] * 2
+    text = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert seen["prompt"][0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_the_python_api_trains_on_a_list_of_records(chat):
+    import zjax
+
+    tokenizer, rows = chat
+    config = zjax.load_config("configs/sft-llama.yaml", [
+        "train.init_from=null", f"data.tokenizer={tokenizer}", "data.path=null",
+        "data.seq_len=32", "data.batch_size=8", "train.steps=2", "train.log_every=1",
+        "train.eval_every=0", "logging.tensorboard=false", "model.n_layers=1"])
+    result = zjax.train(zjax.task.LlamaLanguageModel(source=rows), config)
+    assert [r["step"] for r in result.history] == [1, 2]
+    assert all(0 < r["loss_tokens"] < 8 * 32 for r in result.history)

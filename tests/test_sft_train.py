@@ -1,5 +1,6 @@
 """Fine-tuning batches in the model and the step: packed windows equal their documents run
-apart, a completion-only loss ignores the prompt's targets, and gradient accumulation over
+apart (dense and the long-context blockwise attention), a completion-only loss ignores the
+prompt's targets, and gradient accumulation over
 micro-batches of uneven loss-token counts equals one batch (the mean over the global batch's
 loss tokens, not a mean of micro-batch means).
 
@@ -8,6 +9,7 @@ Tolerance: float32, 1e-5 relative / 1e-6 absolute (the same arithmetic in anothe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -50,8 +52,10 @@ def _sum_and_grads(graphdef, params, batch):
     return grads, lm_loss(nnx.merge(graphdef, params), batch)[1]
 
 
-def test_packed_windows_equal_their_documents_apart(docs):
-    graphdef, params = nnx.split(Llama(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_packed_windows_equal_their_documents_apart(docs, attention):
+    cfg = dataclasses.replace(CFG, attention=attention)
+    graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     packed = pack(docs, seq_len=127, packing=True)
     apart = pack(docs, seq_len=127, packing=False)
     n = int(packed.bounds[1])  # the documents of the first packed window

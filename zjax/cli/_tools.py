@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 
@@ -55,6 +56,8 @@ def tool_parsers(sub) -> None:
     tk.add_argument("--text-field", default="text", help="as data.text_field")
     tk.add_argument("--messages-field", default="messages", help="as data.messages_field")
     tk.add_argument("--train-on-prompt", action="store_true", help="as data.train_on_prompt")
+    tk.add_argument("--workers", type=int, default=0, help="encoding processes (default: one "
+                    "per core; 1 encodes in this process)")
     im = sub.add_parser("import-hf", help="a Hugging Face Llama (config.json, safetensors) "
                         "as a directory to train from (OUT/zjax.yaml)")
     im.add_argument("hf_dir", help="config.json and *.safetensors (PyTorch layout, the Hub's)")
@@ -158,6 +161,9 @@ def tokenize(args) -> int:
     from zjax.data.tokenize import tokenize_files, tokenize_records
 
     stream = str(args.output).endswith(".npy")
+    if args.workers < 0:
+        raise ConfigError(f"--workers: {args.workers}; expected an integer >= 0 (0: one per "
+                          "core)")
     bar = None
     if sys.stderr.isatty():
         from rich.progress import Progress
@@ -177,7 +183,8 @@ def tokenize(args) -> int:
             data = DataConfig(tokenizer=args.tokenizer, format=args.format,
                               text_field=args.text_field, messages_field=args.messages_field,
                               train_on_prompt=args.train_on_prompt)
-            done = tokenize_records(args.inputs, args.output, data=data, progress=advance)
+            done = tokenize_records(args.inputs, args.output, data=data, progress=advance,
+                                    workers=args.workers or os.cpu_count() or 1)
     finally:
         if bar is not None:
             bar.stop()

@@ -24,9 +24,11 @@ from zjax.data._chat import ROLES, load_chat_template, special_token, tokenizer_
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError, did_you_mean
 
-__all__ = ["Encoder"]
+__all__ = ["Encoder", "groups", "span_mask"]
 
-_GROUP = 256  # rows per parallel encode call
+# rows per parallel encode call: large groups keep the tokenizer's threads busy (4096 rows of
+# 4 KB: 0.86 of encode_batch's own rate on the whole input; 256: 0.73), bounded in characters
+_GROUP, _GROUP_CHARS = 4096, 1 << 25
 
 
 class Encoder:
@@ -65,16 +67,11 @@ class Encoder:
     def documents(self, rows: Iterable[tuple[str, dict]]) -> Iterator[tuple[np.ndarray,
                                                                             np.ndarray]]:
         """``(ids int32, loss mask uint8)`` of each row, in order."""
-        group: list[tuple[str, dict]] = []
-        for item in rows:
-            group.append(item)
-            if len(group) == _GROUP:
-                yield from self._group(group)
-                group = []
-        if group:
-            yield from self._group(group)
+        for group in groups(rows):
+            yield from self.encode_group(group)
 
-    def _group(self, group: list[tuple[str, dict]]):
+    def encode_group(self, group: list[tuple[str, dict]]):
+        """The documents of one group of rows (the tokenizer encodes it in parallel)."""
         if self.format == "text":
             texts = [_text(row, self.columns[0], where) for where, row in group]
             for ids in self._encode(texts, special=True):
@@ -124,6 +121,20 @@ class Encoder:
             ids = np.asarray(enc.ids, np.int32)
             mask = np.ones(len(ids), np.uint8) if self.train_all else span_mask(enc, spans)
             yield ids, mask
+
+
+def groups(rows: Iterable[tuple[str, dict]]) -> Iterator[list[tuple[str, dict]]]:
+    """``rows`` in groups of ``_GROUP`` rows or ``_GROUP_CHARS`` characters of text."""
+    group: list[tuple[str, dict]] = []
+    chars = 0
+    for item in rows:
+        group.append(item)
+        chars += sum(len(v) for v in item[1].values() if isinstance(v, str))
+        if len(group) == _GROUP or chars >= _GROUP_CHARS:
+            yield group
+            group, chars = [], 0
+    if group:
+        yield group
 
 
 def span_mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -10,6 +10,7 @@ grain's, so its ``get_state()`` / ``set_state()`` resume at the exact next batch
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import grain
@@ -18,7 +19,7 @@ import numpy as np
 
 from zjax.data._documents import Encoder
 from zjax.data._packing import pack
-from zjax.data._sources import object_rows, record_files, rows, source_kind
+from zjax.data._sources import is_record_file, object_rows, record_files, rows, source_kind
 from zjax.data._store import Documents, build_documents, read_store
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError
@@ -29,8 +30,15 @@ __all__ = ["Corpus", "abstract_documents_batch", "document_batches", "load_corpu
 BATCH_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 
-def uses_documents(data: DataConfig) -> bool:
-    """Whether ``data.path`` names document sources (records or tokenized directories)."""
+def uses_documents(data: DataConfig, *, read: bool = True) -> bool:
+    """Whether ``data.path`` names document sources (records or tokenized directories).
+
+    ``read=False`` decides by the names alone where the files are not there (``zjax plan``
+    on another machine than the data's)."""
+    if not read and not all(_there(path) for path, _ in data.sources):
+        names = [p for path, _ in data.sources for p in ([path] if isinstance(path, str)
+                                                          else path or [])]
+        return isinstance(data.path, dict) or any(is_record_file(Path(p)) for p in names)
     kinds = {source_kind(path) for path, _ in data.sources}
     if "stream" in kinds and (len(kinds) > 1 or data.format != "text"):
         raise ConfigError(f"data.path: {data.path!r}: data.format {data.format} and mixing "
@@ -66,6 +74,11 @@ class Corpus:
             out.append((docs.select(0, cut) if name == "train" else docs.select(cut, len(docs)),
                         weight))
         return tuple(out)
+
+
+def _there(path) -> bool:
+    items = [path] if isinstance(path, str) else list(path or [])
+    return all(Path(p).exists() for p in items)
 
 
 def _store(path: str, data: DataConfig) -> Documents:

@@ -96,9 +96,12 @@ def _text_rows(files: Sequence[Path], field: str):
 
 
 def tokenize_records(inputs: Sequence[str], out: str | os.PathLike, *, data: DataConfig,
-                     progress: Callable[[int], None] | None = None) -> dict:
+                     progress: Callable[[int], None] | None = None, workers: int = 1) -> dict:
     """Write the documents of ``inputs`` (record files, or text files: one document each) as a
     ``zjax tokenize`` directory (:mod:`zjax.data._store`), encoded as ``data`` says.
+
+    ``workers`` > 1 encodes in that many processes (the same bytes; for chat templates,
+    which render in Python).
 
     Returns:
       The directory's metadata: ``documents``, ``tokens``, ``loss_tokens``, ``vocab_size``...
@@ -113,5 +116,11 @@ def tokenize_records(inputs: Sequence[str], out: str | os.PathLike, *, data: Dat
                              encoder.columns[0]))
     if kind == "stream" and data.format != "text":
         raise ConfigError(f"--format: {data.format} needs records (.jsonl, .parquet, .arrow)")
-    return write_store(out, encoder.documents(found), vocab_size=encoder.vocab_size,
-                       meta=encoder.meta, progress=progress)
+    if workers > 1:
+        from zjax.data._parallel import encode_in_parallel
+
+        docs = encode_in_parallel(data, found, workers=workers)
+    else:
+        docs = encoder.documents(found)
+    return write_store(out, docs, vocab_size=encoder.vocab_size, meta=encoder.meta,
+                       progress=progress)

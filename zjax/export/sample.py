@@ -207,7 +207,10 @@ def load_sampler(source: str | Path) -> Sampler:
 
         config = load_config(path / "zjax.yaml")
         loop, cfg, tokenizer = config.loop, config.model, config.data.tokenizer
-        params = ocp.StandardCheckpointer().restore((path / "params").resolve())
+        from zjax.checkpoint import item_read
+
+        with item_read():
+            params = ocp.StandardCheckpointer().restore((path / "params").resolve())
     elif is_hf_dir(path):
         hf = HFCheckpoint(path)
         loop, cfg, params = hf.layout.loop, hf.config, nested(hf.host_leaves())

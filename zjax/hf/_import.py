@@ -170,7 +170,10 @@ def _restore(path: Path, target: Any) -> Any:
     """Orbax reads each device's slice of each leaf (cast to float32) into ``target``."""
     import orbax.checkpoint as ocp
 
-    stored = ocp.StandardCheckpointer().metadata(path).item_metadata
+    from zjax.checkpoint import item_read
+
+    with item_read():  # no warning about the metadata file an export does not write
+        stored = ocp.StandardCheckpointer().metadata(path).item_metadata
     have = {jax.tree_util.keystr(k): tuple(m.shape)
             for k, m in jax.tree_util.tree_flatten_with_path(dict(stored))[0]}
     want = {jax.tree_util.keystr(k): a.shape
@@ -185,4 +188,5 @@ def _restore(path: Path, target: Any) -> Any:
                               f"there, {list(shape)} in the model (model.* differs)")
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32,
                                                          sharding=a.sharding), target)
-    return ocp.StandardCheckpointer().restore(path, target)
+    with item_read():
+        return ocp.StandardCheckpointer().restore(path, target)

@@ -102,7 +102,7 @@ class LanguageModel:
 
     def abstract_batch(self, data: DataConfig) -> Any:
         """The global batch's shapes and dtypes, without reading the data (for ``zjax plan``)."""
-        if self.documents(data):
+        if self.source is not None or uses_documents(data, read=False):
             return abstract_documents_batch(data)
         return jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), np.int32)
 
