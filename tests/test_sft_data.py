@@ -209,6 +209,7 @@ def test_bad_records_are_one_line_naming_file_row_and_field(chat, tmp_path, caps
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
+@pytest.mark.slow  # two CLI processes (the in-process cases above are the fast loop's)
 def test_a_chat_without_a_template_and_a_bad_row_stop_training_before_it_starts(chat,
                                                                                  tmp_path):
     from helpers import run_zjax
@@ -249,6 +250,7 @@ def test_sample_chat_renders_a_user_turn_and_stops_at_the_end_of_turn(chat, monk
     assert seen["prompt"][0].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
 
 
+@pytest.mark.slow  # compiles and trains
 def test_the_python_api_trains_on_a_list_of_records(chat):
     import zjax
 

@@ -52,7 +52,8 @@ def _sum_and_grads(graphdef, params, batch):
     return grads, lm_loss(nnx.merge(graphdef, params), batch)[1]
 
 
-@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+@pytest.mark.parametrize("attention", ["dense", pytest.param("blockwise",
+                                                             marks=pytest.mark.slow)])
 def test_packed_windows_equal_their_documents_apart(docs, attention):
     cfg = dataclasses.replace(CFG, attention=attention)
     graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param)
@@ -89,6 +90,7 @@ def test_the_completion_only_gradient_ignores_the_prompt_targets(docs):
                        what="gradients")
 
 
+@pytest.mark.slow  # two ZeRO-3 steps compiled (35 s)
 def test_micro_batches_of_uneven_loss_tokens_equal_one_batch(docs):
     windows = pack(docs, seq_len=63, packing=False)
     counts = [int(split_batch(_batch(windows, [i]))[2].sum()) for i in range(len(windows))]
@@ -126,4 +128,4 @@ def test_micro_batches_of_uneven_loss_tokens_equal_one_batch(docs):
     micro = [grad(start, {k: v[m::4] for k, v in batch.items()}) for m in range(4)]
     naive = jax.tree.map(lambda *g: sum(g) / 4, *micro)
     off = optax.tree.norm(jax.tree.map(jnp.subtract, naive, want)) / optax.tree.norm(want)
-    assert off > 0.02, off
+    assert off > 1e-3, off  # 10x the tolerance the update is held to (measured: ~0.01-0.03)

@@ -27,7 +27,8 @@ import numpy as np
 from zjax.data._sources import STORE_META
 from zjax.errors import ConfigError
 
-__all__ = ["Documents", "build_documents", "read_store", "write_store"]
+__all__ = ["Documents", "build_documents", "fill_from", "read_store", "token_dtype",
+           "write_store"]
 
 _VERSION = 1
 
@@ -60,7 +61,8 @@ class Documents:
         return dataclasses.replace(self, offsets=self.offsets[start:stop + 1])
 
 
-def _dtype(vocab_size: int) -> np.dtype:
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds ids below ``vocab_size``."""
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
@@ -74,7 +76,7 @@ def build_documents(docs: Iterable[tuple[np.ndarray, np.ndarray]], *, vocab_size
         lengths.append(len(i))
     if len(ids) == 0:
         raise ConfigError(f"data.path: {source} holds no records")
-    tokens = np.concatenate(ids).astype(_dtype(vocab_size))
+    tokens = np.concatenate(ids).astype(token_dtype(vocab_size))
     return Documents(tokens, np.concatenate(masks), np.cumsum(lengths, dtype=np.int64),
                      vocab_size, source, meta)
 
@@ -90,7 +92,7 @@ def write_store(out: str | os.PathLike, docs: Iterable[tuple[np.ndarray, np.ndar
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        counts = _spool(tmp, docs, _dtype(vocab_size), progress)
+        counts = _spool(tmp, docs, token_dtype(vocab_size), progress)
         meta = {**meta, **counts, "vocab_size": vocab_size, "version": _VERSION}
         (tmp / STORE_META).write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(tmp, out)
@@ -123,15 +125,21 @@ def _spool(tmp: Path, docs, dtype: np.dtype, progress) -> dict:
             "dtype": dtype.name}
 
 
+def fill_from(raw, arr: np.ndarray) -> None:
+    """Fill ``arr`` (a memory-mapped ``.npy``) from the binary file ``raw``, 4M items at a
+    time."""
+    done, chunk = 0, 1 << 22
+    while done < len(arr):
+        part = np.frombuffer(raw.read(chunk * arr.dtype.itemsize), dtype=arr.dtype)
+        arr[done:done + len(part)] = part
+        done += len(part)
+    arr.flush()
+
+
 def _to_npy(raw: Path, out: Path, dtype: np.dtype, n: int) -> None:
     arr = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(n,))
     with open(raw, "rb") as f:
-        done, chunk = 0, 1 << 22
-        while done < n:
-            part = np.frombuffer(f.read(chunk * dtype.itemsize), dtype=dtype)
-            arr[done:done + len(part)] = part
-            done += len(part)
-    arr.flush()
+        fill_from(f, arr)
     del arr
     raw.unlink()
 

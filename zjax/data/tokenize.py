@@ -20,7 +20,7 @@ import numpy as np
 from zjax.data._documents import Encoder
 from zjax.data._pipeline import text_files
 from zjax.data._sources import record_files, rows, source_kind
-from zjax.data._store import write_store
+from zjax.data._store import fill_from, token_dtype, write_store
 from zjax.data._tokenizer import check_fits, id_bound, load_tokenizer
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError
@@ -48,10 +48,6 @@ def encode_files(tokenizer, files: Sequence[Path], *, batch: int = 64,
             progress(len(group))
 
 
-def _dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
-
-
 def tokenize_files(files: Sequence[Path], out: str | os.PathLike, *, tokenizer_path: str,
                    progress: Callable[[int], None] | None = None) -> dict:
     """Write the token ids of ``files`` to ``out`` (a ``.npy``, written whole or not at all).
@@ -60,7 +56,7 @@ def tokenize_files(files: Sequence[Path], out: str | os.PathLike, *, tokenizer_p
       ``{"tokens": count, "files": count, "vocab_size": n, "dtype": name}``.
     """
     tokenizer = load_tokenizer(tokenizer_path, key="--tokenizer")
-    dtype = _dtype(tokenizer.get_vocab_size())
+    dtype = token_dtype(tokenizer.get_vocab_size())
     out = Path(out)
     if out.suffix != ".npy":
         raise ConfigError(f"-o: {str(out)!r}: expected a .npy file name")
@@ -78,12 +74,7 @@ def tokenize_files(files: Sequence[Path], out: str | os.PathLike, *, tokenizer_p
         tmp = out.with_name(f".{out.name}.partial")
         arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(total,))
         raw.seek(0)
-        done, chunk = 0, 1 << 22
-        while done < total:
-            part = np.frombuffer(raw.read(chunk * dtype.itemsize), dtype=dtype)
-            arr[done:done + len(part)] = part
-            done += len(part)
-        arr.flush()
+        fill_from(raw, arr)
         del arr
         os.replace(tmp, out)
     return {"tokens": total, "files": len(files), "vocab_size": tokenizer.get_vocab_size(),
