@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compile-only TPU targets in both pytest workers and their subprocesses (no TPU here)
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -41,3 +43,16 @@ from zjax.runtime.mesh import simulate_cpu_devices  # noqa: E402
 # XLA_FLAGS' device count and PJRT_NPROC (room for collectives in flight), inherited by the
 # subprocesses tests start.
 simulate_cpu_devices(8)
+
+
+@pytest.fixture
+def cli_logging():
+    """Undo what an in-process ``cli.main`` does to the zjax logger (a handler on this test's
+    captured stdout, which later tests' log lines would hit once it is closed)."""
+    import logging
+
+    logger = logging.getLogger("zjax")
+    saved = logger.handlers[:], logger.propagate, logger.level
+    yield
+    logger.handlers[:], logger.propagate = saved[0], saved[1]
+    logger.setLevel(saved[2])

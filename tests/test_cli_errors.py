@@ -105,16 +105,6 @@ def run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cli_logging():
-    """Undo what ``cli.main`` does to the zjax logger (a handler on this test's stdout)."""
-    logger = logging.getLogger("zjax")
-    saved = logger.handlers[:], logger.propagate, logger.level
-    yield
-    logger.handlers[:], logger.propagate = saved[0], saved[1]
-    logger.setLevel(saved[2])
-
-
-@pytest.fixture
 def warnings_():
     """The zjax logger's warnings (a handler of its own: the CLI may stop propagation)."""
     records: list[str] = []

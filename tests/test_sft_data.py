@@ -202,7 +202,8 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_records_are_one_line_naming_file_row_and_field(chat, tmp_path, capsys, case):
+def test_bad_records_are_one_line_naming_file_row_and_field(chat, tmp_path, capsys, case,
+                                                           cli_logging):
     name, text, flags, pattern = BAD[case]
     argv = _bad(tmp_path, chat[0], name, text, **{"format": "chat", **flags})
     assert cli.main(argv) == 2
