@@ -146,16 +146,13 @@ class PackedWindows:
         return float(self.lengths.sum()) / max(1, len(self) * (self.seq_len + 1))
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        n = self.seq_len + 1
-        out = {k: np.zeros(n, np.int32) for k in ("tokens", "segment_ids", "positions",
-                                                    "loss_mask")}
-        at = 0
         lo, hi = int(self.bounds[i]), int(self.bounds[i + 1])
-        for seg, p in enumerate(range(lo, hi), 1):
-            s, m = int(self.starts[p]), int(self.lengths[p])
-            out["tokens"][at:at + m] = self.docs.tokens[s:s + m]
-            out["loss_mask"][at:at + m] = self.docs.loss_mask[s:s + m]
-            out["segment_ids"][at:at + m] = seg
-            out["positions"][at:at + m] = np.arange(m)
-            at += m
-        return out
+        starts, lengths = self.starts[lo:hi], self.lengths[lo:hi]
+        n, used = self.seq_len + 1, int(lengths.sum())
+        # each token's piece, and its place in the piece: one gather from the documents
+        positions = np.arange(used) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        index = np.repeat(starts, lengths) + positions
+        out = {"tokens": self.docs.tokens[index],
+               "segment_ids": np.repeat(np.arange(1, hi - lo + 1), lengths),
+               "positions": positions, "loss_mask": self.docs.loss_mask[index]}
+        return {k: np.pad(v.astype(np.int32), (0, n - used)) for k, v in out.items()}
