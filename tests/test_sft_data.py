@@ -288,3 +288,17 @@ def test_best_fit_decreasing_puts_each_piece_where_the_least_room_holds_it():
         assert used.max() <= capacity and got.max() + 1 == len(rooms)
         # ties between windows of equal room may go either way: compare the rooms left
         np.testing.assert_array_equal(np.sort(capacity - used), np.sort(rooms))
+
+
+def test_text_streams_are_refused_where_documents_are_needed(tmp_path):
+    from zjax.data import uses_documents
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("some text\n")
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    assert uses_documents(DataConfig(path=a)) is False  # a text file: one token stream
+    for bad, needle in (({"path": [a, b]}, "a list or mapping"),
+                        ({"path": {a: 1, b: 2}}, "a list or mapping"),
+                        ({"path": a, "format": "chat"}, "data.format chat needs records")):
+        with pytest.raises(ConfigError, match=needle):
+            uses_documents(DataConfig(**bad))

@@ -40,11 +40,14 @@ def uses_documents(data: DataConfig, *, read: bool = True) -> bool:
                                                           else path or [])]
         return isinstance(data.path, dict) or any(is_record_file(Path(p)) for p in names)
     kinds = {source_kind(path) for path, _ in data.sources}
-    if "stream" in kinds and (len(kinds) > 1 or data.format != "text"):
-        raise ConfigError(f"data.path: {data.path!r}: data.format {data.format} and mixing "
-                          "need records (.jsonl, .parquet, .arrow, a datasets directory) or "
-                          "zjax tokenize directories; text and .npy sources are one token "
-                          "stream")
+    several = not isinstance(data.path, str | None)
+    if "stream" in kinds and (len(kinds) > 1 or data.format != "text" or several):
+        what = (f"data.format {data.format}" if data.format != "text"
+                else "a list or mapping of paths")
+        raise ConfigError(f"data.path: {data.path!r}: {what} needs records (.jsonl, "
+                          ".parquet, .arrow, a datasets directory) or zjax tokenize "
+                          "directories; a text or .npy source is one token stream (give "
+                          "several text files as a directory or a glob)")
     return kinds != {"stream"}
 
 
