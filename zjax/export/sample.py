@@ -116,6 +116,7 @@ class Sampler:
       model: the NNX model with its params.
       tokenizer: a ``tokenizers.Tokenizer`` or None.
       source: where it was loaded from (for messages).
+      tokenizer_path: its ``tokenizer.json`` (the chat template is beside it), or None.
     """
 
     def __init__(self, model: nnx.Module, tokenizer: Any, source: str,
