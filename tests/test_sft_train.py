@@ -48,8 +48,9 @@ def _batch(windows, idx) -> dict:
 @functools.partial(jax.jit, static_argnums=0)
 def _sum_and_grads(graphdef, params, batch):
     """``((loss sum, its gradients), loss-token count)``."""
-    grads = jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch)[0])(params)
-    return grads, lm_loss(nnx.merge(graphdef, params), batch)[1]
+    (total, count), grads = jax.value_and_grad(
+        lambda p: lm_loss(nnx.merge(graphdef, p), batch), has_aux=True)(params)
+    return (total, grads), count
 
 
 @pytest.mark.parametrize("attention", ["dense", pytest.param("blockwise",

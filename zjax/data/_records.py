@@ -21,6 +21,7 @@ from zjax.data._documents import Encoder
 from zjax.data._packing import pack
 from zjax.data._sources import is_record_file, object_rows, record_files, rows, source_kind
 from zjax.data._store import Documents, build_documents, read_store
+from zjax.data._tokenizer import id_bound, load_tokenizer
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError
 
@@ -112,8 +113,8 @@ def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
         loaded.append((build_documents(encoder.documents(found), vocab_size=encoder.vocab_size,
                                        source=name, meta=encoder.meta), weight))
     vocab = max(d.vocab_size for d, _ in loaded)
-    if encoder is None and data.tokenizer is not None:
-        vocab = max(vocab, Encoder(data).vocab_size)
+    if encoder is None and data.tokenizer is not None:  # tokenized directories only
+        vocab = max(vocab, id_bound(load_tokenizer(data.tokenizer)))
     return Corpus(tuple(loaded), vocab)
 
 

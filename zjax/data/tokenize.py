@@ -100,13 +100,13 @@ def tokenize_records(inputs: Sequence[str], out: str | os.PathLike, *, data: Dat
     kind = source_kind(list(inputs), key="tokenize")
     if kind == "store":
         raise ConfigError("tokenize: the inputs are already a zjax tokenize directory")
+    if kind == "stream" and data.format != "text":
+        raise ConfigError(f"--format: {data.format} needs records (.jsonl, .parquet, .arrow)")
     encoder = Encoder(data)
     found = (rows(record_files(list(inputs), key="tokenize"), encoder.columns)
              if kind == "records"
              else _text_rows([f for i in inputs for f in text_files(i, key="tokenize")],
                              encoder.columns[0]))
-    if kind == "stream" and data.format != "text":
-        raise ConfigError(f"--format: {data.format} needs records (.jsonl, .parquet, .arrow)")
     if workers > 1:
         from zjax.data._parallel import encode_in_parallel
 

@@ -79,9 +79,8 @@ class LanguageModel:
     def tokens(self, data: DataConfig) -> Tokens | Corpus:
         """The data's tokens (read once per distinct source)."""
         key = repr((data.path, data.tokenizer, data.format, data.text_field,
-                    data.messages_field, data.train_on_prompt,
-                    None if self.documents(data) else data.eval_fraction))
-        if key not in self._tokens:
+                    data.messages_field, data.train_on_prompt, data.eval_fraction))
+        if key not in self._tokens:  # the files are looked at only here
             self._tokens[key] = (load_corpus(data, self.source) if self.documents(data)
                                  else load_tokens(data.path, eval_fraction=data.eval_fraction,
                                                   tokenizer=data.tokenizer))
