@@ -1,0 +1,51 @@
+"""Encoding rows in worker processes (``zjax tokenize --workers``): the chat template renders
+in Python, so one process renders one conversation at a time whatever the cores.
+
+Groups of rows go to ``workers`` spawned processes, each with its own :class:`Encoder` of the
+same ``data`` section (and a single-threaded tokenizer: the processes are the parallelism);
+results come back in the rows' order, at most ``2 * workers`` groups in flight. The encoding
+of a group is the same function as in one process, so the output is the same bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import multiprocessing
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from zjax.data._documents import Encoder, groups
+from zjax.data.config import DataConfig
+
+__all__ = ["encode_in_parallel"]
+
+_ENCODER: Encoder | None = None
+
+
+def _start(data: DataConfig) -> None:
+    global _ENCODER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # this worker is one of the cores
+    _ENCODER = Encoder(data)
+
+
+def _encode(group: list[tuple[str, dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    return list(_ENCODER.encode_group(group))
+
+
+def encode_in_parallel(data: DataConfig, rows: Iterable[tuple[str, dict]], *,
+                       workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``Encoder(data).documents(rows)``, encoded by ``workers`` processes."""
+    context = multiprocessing.get_context("spawn")  # no fork of a threaded tokenizer
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                initializer=_start,
+                                                initargs=(data,)) as pool:
+        pending: collections.deque = collections.deque()
+        for group in groups(rows):
+            pending.append(pool.submit(_encode, group))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
