@@ -225,14 +225,15 @@ def test_unsupported_config_and_truncated_file_are_named(tmp_path, model):
 
 
 def test_llama31_rope_scaling_maps_both_ways():
-    from zjax.hf._llama import hf_config, llama_config
+    from zjax.hf import layout_for_hf
 
     scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     hf = {**{k: v for k, v in TINY_HF.items()}, "model_type": "llama", "rope_scaling": scaling}
-    cfg = llama_config(hf, source="config.json")
+    layout = layout_for_hf(hf, source="config.json")
+    cfg = layout.from_hf(hf, source="config.json")
     assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == ("llama3", 32, 8192)
-    assert hf_config(cfg, dtype="bfloat16")["rope_scaling"] == scaling
+    assert layout.to_hf(cfg, dtype="bfloat16")["rope_scaling"] == scaling
 
 
 def test_cli_import_hf_errors_exit_2_and_write_nothing(tmp_path):

@@ -30,7 +30,7 @@ def _np_llama(params: dict, tokens: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     norm = lambda x, s: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * s
     b, t = tokens.shape
-    hd, g = cfg.head_dim, cfg.n_heads // cfg.kv_heads
+    hd, g = cfg.head_width, cfg.n_heads // cfg.kv_heads
     x = p["embed"][tokens]
     layers = p["blocks"]["layers"]
     for i in range(cfg.n_layers):

@@ -27,7 +27,7 @@ import numpy as np
 from zjax.errors import CheckpointError
 from zjax.hf._import import IDENTITY_FILES, TOKENIZER_FILES
 from zjax.hf._layout import Layout, Leaf, hf_shape
-from zjax.hf._layouts import layout_for_model
+from zjax.hf._layouts import layout_for_hf, layout_for_model
 from zjax.hf._safetensors import INDEX, write_safetensors
 
 __all__ = ["DEFAULT_SHARD_BYTES", "config_json", "hf_writer"]
@@ -49,9 +49,9 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
         raise CheckpointError(f"export --format hf: {run_dir} has no config.yaml (the run's "
                               "config, which says the model's shape)")
     config = load_config(path)
-    layout = layout_for_model(config.loop, config.model)
-    tokenizer = config.data.tokenizer
     origin = _origin(config.train.init_from)
+    layout = layout_for_model(config.loop, config.model, prefer=_origin_layout(origin))
+    tokenizer = config.data.tokenizer
 
     def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:
         work = out.parent.resolve() / f".{out.name}.zjax-export"
@@ -88,13 +88,8 @@ def _origin(init_from: str | None) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def config_json(layout: Layout, model, *, dtype: str, origin: Path | None) -> dict:
-    """The exported ``config.json``: ``layout.to_hf(model)``, over the original's where the
-    run started from one. A key keeps the original's value (and its absence stays an absence)
-    unless the run changed what it means; the weights' dtype is the export's."""
-    new = layout.to_hf(model, dtype=dtype)
-    if origin is None:
-        return new
+def _original(origin: Path) -> dict:
+    """The original's ``config.json`` as a dict."""
     source = origin / "config.json"
     try:
         original = json.loads(source.read_text())
@@ -104,6 +99,30 @@ def config_json(layout: Layout, model, *, dtype: str, origin: Path | None) -> di
     if not isinstance(original, dict):
         raise CheckpointError(f"export --format hf: {source} (the original's config.json) "
                               f"holds a {type(original).__name__}, not a JSON object")
+    return original
+
+
+def _origin_layout(origin: Path | None) -> Layout | None:
+    """The architecture the run started from (a Mistral stays a Mistral), if it had one."""
+    if origin is None:
+        return None
+    try:
+        return layout_for_hf(_original(origin), source=str(origin / "config.json"))
+    except CheckpointError:
+        return None
+
+
+def config_json(layout: Layout, model, *, dtype: str, origin: Path | None) -> dict:
+    """The exported ``config.json``: ``layout.to_hf(model)``, over the original's where the
+    run started from one. A key keeps the original's value (and its absence stays an absence)
+    unless the run changed what it means; the weights' dtype is the export's."""
+    new = layout.to_hf(model, dtype=dtype)
+    if origin is None:
+        return new
+    source = origin / "config.json"
+    original = _original(origin)
+    if layout_for_hf(original, source=str(source)) is not layout:  # not what it started as
+        return new
     base = layout.from_hf(original, source=str(source))  # the run started from it: it reads
     if type(base) is not type(model):
         return new

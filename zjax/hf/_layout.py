@@ -10,12 +10,39 @@ model's config section and back, and lists the :class:`Leaf` rules: which Huggin
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from zjax.errors import CheckpointError
 
-__all__ = ["Layout", "Leaf", "check_fixed", "hf_shape"]
+log = logging.getLogger("zjax")
+
+__all__ = ["INERT", "REFUSED", "Layout", "Leaf", "check_fixed", "check_known", "hf_shape"]
+
+# config.json keys transformers reads for any architecture that change the model zjax builds
+REFUSED = {"quantization_config": "quantized weights are not supported by zjax (import the "
+                                  "full-precision checkpoint)",
+           "auto_map": "the model's own code (trust_remote_code) defines it; zjax implements "
+                       "only transformers' modelling files"}
+# config.json keys that never change a decoder's computation: transformers' own bookkeeping
+# (every ``PretrainedConfig`` has them), token ids, generation defaults, the initialiser
+INERT = (
+    "_name_or_path", "add_cross_attention", "architectures", "bad_words_ids",
+    "begin_suppress_tokens", "bos_token_id", "chunk_size_feed_forward",
+    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty", "do_sample",
+    "dtype", "early_stopping", "encoder_no_repeat_ngram_size", "eos_token_id",
+    "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
+    "forced_eos_token_id", "id2label", "is_decoder", "is_encoder_decoder", "label2id",
+    "length_penalty", "max_length", "min_length", "model_type", "no_repeat_ngram_size",
+    "num_beam_groups", "num_beams", "num_return_sequences", "output_attentions",
+    "output_hidden_states", "output_scores", "pad_token_id", "prefix", "problem_type",
+    "pruned_heads", "remove_invalid_values", "repetition_penalty", "return_dict",
+    "return_dict_in_generate", "sep_token_id", "suppress_tokens", "task_specific_params",
+    "temperature", "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class", "top_k", "top_p",
+    "torchscript", "transformers_version", "typical_p", "use_bfloat16", "torch_dtype",
+    "use_cache", "initializer_range", "cache_implementation",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +84,9 @@ class Layout:
       free: model config fields the weights do not fix (they may differ from the file's).
       ignored: suffixes of tensors some checkpoints hold that are not weights (buffers).
       prefix: a prefix some checkpoints leave out of every name (GPT-2's ``transformer.``).
+      mapped: the ``config.json`` keys that set the model's computation (each changes it).
+      bounds: keys mapped to a bound on the data, not the computation
+        (``max_position_embeddings``).
     """
 
     architecture: str
@@ -68,6 +98,8 @@ class Layout:
     free: tuple[str, ...] = ("remat",)
     ignored: tuple[str, ...] = ()
     prefix: str = ""
+    mapped: tuple[str, ...] = ()
+    bounds: tuple[str, ...] = ()
 
 
 def check_fixed(hf: dict[str, Any], fixed: dict[str, tuple], *, source: str) -> None:
@@ -77,6 +109,21 @@ def check_fixed(hf: dict[str, Any], fixed: dict[str, tuple], *, source: str) -> 
             supported = " or ".join(repr(v) for v in ok if v is not None)
             raise CheckpointError(f"{source}: {key} = {hf.get(key)!r} is not supported by zjax "
                                   f"(it supports {supported})")
+
+
+def check_known(hf: dict[str, Any], known: tuple[str, ...], *, source: str,
+                architecture: str) -> None:
+    """Refuse ``config.json`` keys that change the model outside its modelling file
+    (:data:`REFUSED`); name the keys that are neither ``known`` nor :data:`INERT`, which
+    transformers' own model class does not read either, in a warning."""
+    for key in REFUSED:
+        if hf.get(key) is not None:
+            raise CheckpointError(f"{source}: {key} = {hf[key]!r}: {REFUSED[key]}")
+    unknown = sorted(set(hf) - set(known) - set(INERT))
+    if unknown:
+        log.warning("%s: %s not %s keys (its modelling file reads none of them); zjax "
+                    "ignores them as transformers does and keeps them in an export",
+                    source, ", ".join(unknown), architecture)
 
 
 def hf_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:

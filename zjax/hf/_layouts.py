@@ -1,18 +1,20 @@
 """The Hugging Face architectures zjax reads and writes, looked up by ``config.json`` or by
-a run's loop."""
+a run's model."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from zjax.errors import CheckpointError, ConfigError
+from zjax.hf._families import LLAMA, MISTRAL, QWEN2, QWEN3
 from zjax.hf._gpt2 import GPT2
 from zjax.hf._layout import Layout
-from zjax.hf._llama import LLAMA
 
 __all__ = ["LAYOUTS", "layout_for_hf", "layout_for_model"]
 
-LAYOUTS = (LLAMA, GPT2)
+# a run's model is exported as the first that can hold it (a Mistral without a window is a
+# Llama); a run started from a Hugging Face model keeps that model's architecture
+LAYOUTS = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2)
 
 
 def layout_for_hf(hf: dict[str, Any], *, source: str) -> Layout:
@@ -23,14 +25,28 @@ def layout_for_hf(hf: dict[str, Any], *, source: str) -> Layout:
             return layout
     known = ", ".join(f"{x.model_type} ({x.architecture})" for x in LAYOUTS)
     raise CheckpointError(f"{source}: model_type {hf.get('model_type')!r} (architectures "
-                          f"{arch}); zjax reads {known}")
+                          f"{arch}) is not supported; zjax reads {known}")
 
 
-def layout_for_model(loop: str, model: Any) -> Layout:
-    """The Hugging Face layout of a run's model, or ConfigError saying why it has none."""
-    for layout in LAYOUTS:
-        if layout.loop == loop:
+def layout_for_model(loop: str, model: Any, *, prefer: Layout | None = None) -> Layout:
+    """The Hugging Face layout of a run's model (``prefer`` where it can hold the model), or
+    ConfigError saying why it has none."""
+    why = []
+    for layout in (prefer, *LAYOUTS) if prefer is not None else LAYOUTS:
+        if layout.loop != loop:
+            continue
+        try:
             layout.to_hf(model, dtype="float32")  # raises ConfigError for a model it cannot be
-            return layout
-    raise ConfigError(f"--format: hf needs a run of loop: llama (LlamaForCausalLM) or loop: "
-                      f"lm with GPT-2's layout (GPT2LMHeadModel); the run is loop: {loop}")
+        except ConfigError as e:
+            why.append(e)
+            continue
+        return layout
+    if len(why) == 1:
+        raise why[0]
+    if why:
+        reasons = "; ".join(dict.fromkeys(str(e) for e in why))
+        raise ConfigError(f"--format: hf: no Hugging Face architecture zjax writes holds this "
+                          f"model ({reasons})")
+    raise ConfigError(f"--format: hf needs a run of loop: llama (Llama, Mistral, Qwen2, Qwen3) "
+                      f"or loop: lm with GPT-2's layout (GPT2LMHeadModel); the run is "
+                      f"loop: {loop}")

@@ -1,9 +1,11 @@
-"""Hugging Face ``LlamaForCausalLM`` <-> zjax's reference Llama: config keys and tensor names.
+"""Hugging Face Llama-family decoders <-> zjax's reference Llama: config keys and tensor names.
 
-The tensors are in PyTorch's layout, as on the Hub: ``nn.Linear`` weights are ``[out, in]``
-(zjax stores ``[in, out]``: transposed), embeddings and norm weights as they are, and each
-layer's tensors are separate (``model.layers.{i}...``) where zjax stacks them on a leading
-layer axis (one ``Stack``). The names:
+One :class:`Family` per architecture (``_families.py``: Llama, Mistral, Qwen2, Qwen3) says what
+its ``config.json`` adds to Llama's; this module reads and writes what they share. The tensors
+are in PyTorch's layout, as on the Hub: ``nn.Linear`` weights are ``[out, in]`` (zjax stores
+``[in, out]``: transposed), embeddings, biases and norm weights as they are, and each layer's
+tensors are separate (``model.layers.{i}...``) where zjax stacks them on a leading layer axis
+(one ``Stack``). The names:
 
 =====================================  ===========================================  =========
 zjax leaf                              Hugging Face tensor                          transpose
@@ -12,6 +14,8 @@ zjax leaf                              Hugging Face tensor                      
 ``blocks/layers/ln1/scale`` [L, D]     ``model.layers.{i}.input_layernorm.weight``  no
 ``blocks/layers/wq`` [L, D, H*hd]      ``model.layers.{i}.self_attn.q_proj.weight`` yes
 ``blocks/layers/wk``, ``wv``, ``wo``   ``...self_attn.k_proj``, ``v_proj``, ``o_proj`` yes
+``blocks/layers/bq``, ``bk``, ``bv``   ``...self_attn.q_proj.bias`` ... (Qwen2)     no
+``blocks/layers/q_norm/scale``, ``k_`` ``...self_attn.q_norm.weight`` ... (Qwen3)   no
 ``blocks/layers/ln2/scale``            ``...post_attention_layernorm.weight``       no
 ``blocks/layers/w_gate``, ``w_up``,    ``...mlp.gate_proj``, ``up_proj``,           yes
 ``w_down``                             ``down_proj``
@@ -25,23 +29,25 @@ weights already permuted q and k for it), so no weight is permuted here.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
-from zjax.errors import CheckpointError
-from zjax.hf._layout import Layout, Leaf, check_fixed
+from zjax.errors import CheckpointError, ConfigError
+from zjax.hf._layout import Layout, Leaf, check_fixed, check_known
 from zjax.models import LlamaConfig
 
-__all__ = ["LLAMA", "hf_config", "leaves", "llama_config"]
+__all__ = ["ANY", "Family", "family_layout", "leaves", "refusal"]
 
 
 _L = ("blocks", "layers")
+_A = "model.layers.{i}.self_attn."
 LEAVES = (
     Leaf(("embed",), "model.embed_tokens.weight", False),
     Leaf((*_L, "ln1", "scale"), "model.layers.{i}.input_layernorm.weight", False),
-    Leaf((*_L, "wq"), "model.layers.{i}.self_attn.q_proj.weight", True),
-    Leaf((*_L, "wk"), "model.layers.{i}.self_attn.k_proj.weight", True),
-    Leaf((*_L, "wv"), "model.layers.{i}.self_attn.v_proj.weight", True),
-    Leaf((*_L, "wo"), "model.layers.{i}.self_attn.o_proj.weight", True),
+    *(Leaf((*_L, f"w{x}"), f"{_A}{x}_proj.weight", True) for x in "qkvo"),
+    *(Leaf((*_L, f"b{x}"), f"{_A}{x}_proj.bias", False) for x in "qkv"),
+    *(Leaf((*_L, f"{x}_norm", "scale"), f"{_A}{x}_norm.weight", False) for x in "qk"),
     Leaf((*_L, "ln2", "scale"), "model.layers.{i}.post_attention_layernorm.weight", False),
     Leaf((*_L, "w_gate"), "model.layers.{i}.mlp.gate_proj.weight", True),
     Leaf((*_L, "w_up"), "model.layers.{i}.mlp.up_proj.weight", True),
@@ -50,10 +56,44 @@ LEAVES = (
     Leaf(("head",), "lm_head.weight", True),
 )
 
-# config.json keys whose value zjax's Llama has no way to honour: (key, accepted values;
-# None: the key left out, which means transformers' default)
-_FIXED = {"hidden_act": ("silu", None), "attention_bias": (False, None), "mlp_bias": (False, None),
-          "pretraining_tp": (1, None)}
+# the config.json keys every family maps (max_position_embeddings bounds the data only)
+MAPPED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "intermediate_size", "rope_theta", "rms_norm_eps",
+          "tie_word_embeddings", "head_dim", "rope_scaling")
+BOUNDS = ("max_position_embeddings",)
+# keys with one value zjax's Llama honours: (accepted values; None: left out, the default)
+FIXED = {"hidden_act": ("silu", None), "attention_dropout": (0, 0.0, None)}
+# the LlamaConfig options that tell the families apart
+OPTIONS = ("qkv_bias", "qk_norm", "sliding_window")
+ANY = object()  # Family.model: the option may take any value
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one architecture's ``config.json`` adds to the shared Llama keys.
+
+    Attributes:
+      architecture: ``architectures`` entry (``Qwen2ForCausalLM``).
+      model_type: ``model_type`` (``qwen2``).
+      fixed: keys with the values zjax honours (see :func:`~zjax.hf._layout.check_fixed`).
+      mapped: the family's own keys that ``options`` reads.
+      inert: keys that do not change the computation given ``fixed`` (Qwen2's
+        ``sliding_window`` while ``use_sliding_window`` is false).
+      options: ``(config.json, its path) -> LlamaConfig fields`` of the family's own keys.
+      to_hf: ``LlamaConfig -> config.json keys`` of the family's own.
+      model: the ``LlamaConfig`` options the family has, as ``{field: value}`` (:data:`ANY`:
+        any value); a model config with another value, or not the default of an option the
+        family does not list, is not of this family.
+    """
+
+    architecture: str
+    model_type: str
+    fixed: dict[str, tuple]
+    mapped: tuple[str, ...] = ()
+    inert: tuple[str, ...] = ()
+    options: Callable[[dict, str], dict] = lambda hf, source: {}
+    to_hf: Callable[[LlamaConfig], dict] = lambda cfg: {}
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -72,61 +112,92 @@ def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
             "rope_original_max_len": int(scaling["original_max_position_embeddings"])}
 
 
-def llama_config(hf: dict[str, Any], *, source: str, max_seq_len: int | None = None
-                 ) -> LlamaConfig:
-    """The ``model`` section for a Hugging Face Llama ``config.json`` (as a dict).
+def _config(family: Family, hf: dict[str, Any], *, source: str,
+            max_seq_len: int | None = None) -> LlamaConfig:
+    """The ``model`` section for a ``config.json`` of ``family`` (as a dict).
 
     Raises:
-      CheckpointError: not a Llama config, or one using a feature zjax's Llama lacks (naming
-        the key, its value and what zjax supports).
+      CheckpointError: a key zjax does not know, a value it cannot honour, or a missing key
+        (naming the key, its value and what zjax supports).
     """
-    check_fixed(hf, _FIXED, source=source)
+    fixed = {**FIXED, **family.fixed}
+    check_known(hf, (*MAPPED, *BOUNDS, *fixed, *family.mapped, *family.inert),
+                source=source, architecture=family.architecture)
+    check_fixed(hf, fixed, source=source)
     try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        if hf.get("head_dim") not in (None, d // heads):
-            raise CheckpointError(f"{source}: head_dim = {hf['head_dim']} differs from "
-                                  f"hidden_size / num_attention_heads = {d // heads}; zjax's "
-                                  "Llama supports only that")
+        heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim")
         return LlamaConfig(
-            vocab_size=int(hf["vocab_size"]), d_model=d,
+            vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
             n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=None if head_dim in (None, int(hf["hidden_size"]) // heads)
+            else int(head_dim),
             d_ff=int(hf["intermediate_size"]),
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            **_rope_scaling(hf, source))
+            **_rope_scaling(hf, source), **family.options(hf, source))
     except KeyError as e:
-        raise CheckpointError(f"{source}: no {e.args[0]!r}; a Llama config.json has it") from None
-    except ValueError as e:  # LlamaConfig's own check, or a value that is not a number
+        raise CheckpointError(f"{source}: no {e.args[0]!r}; a {family.architecture} "
+                              "config.json has it") from None
+    except (TypeError, ValueError) as e:  # LlamaConfig's own check, or a value not a number
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def hf_config(cfg: LlamaConfig, *, dtype: str) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of ``cfg`` with weights stored in ``dtype``."""
+def refusal(family: Family, cfg: LlamaConfig) -> str | None:
+    """Why ``cfg`` is not a model of ``family`` (an option it lacks), or None."""
+    defaults = LlamaConfig()
+    for field in OPTIONS:
+        want = family.model.get(field, getattr(defaults, field))
+        if want is not ANY and getattr(cfg, field) != want:
+            return (f"{family.architecture} has model.{field} = {want!r}, the run "
+                    f"{getattr(cfg, field)!r}")
+    return None
+
+
+def _hf_config(family: Family, cfg: LlamaConfig, *, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of ``cfg`` as ``family``, weights stored in ``dtype``."""
+    why = refusal(family, cfg)
+    if why is not None:
+        raise ConfigError(why)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [family.architecture], "model_type": family.model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+        "head_dim": cfg.head_width, "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling is None else {
             "rope_type": "llama3", "factor": cfg.rope_factor,
             "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_len},
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu", "torch_dtype": dtype,
+        **{k: v[0] for k, v in family.fixed.items()}, **family.to_hf(cfg),
     }
 
 
 def leaves(cfg: LlamaConfig) -> list[Leaf]:
-    """The leaves of ``cfg``'s params (no ``head`` when the embeddings are tied)."""
-    return [leaf for leaf in LEAVES if not (leaf.keys == ("head",) and cfg.tie_embeddings)]
+    """The leaves of ``cfg``'s params: no ``head`` when the embeddings are tied, q/k/v
+    biases and head norms only where the model has them."""
+    absent = set()
+    if cfg.tie_embeddings:
+        absent.add("head")
+    if not cfg.qkv_bias:
+        absent |= {"bq", "bk", "bv"}
+    if not cfg.qk_norm:
+        absent |= {"q_norm", "k_norm"}
+    return [leaf for leaf in LEAVES if not absent & set(leaf.keys)]
 
 
-LLAMA = Layout(architecture="LlamaForCausalLM", model_type="llama", loop="llama",
-               from_hf=llama_config, to_hf=hf_config, leaves=leaves,
-               free=("remat", "max_seq_len"), ignored=("rotary_emb.inv_freq",))
+def family_layout(family: Family) -> Layout:
+    """The :class:`Layout` of a Llama-family architecture (trained by ``loop: llama``)."""
+    return Layout(
+        architecture=family.architecture, model_type=family.model_type, loop="llama",
+        from_hf=lambda hf, *, source, max_seq_len=None: _config(
+            family, hf, source=source, max_seq_len=max_seq_len),
+        to_hf=lambda cfg, *, dtype: _hf_config(family, cfg, dtype=dtype),
+        leaves=leaves, free=("remat", "max_seq_len"), ignored=("rotary_emb.inv_freq",),
+        mapped=(*MAPPED, *family.mapped), bounds=BOUNDS)

@@ -45,11 +45,14 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square normalisation with a learned scale; statistics in float32."""
+    """Root-mean-square normalisation with a learned scale; statistics in float32.
 
-    def __init__(self, d: int, eps: float = 1e-6):
+    ``axis``: the scale's logical axis name (``embed`` for the residual stream; None for a
+    head's width, which no rule splits)."""
+
+    def __init__(self, d: int, eps: float = 1e-6, *, axis: str | None = "embed"):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=("embed",),
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=(axis,),
                                eager_sharding=False)
 
     def __call__(self, x):

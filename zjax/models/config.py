@@ -77,9 +77,18 @@ class LlamaConfig:
       vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
       d_model: width of the residual stream (Hugging Face's ``hidden_size``).
       n_layers: decoder layers (one ``Stack``).
-      n_heads: query heads (must divide ``d_model``; ``mesh.model`` must divide them).
+      n_heads: query heads (``mesh.model`` must divide them; with no ``head_dim``, they must
+        divide ``d_model``).
       n_kv_heads: key/value heads, grouped-query attention (must divide ``n_heads``;
         ``mesh.model`` must divide them); empty for ``n_heads`` (multi-head attention).
+      head_dim: width of one attention head; empty for ``d_model / n_heads`` (Qwen3 and
+        Gemma set it: their ``n_heads x head_dim`` need not be ``d_model``).
+      qkv_bias: biases on the query, key and value projections (Qwen2/2.5), none on the
+        output one.
+      qk_norm: RMSNorm over each query and key head before rotary (Qwen3's ``q_norm`` and
+        ``k_norm``, one ``[head_dim]`` scale each, shared by the heads).
+      sliding_window: each query attends to the ``sliding_window`` positions ending at its own
+        (Mistral's); empty for full causal attention.
       d_ff: SwiGLU hidden width (``intermediate_size``); empty for Llama 2's rule: 8/3 x
         d_model rounded up to a multiple of 256 (11008 at d_model 4096; ``mesh.model`` must
         divide it).
@@ -113,6 +122,10 @@ class LlamaConfig:
     n_layers: int = positive(4)
     n_heads: int = positive(4)
     n_kv_heads: int | None = positive(None, none_means="n_heads")
+    head_dim: int | None = positive(None, none_means="d_model / n_heads")
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = positive(None, none_means="full causal attention")
     d_ff: int | None = positive(None, none_means="8/3 x d_model, rounded up to 256")
     max_seq_len: int = positive(256)
     rope_theta: float = positive(10000.0)
@@ -131,9 +144,9 @@ class LlamaConfig:
 
     def __post_init__(self):
         validate(self, "model")
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads: {self.n_heads} does not divide model.d_model "
+                              f"{self.d_model} (or set model.head_dim)")
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_kv_heads: {self.kv_heads} does not divide "
                               f"model.n_heads {self.n_heads} (grouped-query attention)")
@@ -143,9 +156,11 @@ class LlamaConfig:
         if self.rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ConfigError(f"model.rope_high_freq_factor: {self.rope_high_freq_factor} must "
                               f"exceed model.rope_low_freq_factor {self.rope_low_freq_factor}")
-        if self.head_dim % 2:
-            raise ConfigError(f"model.n_heads: a head of {self.head_dim} dimensions (d_model / "
-                              "n_heads) is odd; rotary embeddings rotate pairs")
+        if self.head_width % 2:
+            key, what = (("model.head_dim", "") if self.head_dim else
+                         ("model.n_heads", " (d_model / n_heads)"))
+            raise ConfigError(f"{key}: a head of {self.head_width} dimensions{what} is odd; "
+                              "rotary embeddings rotate pairs")
 
     @property
     def rope(self) -> tuple:
@@ -159,8 +174,9 @@ class LlamaConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_width(self) -> int:
+        """One head's width: ``head_dim``, or ``d_model / n_heads``."""
+        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def ff(self) -> int:

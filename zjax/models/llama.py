@@ -22,7 +22,7 @@ from flax import nnx
 
 from zjax.errors import ArgumentError
 from zjax.models._batch import Packing
-from zjax.models._layers import KVCache, RMSNorm, check_length, param
+from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
 from zjax.models.config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
@@ -66,41 +66,59 @@ def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: flo
 
 
 class LlamaBlock(nnx.Module):
-    """Pre-norm grouped-query attention and SwiGLU MLP, no biases."""
+    """Pre-norm grouped-query attention and SwiGLU MLP, no biases (but Qwen2's on q, k, v);
+    optionally Qwen3's per-head query/key norms and Mistral's sliding window."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        d, hd, ff = cfg.d_model, cfg.head_dim, cfg.ff
+        d, hd, ff = cfg.d_model, cfg.head_width, cfg.ff
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.n_kv_heads, self.head_dim = cfg.kv_heads, hd
         self.theta, self.rope_scaling = cfg.rope
         self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
+        self.window = cfg.sliding_window
         self.ln1 = RMSNorm(d, cfg.norm_eps)
         self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
         self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
         self.wv = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
         self.wo = param(rngs, (cfg.n_heads * hd, d), out_std, ("heads", "embed"))
+        if cfg.qkv_bias:  # split with their heads under tensor parallelism
+            self.bq = zeros((cfg.n_heads * hd,), ("heads",))
+            self.bk = zeros((cfg.kv_heads * hd,), ("heads",))
+            self.bv = zeros((cfg.kv_heads * hd,), ("heads",))
+        if cfg.qk_norm:  # one scale over a head's width, shared by the heads
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, axis=None)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, axis=None)
         self.ln2 = RMSNorm(d, cfg.norm_eps)
         self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
 
+    def _project(self, y, name: str, hd: int):
+        """``y``'s heads of projection ``name`` (``q``, ``k``, ``v``): ``[B, T, heads, hd]``,
+        with its bias and head norm where the model has them."""
+        out = y @ getattr(self, f"w{name}")[...]
+        if hasattr(self, f"b{name}"):
+            out = out + getattr(self, f"b{name}")[...].astype(out.dtype)
+        out = out.reshape(*y.shape[:2], out.shape[-1] // hd, hd)
+        norm = getattr(self, f"{name}_norm", None)
+        return out if norm is None else norm(out)
+
     def _attention(self, y, cache: KVCache | None = None, start=0,
                    context: Packing | None = None):
         b, t, _ = y.shape
         hd = self.head_dim
-        wq, wk = self.wq[...], self.wk[...]
-        h, kv = wq.shape[-1] // hd, wk.shape[-1] // hd  # this device's heads
         pos = None if context is None else context.positions
-        q = rotary((y @ wq).reshape(b, t, h, hd), self.theta, start, self.rope_scaling, pos)
-        k = rotary((y @ wk).reshape(b, t, kv, hd), self.theta, start, self.rope_scaling, pos)
-        v = (y @ self.wv[...]).reshape(b, t, kv, hd)
+        q = rotary(self._project(y, "q", hd), self.theta, start, self.rope_scaling, pos)
+        k = rotary(self._project(y, "k", hd), self.theta, start, self.rope_scaling, pos)
+        v = self._project(y, "v", hd)
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
-            att = attention(q, cache.k, cache.v, q_start=start, implementation="dense")
+            att = attention(q, cache.k, cache.v, q_start=start, window=self.window,
+                            implementation="dense")
         else:
-            att = attention(q, k, v, implementation=self.attention,
+            att = attention(q, k, v, implementation=self.attention, window=self.window,
                             segment_ids=None if context is None else context.segment_ids)
-        return att.reshape(b, t, h * hd), cache
+        return att.reshape(b, t, q.shape[2] * hd), cache
 
     def _mlp(self, y):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
         return (jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...]
@@ -153,7 +171,7 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> KVCache:
         """An empty key/value cache for ``batch`` sequences of up to ``length`` tokens."""
         cfg = self.cfg
-        return KVCache.zeros(cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim, dtype)
+        return KVCache.zeros(cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_width, dtype)
 
     def decode(self, tokens: jax.Array, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
         """Logits of ``tokens`` ``[B, T]`` at positions ``start``.., attending to the

@@ -106,7 +106,7 @@ def estimate(model, data, train, zero, *, n_batch: int, n_model: int, act_bytes:
     names = ("n_layers", "d_model", "n_heads", "vocab_size")
     if not all(hasattr(model, k) for k in names):
         return {}
-    head_dim = getattr(model, "head_dim", model.d_model // model.n_heads)
+    head_dim = getattr(model, "head_width", None) or model.d_model // model.n_heads
     shape = ActivationShape(
         layers=model.n_layers, d_model=model.d_model,
         d_ff=getattr(model, "ff", 4 * model.d_model), heads=model.n_heads,

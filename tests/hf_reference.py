@@ -1,0 +1,155 @@
+"""Hugging Face Llama-family checkpoints and their logits without torch or zjax: a float64 numpy
+forward written from transformers 4.57's modelling files (``modeling_llama.py``,
+``modeling_mistral.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``), and tiny random
+checkpoints written with transformers' own config classes and the tensor names of those
+files' ``state_dict``.
+
+The reference is itself checked against transformers' Flax Llama and Mistral
+(tests/test_hf_families.py), so a shared mistake in zjax and here would show there.
+Tolerance: fp32 zjax against this float64 forward differs by rounding only (~1e-6 on logits
+of O(1)); the tests allow 1e-4, as the issue asks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rope_theta=1000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# each family's own keys on top (Qwen3's heads wider than hidden_size / heads, as Qwen3's are)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 5}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24}),
+}
+
+
+def tiny_config(family: str, **changes) -> dict:
+    """The ``config.json`` (as a dict) of a tiny ``family`` model, made by transformers."""
+    import transformers
+
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, name)(
+        **{**TINY, **extra, **changes}, architectures=[name.replace("Config", "ForCausalLM")])
+    return json.loads(config.to_json_string())
+
+
+def tensor_names(hf: dict) -> dict[str, tuple[int, ...]]:
+    """The ``state_dict`` names and shapes of a Llama-family model as transformers builds it."""
+    d, hd = hf["hidden_size"], hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    h, kv, ff = hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"]
+    qwen2, qwen3 = hf["model_type"] == "qwen2", hf["model_type"] == "qwen3"
+    names = {"model.embed_tokens.weight": (hf["vocab_size"], d), "model.norm.weight": (d,)}
+    if not hf.get("tie_word_embeddings"):
+        names["lm_head.weight"] = (hf["vocab_size"], d)
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                  p + "self_attn.q_proj.weight": (h * hd, d),
+                  p + "self_attn.k_proj.weight": (kv * hd, d),
+                  p + "self_attn.v_proj.weight": (kv * hd, d),
+                  p + "self_attn.o_proj.weight": (d, h * hd),
+                  p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
+                  p + "mlp.down_proj.weight": (d, ff)}
+        if qwen2:  # Qwen2Attention: bias=True on q, k, v
+            names |= {p + "self_attn.q_proj.bias": (h * hd,),
+                      p + "self_attn.k_proj.bias": (kv * hd,),
+                      p + "self_attn.v_proj.bias": (kv * hd,)}
+        if qwen3:  # Qwen3Attention: q_norm, k_norm = Qwen3RMSNorm(head_dim)
+            names |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return names
+
+
+def random_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights: norms near 1 and biases near 0 but random, so a misplaced one
+    cannot hide behind ones or zeros."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in tensor_names(hf).items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        out[name] = 1 + 0.1 * x if "norm" in name else (0.1 if "bias" in name else 0.08) * x
+    return out
+
+
+def write_checkpoint(directory: Path, hf: dict, tensors: dict[str, np.ndarray]) -> Path:
+    """``config.json`` and ``model.safetensors`` as ``save_pretrained`` writes them."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rotary(x, positions, theta):  # [T, heads, hd]; rotate_half of modeling_llama
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = positions[:, None] * inv
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    half = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], axis=-1)
+    return x * cos[:, None] + half * sin[:, None]
+
+
+def _attention(hf, t, p, x):
+    d, h, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    hd = hf.get("head_dim") or d // h
+    eps, theta = hf["rms_norm_eps"], hf.get("rope_theta", 10000.0)
+    n = len(x)
+
+    def proj(name, heads):
+        y = x @ t[p + f"self_attn.{name}_proj.weight"].T
+        if p + f"self_attn.{name}_proj.bias" in t:
+            y = y + t[p + f"self_attn.{name}_proj.bias"]
+        y = y.reshape(n, heads, hd)
+        norm = t.get(p + f"self_attn.{name}_norm.weight")  # Qwen3: before rotary
+        return y if norm is None else _rms(y, norm, eps)
+
+    pos = np.arange(n, dtype=np.float64)
+    q, k, v = _rotary(proj("q", h), pos, theta), _rotary(proj("k", kv), pos, theta), proj("v", kv)
+    k, v = np.repeat(k, h // kv, axis=1), np.repeat(v, h // kv, axis=1)  # repeat_kv
+    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    ok = j <= i
+    if hf.get("sliding_window") is not None and hf["model_type"] == "mistral":
+        ok &= j > i - hf["sliding_window"]  # masking_utils.sliding_window_overlay
+    scores = np.where(ok, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.einsum("hqk,khd->qhd", probs, v).reshape(n, h * hd)
+    return out @ t[p + "self_attn.o_proj.weight"].T
+
+
+def logits(hf: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+    """Float64 logits ``[B, T, vocab]`` of the model for int ``tokens`` ``[B, T]``."""
+    t = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    eps = hf["rms_norm_eps"]
+    head = t["model.embed_tokens.weight"] if hf.get("tie_word_embeddings") else t["lm_head.weight"]
+    rows = []
+    for seq in np.asarray(tokens):
+        x = t["model.embed_tokens.weight"][seq]
+        for i in range(hf["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            x = x + _attention(hf, t, p, _rms(x, t[p + "input_layernorm.weight"], eps))
+            y = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
+            gate = y @ t[p + "mlp.gate_proj.weight"].T
+            act = gate / (1 + np.exp(-gate)) * (y @ t[p + "mlp.up_proj.weight"].T)
+            x = x + act @ t[p + "mlp.down_proj.weight"].T
+        rows.append(_rms(x, t["model.norm.weight"], eps) @ head.T)
+    return np.stack(rows)
+
+
+def greedy(hf: dict, tensors: dict[str, np.ndarray], prompt: np.ndarray, n: int) -> np.ndarray:
+    """``n`` greedy tokens after each ``prompt`` row (the full forward at every step)."""
+    seq = np.asarray(prompt)
+    for _ in range(n):
+        seq = np.concatenate([seq, logits(hf, tensors, seq)[:, -1].argmax(-1)[:, None]], axis=1)
+    return seq[:, prompt.shape[1]:]
