@@ -8,6 +8,7 @@ Tolerance: 1e-4 on fp32 logits of O(1) against float64 (the issue's bound; measu
 
 from __future__ import annotations
 
+import json
 import logging
 
 import jax
@@ -16,10 +17,13 @@ import pytest
 from flax import nnx
 from hf_reference import FAMILIES, greedy, logits, random_tensors, tiny_config, write_checkpoint
 
+import zjax
 from zjax.checkpoint._leaf_io import nested
+from zjax.config import load_config
 from zjax.errors import CheckpointError
+from zjax.export import export
 from zjax.export.sample import generate, load_sampler
-from zjax.hf import HFCheckpoint, layout_for_hf
+from zjax.hf import HFCheckpoint, SafetensorsDir, import_hf, layout_for_hf
 from zjax.models import model_class
 
 ATOL = 1e-4
@@ -142,3 +146,42 @@ def test_an_unknown_architecture_and_quantized_weights_are_refused(tmp_path):
     hf = {**tiny_config("qwen2"), "use_sliding_window": True}
     with pytest.raises(CheckpointError, match=r"use_sliding_window = True is not supported"):
         layout_for_hf(hf, source="c").from_hf(hf, source="c")
+
+
+def _finetune(tmp_path, directory, name: str, model_axis: int):
+    out = import_hf(directory, tmp_path / f"imported-{name}")
+    config = load_config(out / "zjax.yaml", [
+        "train.steps=3", "zero.stage=3", f"mesh.model={model_axis}", "data.seq_len=32",
+        "data.batch_size=8", "train.eval_every=0", "train.log_every=1",
+        "logging.progress=false", "zero.gather_dtype=float32", "zero.reduce_dtype=float32"])
+    return config, zjax.train(None, config, run_dir=tmp_path / f"run-{name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_import_stage3_steps_export_reload_gives_the_trained_logits(tmp_path, family):
+    """import-hf -> 3 stage-3 steps (tensor-parallel over 2 devices, the same losses as over
+    1) -> export --format hf: the files hold the trained model (by the reference's forward
+    too) under the original's architecture."""
+    hf = tiny_config(family)
+    tensors = random_tensors(hf)
+    directory = write_checkpoint(tmp_path / "hf", hf, tensors)
+    config, result = _finetune(tmp_path, directory, "tp", 2)
+    _, single = _finetune(tmp_path, directory, "one", 1)
+    np.testing.assert_allclose([r["loss"] for r in result.history],
+                               [r["loss"] for r in single.history], rtol=1e-5)  # fp32 sums
+    cls = model_class(config.model)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(config.model, rngs=nnx.Rngs(0))))
+    tuned = np.asarray(nnx.merge(graphdef, jax.device_get(result.state.params))(TOKENS))
+    assert np.abs(tuned - logits(hf, tensors, TOKENS)).max() > 1e-3  # it did train
+
+    exported = export(tmp_path / "run-tp", tmp_path / "out", dtype="float32", format="hf")
+    written = json.loads((exported / "config.json").read_text())
+    assert written["architectures"] == hf["architectures"] and written == {
+        **hf, "torch_dtype": "float32"} | {k: written[k] for k in ("dtype",) if k in written}
+    np.testing.assert_allclose(zjax_logits(exported), tuned, atol=1e-5, rtol=0)
+    files = SafetensorsDir(exported)
+    assert sorted(files.names()) == sorted(tensors)
+    np.testing.assert_allclose(
+        logits(written, {n: files.array(n) for n in files.names()}, TOKENS), tuned,
+        atol=ATOL, rtol=0)
