@@ -43,6 +43,20 @@ def assert_trees_close(actual, expected, *, rtol: float, atol: float, what: str 
         )
 
 
+def assert_replicas_identical(tree, *, what: str = "tree") -> None:
+    """Every copy of a replicated slice is bitwise the same on every device that holds it.
+
+    XLA assumes it (it reads whichever replica it likes, Orbax saves one of them); a gradient
+    missing its sum over an axis leaves the copies apart, which no loss shows at first."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        copies: dict[str, np.ndarray] = {}
+        for shard in x.addressable_shards:
+            first = copies.setdefault(str(shard.index), np.asarray(shard.data))
+            np.testing.assert_array_equal(
+                np.asarray(shard.data), first,
+                err_msg=f"{what}{jax.tree_util.keystr(path)}: replicas of {shard.index} differ")
+
+
 def make_tx() -> optax.GradientTransformation:
     """The optimizer of the equality tests: AdamW (eps 1e-5, see ``FP32``) after clipping."""
     adamw = optax.adamw(3e-3, eps=1e-5, weight_decay=0.1)

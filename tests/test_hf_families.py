@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_replicas_identical
 from hf_reference import FAMILIES, greedy, logits, random_tensors, tiny_config, write_checkpoint
 
 import zjax
@@ -170,6 +171,7 @@ def test_import_stage3_steps_export_reload_gives_the_trained_logits(tmp_path, fa
     _, single = _finetune(tmp_path, directory, "one", 1)
     np.testing.assert_allclose([r["loss"] for r in result.history],
                                [r["loss"] for r in single.history], rtol=1e-5)  # fp32 sums
+    assert_replicas_identical(result.state, what="state")
     cls = model_class(config.model)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(config.model, rngs=nnx.Rngs(0))))
     tuned = np.asarray(nnx.merge(graphdef, jax.device_get(result.state.params))(TOKENS))

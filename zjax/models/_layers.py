@@ -55,10 +55,13 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=(axis,),
                                eager_sharding=False)
 
-    def __call__(self, x):
+    def __call__(self, x, scale: jax.Array | None = None):
+        """``x`` normalised over its last axis, times ``scale`` (default: the learned one;
+        a caller in a tensor-parallel region passes it marked there)."""
+        scale = self.scale[...] if scale is None else scale
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def check_length(tokens: jax.Array, max_seq_len: int) -> int:

@@ -101,7 +101,11 @@ class LlamaBlock(nnx.Module):
             out = out + getattr(self, f"b{name}")[...].astype(out.dtype)
         out = out.reshape(*y.shape[:2], out.shape[-1] // hd, hd)
         norm = getattr(self, f"{name}_norm", None)
-        return out if norm is None else norm(out)
+        if norm is None:
+            return out
+        # the scale is whole on every device but meets only this device's heads: its gradient
+        # is summed over the model axis, as a column-parallel input's
+        return norm(out, column_parallel_input(norm.scale[...]))
 
     def _attention(self, y, cache: KVCache | None = None, start=0,
                    context: Packing | None = None):
