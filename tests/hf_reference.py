@@ -1,8 +1,8 @@
 """Hugging Face Llama-family checkpoints and their logits without torch or zjax: a float64 numpy
 forward written from transformers 4.57's modelling files (``modeling_llama.py``,
-``modeling_mistral.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``), and tiny random
-checkpoints written with transformers' own config classes and the tensor names of those
-files' ``state_dict``.
+``modeling_mistral.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_phi3.py``),
+and tiny random checkpoints written with transformers' own config classes and the tensor
+names of those files' ``state_dict``.
 
 The reference is itself checked against transformers' Flax Llama and Mistral
 (tests/test_hf_families.py), so a shared mistake in zjax and here would show there.
@@ -26,6 +26,8 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 5}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
+    "phi3": ("Phi3Config", {"sliding_window": 6, "pad_token_id": 0, "bos_token_id": 1,
+                            "eos_token_id": 2}),
 }
 
 
@@ -62,7 +64,38 @@ def tensor_names(hf: dict) -> dict[str, tuple[int, ...]]:
                       p + "self_attn.v_proj.bias": (kv * hd,)}
         if qwen3:  # Qwen3Attention: q_norm, k_norm = Qwen3RMSNorm(head_dim)
             names |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-    return names
+    return _fuse(hf, names) if hf["model_type"] == "phi3" else names
+
+
+def _fuse(hf: dict, names: dict) -> dict:
+    """Phi-3's names: q, k, v rows stacked in ``qkv_proj``, gate and up in ``gate_up_proj``
+    (modeling_phi3: ``qkv[..., :query_pos]``, then keys, then values; ``chunk(2)``: gate
+    first)."""
+    out = {}
+    for name, shape in names.items():
+        if ".self_attn.q_proj." in name:
+            out[name.replace("q_proj", "qkv_proj")] = (
+                shape[0] + 2 * names[name.replace("q_proj", "k_proj")][0], shape[1])
+        elif ".mlp.gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = (2 * shape[0], shape[1])
+        elif not any(f".{x}_proj." in name for x in ("k", "v", "up")):
+            out[name] = shape
+    return out
+
+
+def _unfuse(hf: dict, t: dict) -> dict:
+    t = dict(t)
+    h, kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    hd = hf.get("head_dim") or hf["hidden_size"] // h
+    for name in [n for n in t if "qkv_proj" in n]:
+        qkv = t.pop(name)
+        base = name.replace("qkv_proj", "{}_proj")
+        t[base.format("q")], t[base.format("k")], t[base.format("v")] = np.split(
+            qkv, [h * hd, (h + kv) * hd], axis=0)
+    for name in [n for n in t if "gate_up_proj" in n]:
+        t[name.replace("gate_up", "gate")], t[name.replace("gate_up", "up")] = np.split(
+            t.pop(name), 2, axis=0)
+    return t
 
 
 def random_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -119,7 +152,7 @@ def _attention(hf, t, p, x):
     scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     ok = j <= i
-    if hf.get("sliding_window") is not None and hf["model_type"] == "mistral":
+    if hf.get("sliding_window") is not None and hf["model_type"] in ("mistral", "phi3"):
         ok &= j > i - hf["sliding_window"]  # masking_utils.sliding_window_overlay
     scores = np.where(ok, scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
@@ -130,7 +163,7 @@ def _attention(hf, t, p, x):
 
 def logits(hf: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
     """Float64 logits ``[B, T, vocab]`` of the model for int ``tokens`` ``[B, T]``."""
-    t = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    t = _unfuse(hf, {k: np.asarray(v, np.float64) for k, v in tensors.items()})
     eps = hf["rms_norm_eps"]
     head = t["model.embed_tokens.weight"] if hf.get("tie_word_embeddings") else t["lm_head.weight"]
     rows = []

@@ -159,7 +159,7 @@ def _finetune(tmp_path, directory, name: str, model_axis: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen2", "qwen3"])
 def test_import_stage3_steps_export_reload_gives_the_trained_logits(tmp_path, family):
     """import-hf -> 3 stage-3 steps (tensor-parallel over 2 devices, the same losses as over
     1) -> export --format hf: the files hold the trained model (by the reference's forward

@@ -9,6 +9,10 @@ to Llama's (transformers 4.57's modelling files):
   switch), none on the output projection.
 - ``Qwen3ForCausalLM``: RMSNorm over each query and key head before rotary, an explicit
   ``head_dim``, no biases.
+- ``Phi3ForCausalLM``: Llama's computation with fused tensors: ``qkv_proj`` (the query heads,
+  then the key heads, then the value heads) and ``gate_up_proj`` (gate, then up); Mistral's
+  ``sliding_window``. The 128k variants' ``rope_scaling: longrope`` is refused (not yet
+  implemented), as are dropout and partial rotary.
 
 Qwen's sliding-window layers (``use_sliding_window: true``) are refused; with it false, as in
 every released Qwen2/2.5/3 checkpoint, ``sliding_window`` and ``max_window_layers`` change
@@ -20,9 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from zjax.errors import CheckpointError
-from zjax.hf._llama import ANY, Family, family_layout
+from zjax.hf._layout import Leaf
+from zjax.hf._llama import ANY, LEAVES, Family, family_layout
 
-__all__ = ["LLAMA", "MISTRAL", "QWEN2", "QWEN3"]
+__all__ = ["LLAMA", "MISTRAL", "PHI3", "QWEN2", "QWEN3"]
 
 
 def _full_attention(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -66,3 +71,31 @@ QWEN3 = family_layout(Family(
     inert=_QWEN_INERT,
     options=lambda hf, source: {"qk_norm": True, **_full_attention(hf, source)},
     to_hf=_qwen_to_hf, model={"qk_norm": True}))
+
+
+def _phi3_table(cfg) -> tuple[Leaf, ...]:
+    """Llama's tensor names, but q, k, v in one ``qkv_proj`` and gate, up in ``gate_up_proj``."""
+    fused = {"wq": ("self_attn.qkv_proj", 0), "wk": ("self_attn.qkv_proj", 1),
+             "wv": ("self_attn.qkv_proj", 2), "w_gate": ("mlp.gate_up_proj", 0),
+             "w_up": ("mlp.gate_up_proj", 1)}
+    heads = (cfg.n_heads, cfg.kv_heads, cfg.kv_heads)
+    out = []
+    for leaf in LEAVES:
+        name, k = fused.get(leaf.keys[-1], (None, None))
+        if name is None:
+            out.append(leaf)
+        else:
+            out.append(Leaf(leaf.keys, f"model.layers.{{i}}.{name}.weight", True,
+                            (k, heads if name.startswith("self_attn") else 2)))
+    return tuple(out)
+
+
+_DROPOUT = (0, 0.0, None)
+PHI3 = family_layout(Family(
+    architecture="Phi3ForCausalLM", model_type="phi3",
+    fixed={"resid_pdrop": _DROPOUT, "embd_pdrop": _DROPOUT,
+           "partial_rotary_factor": (1, 1.0, None)},
+    mapped=("sliding_window",), inert=("original_max_position_embeddings",),
+    options=lambda hf, source: {"sliding_window": hf.get("sliding_window")},
+    to_hf=lambda cfg: {"sliding_window": cfg.sliding_window}, model={"sliding_window": ANY},
+    table=_phi3_table))

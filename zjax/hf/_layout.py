@@ -54,17 +54,37 @@ class Leaf:
       hf: the Hugging Face name, with ``{i}`` for the layer when the leaf is stacked.
       transpose: the file holds the transpose (``nn.Linear``'s ``[out, in]``).
       part: ``(k, n)``: the leaf is the k-th of n equal parts of the tensor along zjax's last
-        axis (a fused projection); None for the whole tensor.
+        axis (a fused projection: GPT-2's ``c_attn``), or ``(k, (w0, w1, ...))``: of parts in
+        those proportions (Phi-3's ``qkv_proj``: query, key, value heads); None for the whole
+        tensor.
     """
 
     keys: tuple[str, ...]
     hf: str
     transpose: bool
-    part: tuple[int, int] | None = None
+    part: tuple[int, int | tuple[int, ...]] | None = None
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
+
+    def _weights(self) -> tuple[int, ...]:
+        parts = self.part[1]
+        return (1,) * parts if isinstance(parts, int) else tuple(parts)
+
+    def whole(self, size: int) -> int:
+        """The fused tensor's width along zjax's last axis, for this part's ``size``."""
+        if self.part is None:
+            return size
+        weights = self._weights()
+        return size * sum(weights) // weights[self.part[0]]
+
+    def offset(self, size: int) -> int:
+        """Where this part (of width ``size``) starts in the fused tensor."""
+        if self.part is None:
+            return 0
+        weights = self._weights()
+        return size * sum(weights[:self.part[0]]) // weights[self.part[0]]
 
     def names(self, n_layers: int) -> list[str]:
         return [self.hf.format(i=i) for i in range(n_layers)] if self.stacked else [self.hf]
@@ -129,6 +149,5 @@ def check_known(hf: dict[str, Any], known: tuple[str, ...], *, source: str,
 def hf_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of one Hugging Face tensor of ``leaf`` (of zjax shape ``shape``)."""
     one = list(shape[1:] if leaf.stacked else shape)
-    if leaf.part is not None:
-        one[-1] *= leaf.part[1]
+    one[-1] = leaf.whole(one[-1])
     return tuple(reversed(one)) if leaf.transpose else tuple(one)

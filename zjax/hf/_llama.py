@@ -37,7 +37,7 @@ from zjax.errors import CheckpointError, ConfigError
 from zjax.hf._layout import Layout, Leaf, check_fixed, check_known
 from zjax.models import LlamaConfig
 
-__all__ = ["ANY", "Family", "family_layout", "leaves", "refusal"]
+__all__ = ["ANY", "LEAVES", "Family", "family_layout", "leaves", "refusal"]
 
 
 _L = ("blocks", "layers")
@@ -81,6 +81,8 @@ class Family:
         ``sliding_window`` while ``use_sliding_window`` is false).
       options: ``(config.json, its path) -> LlamaConfig fields`` of the family's own keys.
       to_hf: ``LlamaConfig -> config.json keys`` of the family's own.
+      table: ``LlamaConfig -> [Leaf]``: the tensor names (default Llama's, :data:`LEAVES`;
+        Phi-3 fuses some).
       model: the ``LlamaConfig`` options the family has, as ``{field: value}`` (:data:`ANY`:
         any value); a model config with another value, or not the default of an option the
         family does not list, is not of this family.
@@ -94,6 +96,7 @@ class Family:
     options: Callable[[dict, str], dict] = lambda hf, source: {}
     to_hf: Callable[[LlamaConfig], dict] = lambda cfg: {}
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    table: Callable[[LlamaConfig], tuple[Leaf, ...]] = lambda cfg: LEAVES
 
 
 def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -179,9 +182,9 @@ def _hf_config(family: Family, cfg: LlamaConfig, *, dtype: str) -> dict[str, Any
     }
 
 
-def leaves(cfg: LlamaConfig) -> list[Leaf]:
-    """The leaves of ``cfg``'s params: no ``head`` when the embeddings are tied, q/k/v
-    biases and head norms only where the model has them."""
+def leaves(cfg: LlamaConfig, table: tuple[Leaf, ...] = LEAVES) -> list[Leaf]:
+    """The leaves of ``cfg``'s params in ``table``: no ``head`` when the embeddings are tied,
+    q/k/v biases and head norms only where the model has them."""
     absent = set()
     if cfg.tie_embeddings:
         absent.add("head")
@@ -189,7 +192,7 @@ def leaves(cfg: LlamaConfig) -> list[Leaf]:
         absent |= {"bq", "bk", "bv"}
     if not cfg.qk_norm:
         absent |= {"q_norm", "k_norm"}
-    return [leaf for leaf in LEAVES if not absent & set(leaf.keys)]
+    return [leaf for leaf in table if not absent & set(leaf.keys)]
 
 
 def family_layout(family: Family) -> Layout:
@@ -199,5 +202,6 @@ def family_layout(family: Family) -> Layout:
         from_hf=lambda hf, *, source, max_seq_len=None: _config(
             family, hf, source=source, max_seq_len=max_seq_len),
         to_hf=lambda cfg, *, dtype: _hf_config(family, cfg, dtype=dtype),
-        leaves=leaves, free=("remat", "max_seq_len"), ignored=("rotary_emb.inv_freq",),
+        leaves=lambda cfg: leaves(cfg, family.table(cfg)), free=("remat", "max_seq_len"),
+        ignored=("rotary_emb.inv_freq",),
         mapped=(*MAPPED, *family.mapped), bounds=BOUNDS)

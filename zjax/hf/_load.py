@@ -115,10 +115,11 @@ class HFCheckpoint:
         """The zjax leaf ``leaf`` (or its ``index``, a tuple of slices), cast to ``dtype``."""
         shape = self.shapes[leaf.keys]
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        if leaf.part is not None:  # the k-th of n parts along the last axis of the tensor
-            k, size = leaf.part[0], shape[-1]
+        if leaf.part is not None:  # a part along the last axis of the tensor
+            size = shape[-1]
             start, stop, step = index[-1].indices(size)
-            index = (*index[:-1], slice(start + k * size, stop + k * size, step))
+            at = leaf.offset(size)
+            index = (*index[:-1], slice(start + at, stop + at, step))
         if not leaf.stacked:
             return self._finite(leaf.hf, _slice(self._array(leaf.hf), leaf.transpose, index,
                                                  dtype))
