@@ -2,13 +2,15 @@
 model size, by ``export_memory.py``'s method (each in a fresh process, VmHWM above the
 interpreter with zjax imported).
 
-Writes a random Llama of a few hundred MB as a Hugging Face directory (PyTorch-layout bf16
-safetensors, two shards and an index, as the Hub has them; no transformers needed), imports it,
-writes a zjax checkpoint of it (a run directory: ``train.init_from`` read into stage-3 shards
-on 8 simulated CPU devices, no training), and exports that as Hugging Face safetensors.
+Writes a random Llama-family model (``--family llama``, or ``qwen2``: q/k/v biases and tied
+embeddings, as Qwen2.5-0.5B has them) of a few hundred MB as a Hugging Face directory
+(PyTorch-layout bf16 safetensors, two shards and an index, as the Hub has them; no
+transformers needed), imports it, writes a zjax checkpoint of it (a run directory:
+``train.init_from`` read into stage-3 shards on 8 simulated CPU devices, no training), and
+exports that as Hugging Face safetensors.
 Prints one JSON object.
 
-Usage: ``python benchmarks/hf_memory.py [--d-model 1024 --n-layers 16 --vocab 32000]``
+Usage: ``python benchmarks/hf_memory.py [--family qwen2 --d-model 1024 --n-layers 16]``
 """
 
 from __future__ import annotations
@@ -26,14 +28,18 @@ def write_hf_dir(directory: Path, args: argparse.Namespace) -> dict:
     """Random bf16 weights under Hugging Face's names, in two files and an index."""
     import ml_dtypes
 
+    from zjax.hf import layout_for_hf
     from zjax.hf._layout import hf_shape
-    from zjax.hf._llama import hf_config, leaves
     from zjax.hf._load import model_shapes
     from zjax.hf._safetensors import write_safetensors
     from zjax.models import LlamaConfig
 
+    qwen = args.family == "qwen2"
     cfg = LlamaConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers,
-                      n_heads=16, n_kv_heads=4, d_ff=args.d_ff, max_seq_len=2048)
+                      n_heads=16, n_kv_heads=4, d_ff=args.d_ff, max_seq_len=2048,
+                      qkv_bias=qwen, tie_embeddings=qwen)
+    layout = layout_for_hf({"model_type": args.family}, source="--family")
+    leaves, hf_config = layout.leaves, layout.to_hf
     directory.mkdir()
     bf16 = np.dtype(ml_dtypes.bfloat16)
     shapes = model_shapes(cfg)
@@ -91,6 +97,7 @@ def measure(kind: str, src: Path, out: Path) -> tuple[int, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--family", choices=("llama", "qwen2"), default="llama")
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--n-layers", type=int, default=16)
     p.add_argument("--d-ff", type=int, default=2816)

@@ -85,7 +85,8 @@ def export(run_dir: str | Path, out: str | Path, *, dtype: str = "bfloat16",
         an existing one is never replaced.
       dtype: ``float32``, ``bfloat16`` or ``float16``.
       format: ``orbax``, ``safetensors``, or ``hf`` (a directory Hugging Face
-        ``transformers`` loads as a ``LlamaForCausalLM``; runs of ``loop: llama``).
+        ``transformers`` loads: the architecture the run started from, else the first that
+        holds the model, :mod:`zjax.hf`).
       max_shard_bytes: ``hf``: split the weights into files of at most this size (default
         5 GB, as ``save_pretrained``).
 

@@ -1,5 +1,6 @@
 """Hugging Face weights in and out (PyTorch-layout safetensors, as on the Hub):
-``LlamaForCausalLM`` (``loop: llama``) and ``GPT2LMHeadModel`` (``loop: lm`` with
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and
+``Phi3ForCausalLM`` (``loop: llama``), ``GPT2LMHeadModel`` (``loop: lm`` with
 ``model.norm: layer``, ``model.bias: true``).
 
 - :func:`import_hf`: a Hugging Face directory -> a directory to train from
@@ -11,7 +12,8 @@
 - :func:`layout_for_hf` / :func:`layout_for_model`: an architecture's :class:`Layout` (its
   ``config.json`` <-> ``model`` section mapping and tensor rules).
 
-The name and layout rules are in :mod:`zjax.hf._llama` and :mod:`zjax.hf._gpt2`. It imports
+The name and layout rules are in :mod:`zjax.hf._llama` (with :mod:`zjax.hf._families`) and
+:mod:`zjax.hf._gpt2`. It imports
 the models (their config sections), the data package (tokenizers), the checkpoint package
 (leaf reader and writer) and the config; export, the training run and the CLI import it.
 """

@@ -1,6 +1,7 @@
 """``zjax export RUN_DIR OUT --format hf``: a directory ``transformers`` loads
-(``LlamaForCausalLM`` from ``loop: llama``, ``GPT2LMHeadModel`` from a GPT-2-shaped ``loop:
-lm``).
+(a Llama-family architecture from ``loop: llama``: the one the run started from, else the first
+of :data:`~zjax.hf._layouts.LAYOUTS` that holds the model; ``GPT2LMHeadModel`` from a
+GPT-2-shaped ``loop: lm``).
 
 PyTorch-layout safetensors (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and
 ``model.safetensors.index.json`` above the shard size, as ``save_pretrained`` writes them),
