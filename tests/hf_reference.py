@@ -1,6 +1,7 @@
 """Hugging Face Llama-family checkpoints and their logits without torch or zjax: a float64 numpy
 forward written from transformers 4.57's modelling files (``modeling_llama.py``,
-``modeling_mistral.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_phi3.py``),
+``modeling_mistral.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_phi3.py``,
+``modeling_gemma.py``),
 and tiny random checkpoints written with transformers' own config classes and the tensor
 names of those files' ``state_dict``.
 
@@ -26,6 +27,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 5}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
+    "gemma": ("GemmaConfig", {"head_dim": 24, "hidden_act": "gelu_pytorch_tanh"}),
     "phi3": ("Phi3Config", {"sliding_window": 6, "pad_token_id": 0, "bos_token_id": 1,
                             "eos_token_id": 2}),
 }
@@ -119,8 +121,25 @@ def write_checkpoint(directory: Path, hf: dict, tensors: dict[str, np.ndarray]) 
     return directory
 
 
-def _rms(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+def _rms(x, w, eps, plus_one=False):
+    # GemmaRMSNorm: x * (1 + w); the others x * w
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1 + w if plus_one else w)
+
+
+def _gemma(hf):
+    return hf["model_type"] == "gemma"
+
+
+def _act(hf, x):
+    """ACT2FN[hidden_act]: silu, or Gemma's GELU (tanh approximation unless ``gelu``)."""
+    act = hf.get("hidden_act", "silu")
+    if act == "silu":
+        return x / (1 + np.exp(-x))
+    if act == "gelu":
+        from math import erf
+
+        return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
 def _rotary(x, positions, theta):  # [T, heads, hd]; rotate_half of modeling_llama
@@ -144,7 +163,7 @@ def _attention(hf, t, p, x):
             y = y + t[p + f"self_attn.{name}_proj.bias"]
         y = y.reshape(n, heads, hd)
         norm = t.get(p + f"self_attn.{name}_norm.weight")  # Qwen3: before rotary
-        return y if norm is None else _rms(y, norm, eps)
+        return y if norm is None else _rms(y, norm, eps, _gemma(hf))
 
     pos = np.arange(n, dtype=np.float64)
     q, k, v = _rotary(proj("q", h), pos, theta), _rotary(proj("k", kv), pos, theta), proj("v", kv)
@@ -166,17 +185,20 @@ def logits(hf: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.n
     t = _unfuse(hf, {k: np.asarray(v, np.float64) for k, v in tensors.items()})
     eps = hf["rms_norm_eps"]
     head = t["model.embed_tokens.weight"] if hf.get("tie_word_embeddings") else t["lm_head.weight"]
+    one = _gemma(hf)
     rows = []
     for seq in np.asarray(tokens):
         x = t["model.embed_tokens.weight"][seq]
+        if one:  # GemmaModel: the embeddings times sqrt(hidden_size)
+            x = x * hf["hidden_size"] ** 0.5
         for i in range(hf["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            x = x + _attention(hf, t, p, _rms(x, t[p + "input_layernorm.weight"], eps))
-            y = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
-            gate = y @ t[p + "mlp.gate_proj.weight"].T
-            act = gate / (1 + np.exp(-gate)) * (y @ t[p + "mlp.up_proj.weight"].T)
+            x = x + _attention(hf, t, p, _rms(x, t[p + "input_layernorm.weight"], eps, one))
+            y = _rms(x, t[p + "post_attention_layernorm.weight"], eps, one)
+            act = _act(hf, y @ t[p + "mlp.gate_proj.weight"].T) * (
+                y @ t[p + "mlp.up_proj.weight"].T)
             x = x + act @ t[p + "mlp.down_proj.weight"].T
-        rows.append(_rms(x, t["model.norm.weight"], eps) @ head.T)
+        rows.append(_rms(x, t["model.norm.weight"], eps, one) @ head.T)
     return np.stack(rows)
 
 

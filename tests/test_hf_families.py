@@ -59,7 +59,7 @@ def _flax(cls_name: str, hf: dict, tensors: dict):
     return model
 
 
-def test_the_reference_is_transformers_flax_llama_and_mistral():
+def test_the_reference_is_transformers_flax_llama_mistral_and_gemma():
     """The reference's Llama block and sliding window against transformers' own Flax models.
     Flax Mistral's mask (``triu(k=-window)``) lets a query see ``window + 1`` positions where
     the PyTorch model (the one checkpoints are trained with) sees ``window``: the reference
@@ -76,6 +76,10 @@ def test_the_reference_is_transformers_flax_llama_and_mistral():
     np.testing.assert_allclose(logits({**hf, "sliding_window": 5}, tensors, TOKENS), theirs,
                                atol=ATOL, rtol=0)
     assert np.abs(logits(hf, tensors, TOKENS) - theirs).max() > 1e-3  # the window matters
+    hf = tiny_config("gemma", rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh")
+    tensors = random_tensors(hf)
+    theirs = np.asarray(_flax("FlaxGemmaForCausalLM", hf, tensors)(TOKENS).logits)
+    np.testing.assert_allclose(logits(hf, tensors, TOKENS), theirs, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -118,7 +122,8 @@ def _changed(key: str, hf: dict):
             "intermediate_size": hf["intermediate_size"] + 16,
             "rope_theta": hf["rope_theta"] * 10, "rms_norm_eps": 0.1,
             "tie_word_embeddings": not hf["tie_word_embeddings"], "head_dim": hd // 2,
-            "rope_scaling": scaling, "sliding_window": 3}[key]
+            "rope_scaling": scaling, "sliding_window": 3,
+            "hidden_act": "gelu" if hf.get("hidden_act") != "gelu" else "gelu_pytorch_tanh"}[key]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -159,7 +164,7 @@ def _finetune(tmp_path, directory, name: str, model_axis: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma", "mistral", "phi3", "qwen2", "qwen3"])
 def test_import_stage3_steps_export_reload_gives_the_trained_logits(tmp_path, family):
     """import-hf -> 3 stage-3 steps (tensor-parallel over 2 devices, the same losses as over
     1) -> export --format hf: the files hold the trained model (by the reference's forward

@@ -42,7 +42,7 @@ IDENTITY_FILES = ("config.json", "generation_config.json")
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
     """Convert the Hugging Face model in ``hf_dir`` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    GPT-2: :data:`zjax.hf._layouts.LAYOUTS`) into a new directory ``out`` to train from.
+    Gemma, GPT-2: :data:`zjax.hf._layouts.LAYOUTS`) into a new directory ``out`` to train from.
 
     Args:
       hf_dir: ``config.json`` and PyTorch-layout safetensors (one file or an indexed set).

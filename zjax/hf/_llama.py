@@ -64,7 +64,8 @@ BOUNDS = ("max_position_embeddings",)
 # keys with one value zjax's Llama honours: (accepted values; None: left out, the default)
 FIXED = {"hidden_act": ("silu", None), "attention_dropout": (0, 0.0, None)}
 # the LlamaConfig options that tell the families apart
-OPTIONS = ("qkv_bias", "qk_norm", "sliding_window")
+OPTIONS = ("qkv_bias", "qk_norm", "sliding_window", "mlp_activation", "norm_plus_one",
+           "embed_scale")
 ANY = object()  # Family.model: the option may take any value
 
 
@@ -140,7 +141,8 @@ def _config(family: Family, hf: dict[str, Any], *, source: str,
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # save_pretrained leaves the key out only when it is PretrainedConfig's default
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
             **_rope_scaling(hf, source), **family.options(hf, source))
     except KeyError as e:
         raise CheckpointError(f"{source}: no {e.args[0]!r}; a {family.architecture} "

@@ -48,11 +48,14 @@ class RMSNorm(nnx.Module):
     """Root-mean-square normalisation with a learned scale; statistics in float32.
 
     ``axis``: the scale's logical axis name (``embed`` for the residual stream; None for a
-    head's width, which no rule splits)."""
+    head's width, which no rule splits). ``plus_one``: scale by ``1 + scale`` (Gemma's), the
+    stored scale starting at 0."""
 
-    def __init__(self, d: int, eps: float = 1e-6, *, axis: str | None = "embed"):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=(axis,),
+    def __init__(self, d: int, eps: float = 1e-6, *, axis: str | None = "embed",
+                 plus_one: bool = False):
+        self.eps, self.plus_one = eps, plus_one
+        init = jnp.zeros if plus_one else jnp.ones
+        self.scale = nnx.Param(init((d,), jnp.float32), out_sharding=(axis,),
                                eager_sharding=False)
 
     def __call__(self, x, scale: jax.Array | None = None):
@@ -61,7 +64,8 @@ class RMSNorm(nnx.Module):
         scale = self.scale[...] if scale is None else scale
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        scale = scale.astype(jnp.float32)
+        return (y * (1 + scale if self.plus_one else scale)).astype(x.dtype)
 
 
 def check_length(tokens: jax.Array, max_seq_len: int) -> int:

@@ -89,7 +89,12 @@ class LlamaConfig:
         ``k_norm``, one ``[head_dim]`` scale each, shared by the heads).
       sliding_window: each query attends to the ``sliding_window`` positions ending at its own
         (Mistral's); empty for full causal attention.
-      d_ff: SwiGLU hidden width (``intermediate_size``); empty for Llama 2's rule: 8/3 x
+      mlp_activation: the gated MLP's activation: ``silu`` (SwiGLU, Llama's), ``gelu_tanh``
+        (GeGLU with tanh GELU, Gemma's ``gelu_pytorch_tanh``) or ``gelu`` (exact GELU).
+      norm_plus_one: every RMSNorm scales by ``1 + weight`` (Gemma's; the weight starts at 0).
+      embed_scale: the token embeddings are multiplied by sqrt(d_model) in the activation
+        dtype (Gemma's).
+      d_ff: gated MLP hidden width (``intermediate_size``); empty for Llama 2's rule: 8/3 x
         d_model rounded up to a multiple of 256 (11008 at d_model 4096; ``mesh.model`` must
         divide it).
       max_seq_len: longest sequence (rotary positions have no table; this bounds the data).
@@ -126,6 +131,9 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = positive(None, none_means="full causal attention")
+    mlp_activation: str = choices("silu", "gelu_tanh", "gelu", default="silu")
+    norm_plus_one: bool = False
+    embed_scale: bool = False
     d_ff: int | None = positive(None, none_means="8/3 x d_model, rounded up to 256")
     max_seq_len: int = positive(256)
     rope_theta: float = positive(10000.0)

@@ -30,6 +30,11 @@ from zjax.nn.attention import attention
 __all__ = ["Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
 
 
+# the gated MLP's activation (model.mlp_activation)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
 def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0,
            scaling: tuple[float, float, float, int] | None = None,
            positions: jax.Array | None = None) -> jax.Array:
@@ -76,7 +81,8 @@ class LlamaBlock(nnx.Module):
         self.theta, self.rope_scaling = cfg.rope
         self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
         self.window = cfg.sliding_window
-        self.ln1 = RMSNorm(d, cfg.norm_eps)
+        self.mlp_activation = cfg.mlp_activation
+        self.ln1 = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
         self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
         self.wv = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
@@ -86,9 +92,9 @@ class LlamaBlock(nnx.Module):
             self.bk = zeros((cfg.kv_heads * hd,), ("heads",))
             self.bv = zeros((cfg.kv_heads * hd,), ("heads",))
         if cfg.qk_norm:  # one scale over a head's width, shared by the heads
-            self.q_norm = RMSNorm(hd, cfg.norm_eps, axis=None)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps, axis=None)
-        self.ln2 = RMSNorm(d, cfg.norm_eps)
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, axis=None, plus_one=cfg.norm_plus_one)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, axis=None, plus_one=cfg.norm_plus_one)
+        self.ln2 = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
@@ -125,7 +131,8 @@ class LlamaBlock(nnx.Module):
         return att.reshape(b, t, q.shape[2] * hd), cache
 
     def _mlp(self, y):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
-        return (jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...]
+        act = ACTIVATIONS[self.mlp_activation]
+        return (act(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...]
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
                  context: Packing | None = None):
@@ -152,7 +159,7 @@ class Llama(nnx.Module):
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
         self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r), cfg.n_layers, rngs=rngs,
                             remat=cfg.remat)
-        self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
@@ -163,7 +170,13 @@ class Llama(nnx.Module):
     def features(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         """The final normalised hidden states ``[B, T, D]`` (what the head multiplies)."""
         check_length(tokens, self.cfg.max_seq_len)
-        return self.ln_f(self.blocks(jnp.take(self.embed[...], tokens, axis=0), packing))
+        return self.ln_f(self.blocks(self._embed(tokens), packing))
+
+    def _embed(self, tokens):
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.embed_scale:  # Gemma's sqrt(d_model), rounded to the activations' dtype
+            x = x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)
+        return x
 
     def head_weight(self) -> jax.Array:
         """The LM head ``[D, vocab]`` (the token embedding's transpose when tied)."""
@@ -180,5 +193,5 @@ class Llama(nnx.Module):
     def decode(self, tokens: jax.Array, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
         """Logits of ``tokens`` ``[B, T]`` at positions ``start``.., attending to the
         ``cache``'s earlier positions: a prompt (``start`` 0), then one token at a time."""
-        h, cache = self.blocks.decode(jnp.take(self.embed[...], tokens, axis=0), cache, start)
+        h, cache = self.blocks.decode(self._embed(tokens), cache, start)
         return self._logits(h), cache
