@@ -1,11 +1,11 @@
 """Hugging Face Llama-family decoders <-> zjax's reference Llama: config keys and tensor names.
 
-One :class:`Family` per architecture (``_families.py``: Llama, Mistral, Qwen2, Qwen3) says what
-its ``config.json`` adds to Llama's; this module reads and writes what they share. The tensors
-are in PyTorch's layout, as on the Hub: ``nn.Linear`` weights are ``[out, in]`` (zjax stores
-``[in, out]``: transposed), embeddings, biases and norm weights as they are, and each layer's
-tensors are separate (``model.layers.{i}...``) where zjax stacks them on a leading layer axis
-(one ``Stack``). The names:
+One :class:`Family` per architecture (``_families.py``: Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma) says what its ``config.json`` adds to Llama's; this module reads and writes what they
+share. The tensors are in PyTorch's layout, as on the Hub: ``nn.Linear`` weights are
+``[out, in]`` (zjax stores ``[in, out]``: transposed), embeddings, biases and norm weights as
+they are, and each layer's tensors are separate (``model.layers.{i}...``) where zjax stacks
+them on a leading layer axis (one ``Stack``). The names:
 
 =====================================  ===========================================  =========
 zjax leaf                              Hugging Face tensor                          transpose
