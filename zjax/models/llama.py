@@ -1,5 +1,7 @@
 """A reference Llama-family decoder in Flax NNX: RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU MLP, untied head; the layers in a ``Stack``.
+attention, SwiGLU MLP, untied head; the layers in a ``Stack``. Options (``LlamaConfig``) give
+Mistral's sliding window, Qwen2's q/k/v biases, Qwen3's head norms and width, and Gemma's
+1 + w norms, scaled embeddings and GELU-gated MLP.
 
 The layout and conventions are Hugging Face's ``LlamaForCausalLM``: rotary embeddings rotate
 the two halves of each head (``rotate_half``), query head ``j`` reads key/value head
@@ -9,7 +11,8 @@ matmuls run in whatever dtype the weights arrive in (``zero.gather_dtype``).
 
 Tensor parallelism as in the GPT (Megatron's layout): query and key/value heads and the MLP
 hidden units split over ``model``, so ``mesh.model`` must divide ``n_kv_heads`` (and with it
-``n_heads``) and ``d_ff``.
+``n_heads``) and ``d_ff``. A weight whole on every device but used on this device's heads
+(Qwen3's head-norm scales) enters as a column-parallel input, so its gradient is summed.
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: flo
 
 
 class LlamaBlock(nnx.Module):
-    """Pre-norm grouped-query attention and SwiGLU MLP, no biases (but Qwen2's on q, k, v);
-    optionally Qwen3's per-head query/key norms and Mistral's sliding window."""
+    """Pre-norm grouped-query attention and a gated MLP (SwiGLU, or Gemma's GELU), no biases
+    (but Qwen2's on q, k, v); optionally Qwen3's per-head query/key norms and Mistral's sliding
+    window."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, hd, ff = cfg.d_model, cfg.head_width, cfg.ff
@@ -99,12 +103,13 @@ class LlamaBlock(nnx.Module):
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
 
-    def _project(self, y, name: str, hd: int):
+    def _project(self, y, name: str):
         """``y``'s heads of projection ``name`` (``q``, ``k``, ``v``): ``[B, T, heads, hd]``,
         with its bias and head norm where the model has them."""
         out = y @ getattr(self, f"w{name}")[...]
         if hasattr(self, f"b{name}"):
             out = out + getattr(self, f"b{name}")[...].astype(out.dtype)
+        hd = self.head_dim
         out = out.reshape(*y.shape[:2], out.shape[-1] // hd, hd)
         norm = getattr(self, f"{name}_norm", None)
         if norm is None:
@@ -118,9 +123,9 @@ class LlamaBlock(nnx.Module):
         b, t, _ = y.shape
         hd = self.head_dim
         pos = None if context is None else context.positions
-        q = rotary(self._project(y, "q", hd), self.theta, start, self.rope_scaling, pos)
-        k = rotary(self._project(y, "k", hd), self.theta, start, self.rope_scaling, pos)
-        v = self._project(y, "v", hd)
+        q = rotary(self._project(y, "q"), self.theta, start, self.rope_scaling, pos)
+        k = rotary(self._project(y, "k"), self.theta, start, self.rope_scaling, pos)
+        v = self._project(y, "v")
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
             att = attention(q, cache.k, cache.v, q_start=start, window=self.window,
