@@ -5,6 +5,10 @@ per-layer ``jax.checkpoint``. Inside a zjax stage-3 step the step binds a *runne
 ``Stack`` (:func:`bind_runners`), and ``__call__`` hands its stacked shards and a pure per-layer
 function to the scheduled layer scan. Params cross that boundary as pure dicts
 (``nnx.to_pure_dict``), the same layout zjax uses for the whole model.
+
+Layers that differ by kind but not by shape (Gemma's sliding-window layers between global ones)
+stay one stack: with ``indexed=True`` each block is called with ``layer=i``, its index (traced:
+the scan's per-iteration input), and picks its kind from it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
@@ -30,10 +35,12 @@ class Stack(nnx.Module):
       n_layers: number of layers L.
       rngs: NNX RNGs; split so every layer is initialised differently.
       remat: checkpoint each layer in the plain scan (recompute it in the backward pass).
+      indexed: call each block as ``block(h, ..., layer=i)`` with its index ``i`` (an int32
+        scalar); a runner gets the indices ``[L]`` as ``index=`` and passes ``index=i`` on.
     """
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], n_layers: int, *,
-                 rngs: nnx.Rngs, remat: bool = True):
+                 rngs: nnx.Rngs, remat: bool = True, indexed: bool = False):
         @nnx.split_rngs(splits=n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs: nnx.Rngs):
@@ -42,6 +49,7 @@ class Stack(nnx.Module):
         self.layers = create(rngs)
         self.n_layers = n_layers
         self.remat = remat
+        self.indexed = indexed
         self.runner: Runner | None = None
 
     def __call__(self, x: jax.Array, context: Any = None) -> jax.Array:
@@ -50,21 +58,28 @@ class Stack(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         params = nnx.to_pure_dict(state)
 
-        def layer_fn(layer_params, h, ctx=None):
+        def layer_fn(layer_params, h, ctx=None, index=None):
             block = nnx.merge(graphdef, layer_params)
-            return block(h) if ctx is None else block(h, context=ctx)
+            kw = {} if ctx is None else {"context": ctx}
+            return block(h, **kw) if index is None else block(h, **kw, layer=index)
 
+        kw = {} if context is None else {"context": context}
+        if self.indexed:
+            kw["index"] = self.indices()
         if self.runner is not None:
-            if context is None:
-                return self.runner(layer_fn, params, x)
-            return self.runner(layer_fn, params, x, context=context)
+            return self.runner(layer_fn, params, x, **kw)
 
-        def body(h, layer_params):
-            return layer_fn(layer_params, h, context), None
+        def body(h, layer):
+            layer_params, index = layer
+            return layer_fn(layer_params, h, context, index), None
 
         if self.remat:
             body = jax.checkpoint(body)
-        return lax.scan(body, x, params)[0]
+        return lax.scan(body, x, (params, kw.get("index")))[0]
+
+    def indices(self) -> jax.Array:
+        """``[0, 1, ..., L-1]`` (int32): what an indexed stack's scan hands its layers."""
+        return jnp.arange(self.n_layers, dtype=jnp.int32)
 
     def decode(self, x: jax.Array, cache: Any, start) -> tuple[jax.Array, Any]:
         """Decoding with a cache (inference, no ZeRO): each layer's block is called as
@@ -73,10 +88,14 @@ class Stack(nnx.Module):
         graphdef, state = nnx.split(self.layers)
 
         def body(h, layer):
-            layer_params, layer_cache = layer
-            return nnx.merge(graphdef, layer_params)(h, layer_cache, start)
+            layer_params, layer_cache, index = layer
+            block = nnx.merge(graphdef, layer_params)
+            if index is None:
+                return block(h, layer_cache, start)
+            return block(h, layer_cache, start, layer=index)
 
-        return lax.scan(body, x, (nnx.to_pure_dict(state), cache))
+        index = self.indices() if self.indexed else None
+        return lax.scan(body, x, (nnx.to_pure_dict(state), cache, index))
 
 
 def iter_stacks(model: nnx.Module) -> Iterator[tuple[str, Stack]]:

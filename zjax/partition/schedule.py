@@ -107,6 +107,7 @@ def scheduled_scan(
     *,
     spec: ScheduleSpec,
     context: Any = None,
+    index: jax.Array | None = None,
 ) -> jax.Array:
     """Run ``x`` through L layers whose params are stacked shards (inside ``shard_map``).
 
@@ -117,16 +118,20 @@ def scheduled_scan(
       spec: leaf layout, dtypes and prefetch depth.
       context: values every layer reads besides ``x`` (packed documents' segment ids and
         positions), passed as ``layer_fn(params, x, context)``; None: ``layer_fn(params, x)``.
+      index: ``[L]`` per-layer ints (a ``Stack``'s layer indices), passed to layer ``i`` as
+        the keyword ``index=index[i]``; None: not passed.
 
     Returns:
       The output of layer L-1. Differentiable: cotangents of sharded leaves come back
       reduce-scattered over ``spec.comm.axis_name`` in each leaf's own dtype.
     """
     def body(params, consts, h, xs):
-        return (layer_fn(params, h) if context is None else layer_fn(params, h, consts)), None
+        args = () if context is None else (consts,)
+        kw = {} if index is None else {"index": xs}
+        return layer_fn(params, h, *args, **kw), None
 
     consts = () if context is None else context
-    return scheduled_loop(body, stacked_params, consts, x, None, spec=spec)[0]
+    return scheduled_loop(body, stacked_params, consts, x, index, spec=spec)[0]
 
 
 def scheduled_loop(
