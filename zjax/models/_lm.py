@@ -26,8 +26,10 @@ def lm_loss(model, batch) -> tuple[jax.Array, jax.Array]:
     """
     inputs, targets, weights, packing = split_batch(batch)
     hidden = model.features(inputs, packing)
+    # Gemma 2's final soft-cap (a GPT has none)
     losses = chunked_cross_entropy(hidden, model.head_weight(), targets,
-                                   chunk=model.cfg.loss_chunk)
+                                   chunk=model.cfg.loss_chunk,
+                                   softcap=getattr(model.cfg, "final_softcap", None))
     if weights is None:
         return jnp.sum(losses), jnp.asarray(targets.size, jnp.float32)
     return jnp.sum(losses * weights), jnp.sum(weights)

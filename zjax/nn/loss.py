@@ -5,6 +5,8 @@ computed ``chunk`` tokens at a time with its own backward: the forward keeps onl
 log-sum-exp, the backward recomputes a chunk's logits, turns them into ``softmax - onehot``
 and adds that chunk's share of the head's gradient (float32) before the next. The largest
 temporary is one chunk's ``[chunk, vocab]`` float32 logits, whatever the number of tokens.
+With ``softcap`` (Gemma 2's final logit soft-capping) the logits are ``c * tanh(z / c)`` of the
+head's ``z``, and the backward multiplies by the tanh's derivative.
 """
 
 from __future__ import annotations
@@ -22,21 +24,26 @@ def _chunks(x, n: int, size: int):
     return x.reshape(n, size, *x.shape[1:])
 
 
-def _logits(hc, w):
-    return jnp.dot(hc, w, preferred_element_type=jnp.float32)
+def _logits(hc, w, softcap):
+    """A chunk's float32 logits and their derivative by the head's output (1 without a cap)."""
+    z = jnp.dot(hc, w, preferred_element_type=jnp.float32)
+    if softcap is None:
+        return z, 1.0
+    t = jnp.tanh(z / softcap)
+    return softcap * t, 1 - t * t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ce(h, w, targets, chunk: int):
-    return _ce_fwd(h, w, targets, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ce(h, w, targets, chunk: int, softcap):
+    return _ce_fwd(h, w, targets, chunk, softcap)[0]
 
 
-def _ce_fwd(h, w, targets, chunk: int):
+def _ce_fwd(h, w, targets, chunk: int, softcap):
     n = h.shape[0] // chunk
 
     def one(args):
         hc, tc = args
-        logits = _logits(hc, w)
+        logits, _ = _logits(hc, w, softcap)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
         return lse - picked, lse
@@ -45,15 +52,16 @@ def _ce_fwd(h, w, targets, chunk: int):
     return losses.reshape(-1), (h, w, targets, lse.reshape(-1))
 
 
-def _ce_bwd(chunk: int, res, g):
+def _ce_bwd(chunk: int, softcap, res, g):
     h, w, targets, lse = res
     n = h.shape[0] // chunk
 
     def one(dw, args):
         hc, tc, lc, gc = args
-        p = jnp.exp(_logits(hc, w) - lc[:, None])
+        logits, slope = _logits(hc, w, softcap)
+        p = jnp.exp(logits - lc[:, None])
         onehot = jax.nn.one_hot(tc, w.shape[1], dtype=p.dtype)
-        dlogits = (p - onehot) * gc[:, None]
+        dlogits = (p - onehot) * gc[:, None] * slope
         dh = jnp.dot(dlogits.astype(w.dtype), w.T, preferred_element_type=jnp.float32)
         dw = dw + jnp.dot(hc.T, dlogits.astype(hc.dtype), preferred_element_type=jnp.float32)
         return dw, dh.astype(h.dtype)
@@ -68,7 +76,7 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
 def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, *,
-                          chunk: int = 1024) -> jax.Array:
+                          chunk: int = 1024, softcap: float | None = None) -> jax.Array:
     """Per-token ``-log softmax(h @ w)[target]`` in float32, ``chunk`` tokens at a time.
 
     Args:
@@ -76,6 +84,7 @@ def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, *,
       w: ``[D, V]`` the LM head (a tied embedding's transpose is fine).
       targets: int ``[...]``, ``h``'s leading shape.
       chunk: tokens per chunk (clipped to the count; the count is padded to it).
+      softcap: the logits are ``softcap * tanh((h @ w) / softcap)`` (None: ``h @ w``).
 
     Returns:
       ``[...]`` float32 losses. Gradients flow to ``h`` and ``w`` (not ``targets``).
@@ -88,4 +97,4 @@ def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, *,
     if padded != count:  # padding tokens' losses are computed and dropped
         flat_h = jnp.pad(flat_h, ((0, padded - count), (0, 0)))
         flat_t = jnp.pad(flat_t, (0, padded - count))
-    return _ce(flat_h, w, flat_t, size)[:count].reshape(lead)
+    return _ce(flat_h, w, flat_t, size, softcap)[:count].reshape(lead)
