@@ -89,6 +89,19 @@ class LlamaConfig:
         ``k_norm``, one ``[head_dim]`` scale each, shared by the heads).
       sliding_window: each query attends to the ``sliding_window`` positions ending at its own
         (Mistral's); empty for full causal attention.
+      global_every: with ``sliding_window``: every ``global_every``-th layer (layer ``i`` with
+        ``(i + 1) % global_every == 0``) attends globally, the others through the window
+        (Gemma 2: 2, Gemma 3: 6); empty: every layer windowed.
+      local_rope_theta: the windowed layers' rotary base, unscaled (Gemma 3's
+        ``rope_local_base_freq``); empty: theirs is every layer's (``rope_theta``, scaled).
+      attn_softcap: attention scores become ``c * tanh(score / c)`` before the mask (Gemma 2's
+        ``attn_logit_softcapping``); empty: none.
+      final_softcap: the logits become ``c * tanh(logit / c)`` (Gemma 2's
+        ``final_logit_softcapping``), in the loss and in sampling; empty: none.
+      query_pre_attn_scalar: scores are scaled by its inverse square root instead of the head
+        width's (Gemma 2/3's ``query_pre_attn_scalar``); empty: ``head_dim``.
+      post_norms: an RMSNorm on the attention's and on the MLP's output before each residual
+        add (Gemma 2/3's ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
       mlp_activation: the gated MLP's activation: ``silu`` (SwiGLU, Llama's), ``gelu_tanh``
         (GeGLU with tanh GELU, Gemma's ``gelu_pytorch_tanh``) or ``gelu`` (exact GELU).
       norm_plus_one: every RMSNorm scales by ``1 + weight`` (Gemma's; the weight starts at 0).
@@ -100,11 +113,12 @@ class LlamaConfig:
       max_seq_len: longest sequence (rotary positions have no table; this bounds the data).
       rope_theta: rotary embedding base (10000 in Llama 2, 500000 in Llama 3).
       norm_eps: RMSNorm epsilon (``rms_norm_eps``).
-      rope_scaling: empty, or ``llama3``: Llama 3.1's frequency-dependent scaling of the
+      rope_scaling: empty, ``llama3``: Llama 3.1's frequency-dependent scaling of the
         rotary frequencies for long contexts (long wavelengths divided by ``rope_factor``,
-        short ones kept, a smooth blend between), as Hugging Face's ``rope_type: llama3``.
+        short ones kept, a smooth blend between), as Hugging Face's ``rope_type: llama3``; or
+        ``linear``: every frequency divided by ``rope_factor`` (Gemma 3's global layers).
       rope_factor: ``llama3``: the long wavelengths' division (``factor``; 8 in Llama 3.1,
-        32 in Llama 3.2).
+        32 in Llama 3.2); ``linear``: every frequency's.
       rope_low_freq_factor: ``llama3``: ``low_freq_factor``.
       rope_high_freq_factor: ``llama3``: ``high_freq_factor`` (> ``rope_low_freq_factor``).
       rope_original_max_len: ``llama3``: ``original_max_position_embeddings`` (8192).
@@ -131,6 +145,12 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = positive(None, none_means="full causal attention")
+    global_every: int | None = positive(None, none_means="every layer alike")
+    local_rope_theta: float | None = positive(None, none_means="rope_theta")
+    attn_softcap: float | None = positive(None, none_means="none")
+    final_softcap: float | None = positive(None, none_means="none")
+    query_pre_attn_scalar: float | None = positive(None, none_means="head_dim")
+    post_norms: bool = False
     mlp_activation: str = choices("silu", "gelu_tanh", "gelu", default="silu")
     norm_plus_one: bool = False
     embed_scale: bool = False
@@ -158,10 +178,15 @@ class LlamaConfig:
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_kv_heads: {self.kv_heads} does not divide "
                               f"model.n_heads {self.n_heads} (grouped-query attention)")
-        if self.rope_scaling not in (None, "llama3"):
+        if self.rope_scaling not in (None, "llama3", "linear"):
             raise ConfigError(f"model.rope_scaling: {self.rope_scaling!r} is not supported; "
-                              "choose llama3 (Llama 3.1's) or leave it empty")
-        if self.rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                              "choose llama3 (Llama 3.1's), linear or leave it empty")
+        for key in ("global_every", "local_rope_theta"):
+            if getattr(self, key) is not None and self.sliding_window is None:
+                raise ConfigError(f"model.{key}: {getattr(self, key)} needs "
+                                  "model.sliding_window (it sets the windowed layers apart)")
+        if (self.rope_scaling == "llama3"
+                and self.rope_high_freq_factor <= self.rope_low_freq_factor):
             raise ConfigError(f"model.rope_high_freq_factor: {self.rope_high_freq_factor} must "
                               f"exceed model.rope_low_freq_factor {self.rope_low_freq_factor}")
         if self.head_width % 2:
@@ -172,10 +197,23 @@ class LlamaConfig:
 
     @property
     def rope(self) -> tuple:
-        """``(theta, llama3 scaling or None)``: what :func:`zjax.models.llama.rotary` takes."""
-        scaling = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                   self.rope_original_max_len) if self.rope_scaling == "llama3" else None
+        """``(theta, scaling)``: what :func:`zjax.models.llama.rotary` takes (scaling: None,
+        llama3's 4-tuple, or linear's factor)."""
+        scaling = {"llama3": (self.rope_factor, self.rope_low_freq_factor,
+                              self.rope_high_freq_factor, self.rope_original_max_len),
+                   "linear": self.rope_factor}.get(self.rope_scaling)
         return self.rope_theta, scaling
+
+    @property
+    def local_rope(self) -> tuple:
+        """``rope`` of the windowed layers (``local_rope_theta``, unscaled, where set)."""
+        return self.rope if self.local_rope_theta is None else (self.local_rope_theta, None)
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through ``sliding_window``."""
+        if self.sliding_window is None:
+            return False
+        return self.global_every is None or (layer + 1) % self.global_every != 0
 
     @property
     def kv_heads(self) -> int:

@@ -17,11 +17,13 @@ hidden units split over ``model``, so ``mesh.model`` must divide ``n_kv_heads`` 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from zjax.errors import ArgumentError
 from zjax.models._batch import Packing
@@ -39,16 +41,19 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0,
-           scaling: tuple[float, float, float, int] | None = None,
+           scaling: tuple[float, float, float, int] | float | None = None,
            positions: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding of ``x`` ``[B, T, heads, head_dim]`` at positions
     ``start``..``start``+T-1, or at ``positions`` ``[B, T]`` (packed documents); ``scaling``
     is Llama 3.1's ``(factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings)``."""
+    original_max_position_embeddings)``, or a number: linear scaling's factor (every frequency
+    divided by it, Hugging Face's ``rope_type: linear``)."""
     t, hd = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
-    if scaling is not None:
+    if isinstance(scaling, tuple):
         inv_freq = llama3_frequencies(inv_freq, *scaling)
+    elif scaling is not None:
+        inv_freq = inv_freq / scaling
     if positions is None:
         positions = (start + jnp.arange(t, dtype=jnp.float32))[None]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
@@ -75,16 +80,20 @@ def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: flo
 
 class LlamaBlock(nnx.Module):
     """Pre-norm grouped-query attention and a gated MLP (SwiGLU, or Gemma's GELU), no biases
-    (but Qwen2's on q, k, v); optionally Qwen3's per-head query/key norms and Mistral's sliding
-    window."""
+    (but Qwen2's on q, k, v); optionally Qwen3's per-head query/key norms, Mistral's sliding
+    window, and Gemma 2/3's output norms, soft-cap and windowed layers between global ones
+    (the block is then called with its ``layer`` index, and its kind taken from it)."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, hd, ff = cfg.d_model, cfg.head_width, cfg.ff
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.n_kv_heads, self.head_dim = cfg.kv_heads, hd
-        self.theta, self.rope_scaling = cfg.rope
+        self.rope, self.local_rope = cfg.rope, cfg.local_rope
         self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
-        self.window = cfg.sliding_window
+        self.window, self.global_every = cfg.sliding_window, cfg.global_every
+        self.softcap = cfg.attn_softcap
+        self.scale = None if cfg.query_pre_attn_scalar is None \
+            else cfg.query_pre_attn_scalar ** -0.5
         self.mlp_activation = cfg.mlp_activation
         self.ln1 = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
@@ -99,6 +108,9 @@ class LlamaBlock(nnx.Module):
             self.q_norm = RMSNorm(hd, cfg.norm_eps, axis=None, plus_one=cfg.norm_plus_one)
             self.k_norm = RMSNorm(hd, cfg.norm_eps, axis=None, plus_one=cfg.norm_plus_one)
         self.ln2 = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
+        if cfg.post_norms:  # Gemma 2/3: on each sublayer's output, before the residual add
+            self.post_attn_norm = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
+            self.post_mlp_norm = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
@@ -119,41 +131,57 @@ class LlamaBlock(nnx.Module):
         return norm(out, column_parallel_input(norm.scale[...]))
 
     def _attention(self, y, cache: KVCache | None = None, start=0,
-                   context: Packing | None = None):
+                   context: Packing | None = None, layer=None):
         b, t, _ = y.shape
-        hd = self.head_dim
+        q, k, v = (self._project(y, name) for name in "qkv")
         pos = None if context is None else context.positions
-        q = rotary(self._project(y, "q"), self.theta, start, self.rope_scaling, pos)
-        k = rotary(self._project(y, "k"), self.theta, start, self.rope_scaling, pos)
-        v = self._project(y, "v")
-        if cache is not None:  # keys and values of the earlier positions, these written in
-            cache = cache.write(k, v, start)
-            att = attention(q, cache.k, cache.v, q_start=start, window=self.window,
-                            implementation="dense")
-        else:
-            att = attention(q, k, v, implementation=self.attention, window=self.window,
-                            segment_ids=None if context is None else context.segment_ids)
-        return att.reshape(b, t, q.shape[2] * hd), cache
+        segments = None if context is None else context.segment_ids
+
+        def attend(q, k, v, cache, *, window, rope):
+            q, k = (rotary(x, rope[0], start, rope[1], pos) for x in (q, k))
+            kw = dict(window=window, softcap=self.softcap, scale=self.scale)
+            if cache is None:
+                return attention(q, k, v, implementation=self.attention,
+                                 segment_ids=segments, **kw), None
+            cache = cache.write(k, v, start)  # these positions' keys and values written in
+            return attention(q, cache.k, cache.v, q_start=start, implementation="dense",
+                             **kw), cache
+
+        local = functools.partial(attend, window=self.window, rope=self.local_rope)
+        if self.global_every is None:  # every layer alike
+            att, cache = local(q, k, v, cache)
+        else:  # one branch runs: windowed layers, or every global_every-th global one
+            full = functools.partial(attend, window=None, rope=self.rope)
+            att, cache = lax.cond((layer + 1) % self.global_every != 0, local, full,
+                                  q, k, v, cache)
+        return att.reshape(b, t, q.shape[2] * self.head_dim), cache
 
     def _mlp(self, y):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
         act = ACTIVATIONS[self.mlp_activation]
         return (act(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...]
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
-                 context: Packing | None = None):
+                 context: Packing | None = None, layer: jax.Array | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
-        positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents."""
+        positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents;
+        ``layer``: this block's index (with ``global_every``: it picks the layer's kind)."""
         m = model_axis_size()
         if self.n_kv_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
                                 f"{self.n_kv_heads} key/value heads (n_kv_heads), which it "
                                 "splits")
         y = column_parallel_input(self.ln1(x))
-        att, new_cache = self._attention(y, cache, start, context)
-        x = x + row_parallel_output(att @ self.wo[...])
+        att, new_cache = self._attention(y, cache, start, context, layer)
+        x = x + self._post(row_parallel_output(att @ self.wo[...]), "post_attn_norm")
         y = column_parallel_input(self.ln2(x))
-        x = x + row_parallel_output(tiled(self._mlp, y, chunk=self.mlp_chunk))
+        out = row_parallel_output(tiled(self._mlp, y, chunk=self.mlp_chunk))
+        x = x + self._post(out, "post_mlp_norm")
         return x if cache is None else (x, new_cache)
+
+    def _post(self, out, name: str):
+        """A sublayer's output through its output norm (Gemma 2/3), where the model has one."""
+        norm = getattr(self, name, None)
+        return out if norm is None else norm(out)
 
 
 class Llama(nnx.Module):
@@ -163,14 +191,14 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
         self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r), cfg.n_layers, rngs=rngs,
-                            remat=cfg.remat)
+                            remat=cfg.remat, indexed=cfg.global_every is not None)
         self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
-        return (self.features(tokens, packing) @ self.head_weight()).astype(jnp.float32)
+        return self._softcap(self.features(tokens, packing) @ self.head_weight())
 
     def features(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         """The final normalised hidden states ``[B, T, D]`` (what the head multiplies)."""
@@ -188,7 +216,12 @@ class Llama(nnx.Module):
         return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
     def _logits(self, h):
-        return (self.ln_f(h) @ self.head_weight()).astype(jnp.float32)
+        return self._softcap(self.ln_f(h) @ self.head_weight())
+
+    def _softcap(self, logits):
+        """Float32 logits, soft-capped as ``model.final_softcap`` says (Gemma 2)."""
+        logits, cap = logits.astype(jnp.float32), self.cfg.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> KVCache:
         """An empty key/value cache for ``batch`` sequences of up to ``length`` tokens."""
