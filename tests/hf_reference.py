@@ -1,7 +1,7 @@
 """Hugging Face Llama-family checkpoints and their logits without torch or zjax: a float64 numpy
 forward written from transformers 4.57's modelling files (``modeling_llama.py``,
 ``modeling_mistral.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_phi3.py``,
-``modeling_gemma.py``),
+``modeling_gemma.py``, ``modeling_gemma2.py``, ``modeling_gemma3.py``),
 and tiny random checkpoints written with transformers' own config classes and the tensor
 names of those files' ``state_dict``.
 
@@ -30,7 +30,17 @@ FAMILIES = {
     "gemma": ("GemmaConfig", {"head_dim": 24, "hidden_act": "gelu_pytorch_tanh"}),
     "phi3": ("Phi3Config", {"sliding_window": 6, "pad_token_id": 0, "bos_token_id": 1,
                             "eos_token_id": 2}),
+    # soft-caps small enough to bite at these weights; the window shorter than the tokens
+    "gemma2": ("Gemma2Config", {"head_dim": 24, "sliding_window": 5, "query_pre_attn_scalar": 20,
+                                "attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0}),
+    # windowed, windowed, global (a 2:1 pattern); the global layer's rotary scaled linearly
+    "gemma3": ("Gemma3TextConfig", {"architectures": ["Gemma3ForCausalLM"], "head_dim": 24,
+                                    "num_hidden_layers": 3, "sliding_window": 4,
+                                    "sliding_window_pattern": 3, "query_pre_attn_scalar": 16,
+                                    "rope_local_base_freq": 100.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
 }
+_GEMMAS = ("gemma", "gemma2", "gemma3_text")
 
 
 def tiny_config(family: str, **changes) -> dict:
@@ -38,8 +48,8 @@ def tiny_config(family: str, **changes) -> dict:
     import transformers
 
     name, extra = FAMILIES[family]
-    config = getattr(transformers, name)(
-        **{**TINY, **extra, **changes}, architectures=[name.replace("Config", "ForCausalLM")])
+    config = getattr(transformers, name)(**{
+        **TINY, "architectures": [name.replace("Config", "ForCausalLM")], **extra, **changes})
     return json.loads(config.to_json_string())
 
 
@@ -64,8 +74,11 @@ def tensor_names(hf: dict) -> dict[str, tuple[int, ...]]:
             names |= {p + "self_attn.q_proj.bias": (h * hd,),
                       p + "self_attn.k_proj.bias": (kv * hd,),
                       p + "self_attn.v_proj.bias": (kv * hd,)}
-        if qwen3:  # Qwen3Attention: q_norm, k_norm = Qwen3RMSNorm(head_dim)
+        if qwen3 or hf["model_type"] == "gemma3_text":  # q_norm, k_norm = RMSNorm(head_dim)
             names |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if _sandwich(hf):  # Gemma2DecoderLayer: four norms
+            names |= {p + "pre_feedforward_layernorm.weight": (d,),
+                      p + "post_feedforward_layernorm.weight": (d,)}
     return _fuse(hf, names) if hf["model_type"] == "phi3" else names
 
 
@@ -127,12 +140,17 @@ def _rms(x, w, eps, plus_one=False):
 
 
 def _gemma(hf):
-    return hf["model_type"] == "gemma"
+    return hf["model_type"] in _GEMMAS
+
+
+def _sandwich(hf):  # Gemma 2 and 3: norms on the sublayers' outputs too
+    return hf["model_type"] in _GEMMAS[1:]
 
 
 def _act(hf, x):
-    """ACT2FN[hidden_act]: silu, or Gemma's GELU (tanh approximation unless ``gelu``)."""
-    act = hf.get("hidden_act", "silu")
+    """ACT2FN[hidden_act] (Gemma 2/3: hidden_activation): silu, or Gemma's GELU (tanh
+    approximation unless ``gelu``)."""
+    act = hf.get("hidden_activation") if _sandwich(hf) else hf.get("hidden_act", "silu")
     if act == "silu":
         return x / (1 + np.exp(-x))
     if act == "gelu":
@@ -142,19 +160,38 @@ def _act(hf, x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def _rotary(x, positions, theta):  # [T, heads, hd]; rotate_half of modeling_llama
+def _rotary(x, positions, theta, factor=1.0):  # [T, heads, hd]; rotate_half of modeling_llama
     hd = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd) / factor  # linear
     ang = positions[:, None] * inv
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
     half = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], axis=-1)
     return x * cos[:, None] + half * sin[:, None]
 
 
-def _attention(hf, t, p, x):
+def _rope(hf, sliding):
+    """(theta, linear factor) of a layer: Gemma 3's windowed layers have their own, unscaled."""
+    if sliding and hf["model_type"] == "gemma3_text":
+        return hf["rope_local_base_freq"], 1.0
+    scaling = hf.get("rope_scaling") or {}
+    factor = scaling["factor"] if scaling.get("rope_type") == "linear" else 1.0
+    return hf.get("rope_theta", 10000.0), factor
+
+
+def _window(hf, i):
+    """Layer ``i``'s sliding window, or None (Gemma 2/3: by ``layer_types``)."""
+    if _sandwich(hf):
+        return hf["sliding_window"] if hf["layer_types"][i] == "sliding_attention" else None
+    if hf["model_type"] in ("mistral", "phi3"):
+        return hf.get("sliding_window")
+    return None
+
+
+def _attention(hf, t, p, x, i):
     d, h, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
     hd = hf.get("head_dim") or d // h
-    eps, theta = hf["rms_norm_eps"], hf.get("rope_theta", 10000.0)
+    eps, window = hf["rms_norm_eps"], _window(hf, i)
+    theta, factor = _rope(hf, window is not None)
     n = len(x)
 
     def proj(name, heads):
@@ -166,13 +203,18 @@ def _attention(hf, t, p, x):
         return y if norm is None else _rms(y, norm, eps, _gemma(hf))
 
     pos = np.arange(n, dtype=np.float64)
-    q, k, v = _rotary(proj("q", h), pos, theta), _rotary(proj("k", kv), pos, theta), proj("v", kv)
+    q, k = (_rotary(proj(x_, heads), pos, theta, factor) for x_, heads in (("q", h), ("k", kv)))
+    v = proj("v", kv)
     k, v = np.repeat(k, h // kv, axis=1), np.repeat(v, h // kv, axis=1)  # repeat_kv
-    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+    scale = hf["query_pre_attn_scalar"] ** -0.5 if _sandwich(hf) else hd ** -0.5
+    scores = np.einsum("qhd,khd->hqk", q, k) * scale
+    cap = hf.get("attn_logit_softcapping") if _sandwich(hf) else None
+    if cap is not None:  # before the mask (eager_attention_forward of modeling_gemma2)
+        scores = cap * np.tanh(scores / cap)
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     ok = j <= i
-    if hf.get("sliding_window") is not None and hf["model_type"] in ("mistral", "phi3"):
-        ok &= j > i - hf["sliding_window"]  # masking_utils.sliding_window_overlay
+    if window is not None:
+        ok &= j > i - window  # masking_utils.sliding_window_overlay
     scores = np.where(ok, scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -192,14 +234,31 @@ def logits(hf: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.n
         if one:  # GemmaModel: the embeddings times sqrt(hidden_size)
             x = x * hf["hidden_size"] ** 0.5
         for i in range(hf["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            x = x + _attention(hf, t, p, _rms(x, t[p + "input_layernorm.weight"], eps, one))
-            y = _rms(x, t[p + "post_attention_layernorm.weight"], eps, one)
-            act = _act(hf, y @ t[p + "mlp.gate_proj.weight"].T) * (
-                y @ t[p + "mlp.up_proj.weight"].T)
-            x = x + act @ t[p + "mlp.down_proj.weight"].T
-        rows.append(_rms(x, t["model.norm.weight"], eps, one) @ head.T)
+            x = _layer(hf, t, f"model.layers.{i}.", x, i)
+        out = _rms(x, t["model.norm.weight"], eps, one) @ head.T
+        cap = hf.get("final_logit_softcapping") if _sandwich(hf) else None
+        rows.append(out if cap is None else cap * np.tanh(out / cap))
     return np.stack(rows)
+
+
+def _layer(hf, t, p, x, i):
+    """One decoder layer: Llama's, or Gemma 2/3's with norms on both sublayers' outputs
+    (where ``post_attention_layernorm`` is the attention's output norm)."""
+    eps, one = hf["rms_norm_eps"], _gemma(hf)
+
+    def norm(name, y):
+        return _rms(y, t[p + f"{name}.weight"], eps, one)
+
+    att = _attention(hf, t, p, norm("input_layernorm", x), i)
+    if _sandwich(hf):
+        x = x + norm("post_attention_layernorm", att)
+        y = norm("pre_feedforward_layernorm", x)
+    else:
+        x = x + att
+        y = norm("post_attention_layernorm", x)
+    mlp = (_act(hf, y @ t[p + "mlp.gate_proj.weight"].T) * (y @ t[p + "mlp.up_proj.weight"].T)
+           ) @ t[p + "mlp.down_proj.weight"].T
+    return x + (norm("post_feedforward_layernorm", mlp) if _sandwich(hf) else mlp)
 
 
 def greedy(hf: dict, tensors: dict[str, np.ndarray], prompt: np.ndarray, n: int) -> np.ndarray:

@@ -123,7 +123,12 @@ def _changed(key: str, hf: dict):
             "rope_theta": hf["rope_theta"] * 10, "rms_norm_eps": 0.1,
             "tie_word_embeddings": not hf["tie_word_embeddings"], "head_dim": hd // 2,
             "rope_scaling": scaling, "sliding_window": 3,
-            "hidden_act": "gelu" if hf.get("hidden_act") != "gelu" else "gelu_pytorch_tanh"}[key]
+            "hidden_act": "gelu" if hf.get("hidden_act") != "gelu" else "gelu_pytorch_tanh",
+            "hidden_activation": "gelu" if hf.get("hidden_activation") != "gelu"
+            else "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": hd * 4, "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": 0.5, "rope_local_base_freq": 10000.0,
+            "layer_types": ["full_attention"] * hf["num_hidden_layers"]}[key]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -13,10 +13,8 @@ to Llama's (transformers 4.57's modelling files):
   then the key heads, then the value heads) and ``gate_up_proj`` (gate, then up); Mistral's
   ``sliding_window``. The 128k variants' ``rope_scaling: longrope`` is refused (not yet
   implemented), as are dropout and partial rotary.
-- ``GemmaForCausalLM`` (Gemma 1): RMSNorm as ``x * (1 + w)``, embeddings times sqrt(d_model),
-  a GELU-gated MLP, tied head, an explicit ``head_dim`` (256). The activation is
-  ``hidden_act``, which transformers' PyTorch model reads (its Flax model reads
-  ``hidden_activation``): a config whose two disagree is refused.
+
+Gemma 1, 2 and 3 are in ``_gemma.py``.
 
 Qwen's sliding-window layers (``use_sliding_window: true``) are refused; with it false, as in
 every released Qwen2/2.5/3 checkpoint, ``sliding_window`` and ``max_window_layers`` change
@@ -31,7 +29,7 @@ from zjax.errors import CheckpointError
 from zjax.hf._layout import Leaf
 from zjax.hf._llama import ANY, LEAVES, Family, family_layout
 
-__all__ = ["GEMMA", "LLAMA", "MISTRAL", "PHI3", "QWEN2", "QWEN3"]
+__all__ = ["LLAMA", "MISTRAL", "PHI3", "QWEN2", "QWEN3"]
 
 
 def _full_attention(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -103,32 +101,3 @@ PHI3 = family_layout(Family(
     options=lambda hf, source: {"sliding_window": hf.get("sliding_window")},
     to_hf=lambda cfg: {"sliding_window": cfg.sliding_window}, model={"sliding_window": ANY},
     table=_phi3_table))
-
-
-# hidden_act (transformers' ACT2FN names) -> model.mlp_activation
-_GELUS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-          "gelu": "gelu"}
-
-
-def _gemma_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    act = hf.get("hidden_act", "gelu_pytorch_tanh")
-    other = hf.get("hidden_activation")
-    if other is not None and _GELUS.get(other) != _GELUS.get(act):
-        raise CheckpointError(
-            f"{source}: hidden_act = {act!r} and hidden_activation = {other!r} disagree "
-            "(transformers' PyTorch Gemma reads the first, its Flax Gemma the second); set "
-            "both to the activation the weights were trained with")
-    return {"mlp_activation": _GELUS[act], "norm_plus_one": True, "embed_scale": True}
-
-
-def _gemma_to_hf(cfg) -> dict[str, Any]:
-    act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.mlp_activation]
-    return {"hidden_act": act, "hidden_activation": act}
-
-
-GEMMA = family_layout(Family(
-    architecture="GemmaForCausalLM", model_type="gemma",
-    fixed={"attention_bias": (False, None), "hidden_act": (*_GELUS, None)},
-    mapped=("hidden_act",), inert=("hidden_activation",),
-    options=_gemma_options, to_hf=_gemma_to_hf,
-    model={"mlp_activation": ANY, "norm_plus_one": True, "embed_scale": True}))

@@ -1,11 +1,12 @@
 """Hugging Face Llama-family decoders <-> zjax's reference Llama: config keys and tensor names.
 
-One :class:`Family` per architecture (``_families.py``: Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma) says what its ``config.json`` adds to Llama's; this module reads and writes what they
-share. The tensors are in PyTorch's layout, as on the Hub: ``nn.Linear`` weights are
-``[out, in]`` (zjax stores ``[in, out]``: transposed), embeddings, biases and norm weights as
-they are, and each layer's tensors are separate (``model.layers.{i}...``) where zjax stacks
-them on a leading layer axis (one ``Stack``). The names:
+One :class:`Family` per architecture (``_families.py``: Llama, Mistral, Qwen2, Qwen3, Phi-3;
+``_gemma.py``: Gemma 1, 2 and 3) says what its ``config.json`` adds to Llama's; this module
+reads and writes what they share. The tensors are in PyTorch's layout, as on the Hub:
+``nn.Linear`` weights are ``[out, in]`` (zjax stores ``[in, out]``: transposed), embeddings,
+biases and norm weights as they are, and each layer's tensors are separate
+(``model.layers.{i}...``) where zjax stacks them on a leading layer axis (one ``Stack``).
+The names:
 
 =====================================  ===========================================  =========
 zjax leaf                              Hugging Face tensor                          transpose
@@ -19,6 +20,7 @@ zjax leaf                              Hugging Face tensor                      
 ``blocks/layers/ln2/scale``            ``...post_attention_layernorm.weight``       no
 ``blocks/layers/w_gate``, ``w_up``,    ``...mlp.gate_proj``, ``up_proj``,           yes
 ``w_down``                             ``down_proj``
+``blocks/layers/post_attn_norm``, ...   Gemma 2/3's output norms (``_gemma.py``)      no
 ``ln_f/scale`` [D]                     ``model.norm.weight``                        no
 ``head`` [D, V] (untied only)          ``lm_head.weight``                           yes
 =====================================  ===========================================  =========
@@ -65,7 +67,8 @@ BOUNDS = ("max_position_embeddings",)
 FIXED = {"hidden_act": ("silu", None), "attention_dropout": (0, 0.0, None)}
 # the LlamaConfig options that tell the families apart
 OPTIONS = ("qkv_bias", "qk_norm", "sliding_window", "mlp_activation", "norm_plus_one",
-           "embed_scale")
+           "embed_scale", "post_norms", "global_every", "local_rope_theta", "attn_softcap",
+           "final_softcap", "query_pre_attn_scalar")
 ANY = object()  # Family.model: the option may take any value
 
 
@@ -101,15 +104,20 @@ class Family:
 
 
 def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """The ``model.rope_*`` keys of ``config.json``'s ``rope_scaling`` (None, or Llama 3.1's
-    ``llama3``); any other kind is refused."""
+    """The ``model.rope_*`` keys of ``config.json``'s ``rope_scaling`` (None, ``default``,
+    Llama 3.1's ``llama3`` or ``linear``); any other kind is refused."""
     scaling = hf.get("rope_scaling")
     if scaling is None:
         return {}
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        return {"rope_scaling": "linear", "rope_factor": float(scaling["factor"])}
     if kind != "llama3":
         raise CheckpointError(f"{source}: rope_scaling = {scaling!r} is not supported by zjax "
-                              "(it supports None or rope_type 'llama3', Llama 3.1's)")
+                              "(it supports None, rope_type 'llama3' (Llama 3.1's) or "
+                              "'linear')")
     return {"rope_scaling": "llama3", "rope_factor": float(scaling["factor"]),
             "rope_low_freq_factor": float(scaling["low_freq_factor"]),
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
@@ -173,15 +181,21 @@ def _hf_config(family: Family, cfg: LlamaConfig, *, dtype: str) -> dict[str, Any
         "intermediate_size": cfg.ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_width, "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling is None else {
-            "rope_type": "llama3", "factor": cfg.rope_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_len},
+        "rope_theta": cfg.rope_theta, "rope_scaling": _hf_rope_scaling(cfg),
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": dtype,
         **{k: v[0] for k, v in family.fixed.items()}, **family.to_hf(cfg),
     }
+
+
+def _hf_rope_scaling(cfg: LlamaConfig) -> dict[str, Any] | None:
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_factor}
+    return None if cfg.rope_scaling is None else {
+        "rope_type": "llama3", "factor": cfg.rope_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_len}
 
 
 def leaves(cfg: LlamaConfig, table: tuple[Leaf, ...] = LEAVES) -> list[Leaf]:
@@ -194,6 +208,8 @@ def leaves(cfg: LlamaConfig, table: tuple[Leaf, ...] = LEAVES) -> list[Leaf]:
         absent |= {"bq", "bk", "bv"}
     if not cfg.qk_norm:
         absent |= {"q_norm", "k_norm"}
+    if not cfg.post_norms:
+        absent |= {"post_attn_norm", "post_mlp_norm"}
     return [leaf for leaf in table if not absent & set(leaf.keys)]
 
 
