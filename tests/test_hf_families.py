@@ -1,10 +1,11 @@
-"""Llama, Mistral, Qwen2 and Qwen3 checkpoints in and out: zjax's logits equal a float64
-reference written from transformers' modelling files (itself checked against transformers' Flax
-Llama and Mistral), greedy generation equals token for token, every ``config.json`` key that
-transformers' config class writes is mapped, fixed or inert, and each mapped key changes the
-logits or is refused when changed.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1/2/3 checkpoints in and out: zjax's logits
+equal a float64 reference written from transformers' modelling files (itself checked against
+transformers' Flax Llama, Mistral and Gemma), greedy generation equals token for token, every
+``config.json`` key that transformers' config class writes is mapped, fixed or inert, and each
+mapped key changes the logits or is refused when changed.
 
-Tolerance: 1e-4 on fp32 logits of O(1) against float64 (the issue's bound; measured ~1e-6)."""
+Tolerance: 1e-4 on fp32 logits of O(1) against float64 (the issue's bound; measured 1e-6 to
+1.2e-5, Gemma 3's on logits up to 5.4)."""
 
 from __future__ import annotations
 
@@ -169,7 +170,8 @@ def _finetune(tmp_path, directory, name: str, model_axis: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma", "mistral", "phi3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "mistral", "phi3", "qwen2",
+                                    "qwen3"])
 def test_import_stage3_steps_export_reload_gives_the_trained_logits(tmp_path, family):
     """import-hf -> 3 stage-3 steps (tensor-parallel over 2 devices, the same losses as over
     1) -> export --format hf: the files hold the trained model (by the reference's forward

@@ -85,6 +85,24 @@ def test_llama3_rope_scaling_is_huggingfaces():
         LlamaConfig(rope_scaling="yarn")
 
 
+def test_linear_rope_scaling_divides_every_frequency_and_windows_need_a_window():
+    """Linear scaling (Gemma 3's global layers) is rotary at position / factor; the local
+    layers' own base is unscaled; the layer pattern keys are refused without a window."""
+    x = np.random.default_rng(0).normal(size=(1, 9, 2, 8)).astype(np.float32)
+    cfg = LlamaConfig(d_model=16, n_heads=2, rope_theta=100.0, rope_scaling="linear",
+                      rope_factor=4.0, sliding_window=3, global_every=2, local_rope_theta=7.0)
+    theta, scaling = cfg.rope
+    got = np.asarray(rotary(jnp.asarray(x), theta, 0, scaling))
+    inv = 100.0 ** (-np.arange(0, 8, 2) / 8) / 4.0
+    z = (x[..., :4] + 1j * x[..., 4:]) * np.exp(1j * np.arange(9)[None, :, None, None] * inv)
+    np.testing.assert_allclose(got, np.concatenate([z.real, z.imag], axis=-1), atol=1e-5)
+    assert cfg.local_rope == (7.0, None)
+    assert [cfg.windowed(i) for i in range(4)] == [True, False, True, False]
+    for key in ("global_every", "local_rope_theta"):
+        with pytest.raises(zjax.ConfigError, match=rf"^model\.{key}: 2(\.0)? needs "):
+            LlamaConfig(**{key: 2})
+
+
 def test_rotary_is_a_complex_rotation_of_half_pairs():
     x = np.random.default_rng(0).normal(size=(2, 7, 3, 8)).astype(np.float32)
     got = np.asarray(rotary(jnp.asarray(x), 500000.0))
