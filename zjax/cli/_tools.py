@@ -59,8 +59,8 @@ def tool_parsers(sub) -> None:
     tk.add_argument("--workers", type=int, default=0, help="encoding processes (default: one "
                     "per core; 1 encodes in this process)")
     im = sub.add_parser("import-hf", help="a Hugging Face model (Llama, Mistral, Qwen2, "
-                        "Qwen3, Phi-3, Gemma, GPT-2: config.json, safetensors) as a directory to "
-                        "train from (OUT/zjax.yaml)")
+                        "Qwen3, Phi-3, Gemma 1-3, GPT-2: config.json, safetensors) as a "
+                        "directory to train from (OUT/zjax.yaml)")
     im.add_argument("hf_dir", help="config.json and *.safetensors (PyTorch layout, the Hub's)")
     im.add_argument("out", help="a new directory")
     im.add_argument("--dtype", default="float32", help="stored dtype: float32 or bfloat16")
