@@ -300,6 +300,20 @@ def test_cli_simulates_cpu_devices_with_the_compiler_plugins_installed():
     assert out["n_devices"] == 8 and out["device_kind"] == "cpu"
 
 
+def test_model_flops_count_the_heads_width_and_the_windowed_layers():
+    """Gemma-2-9B: 16 heads of 256 (4096, not d_model 3584); 21 of its 42 layers attend
+    through 4096 of the 8192 positions."""
+    from zjax.planning._flops import flops_per_token
+    from zjax.task import flops_shape
+
+    config = zjax.load_config("configs/gemma-2-9b.yaml", ["data.path="])
+    shape = flops_shape(config)["model_shape"]
+    assert shape == {"n_layers": 42, "d_model": 3584, "seq_len": 8192, "attn_width": 4096,
+                     "window": 4096, "windowed_layers": 21}
+    assert flops_per_token(1, **shape) == 6 + 12 * 4096 * (21 * 8192 + 21 * 4096)
+    assert flops_per_token(1, **{**shape, "seq_len": 2048}) == 6 + 12 * 4096 * 42 * 2048
+
+
 def test_model_flops_and_the_peak_of_every_targets_chip():
     """Every target's chip has a bf16 peak (the device_kind strings match the table), and the
     plan's model FLOPs are 6N + 12 L d T per token (PaLM's MFU numerator)."""

@@ -83,9 +83,16 @@ def abstract_batch(config: Config, *, loop: Loop | None = None) -> jax.ShapeDtyp
 def flops_shape(config: Config) -> dict:
     """``tokens_per_step`` and ``model_shape`` of :func:`zjax.planning.report` (model FLOPs):
     the global batch's tokens, and the transformer's depth, width and sequence length when
-    the model section names them (a user's model may not: then 6N only)."""
+    the model section names them (a user's model may not: then 6N only), with a Llama's
+    attention width and windowed layers."""
     model = config.model
     shape = {"n_layers": getattr(model, "n_layers", None),
              "d_model": getattr(model, "d_model", None), "seq_len": config.data.seq_len}
+    if None in shape.values():
+        shape = {}
+    elif hasattr(model, "head_width"):  # Llama's: heads of their own width, windowed layers
+        shape |= {"attn_width": model.n_heads * model.head_width,
+                  "window": model.sliding_window,
+                  "windowed_layers": sum(map(model.windowed, range(model.n_layers)))}
     return {"tokens_per_step": config.data.batch_size * config.data.seq_len,
-            "model_shape": shape if None not in shape.values() else {}}
+            "model_shape": shape}
