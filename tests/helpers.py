@@ -224,3 +224,19 @@ def sharded_params(zstep, *, layer: bool = False) -> int:
     return sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
                // (leaf.shape[0] if layer else 1)
                for leaf in plan.leaves if leaf.dim is not None and (leaf.stacked or not layer))
+
+
+def config_losses(file: str, overrides: list[str], *, steps: int, batch_shape=(8, 65),
+                  vocab: int = 256) -> list[float]:
+    """The losses of ``steps`` steps of ``file``'s step (with ``overrides``) from seed 0, on
+    one fixed batch of random tokens ``batch_shape`` below ``vocab``."""
+    import zjax
+
+    zstep = zjax.build_step(zjax.load_config(file, overrides))
+    state = zstep.init(jax.random.key(0))
+    batch = np.random.default_rng(0).integers(0, vocab, batch_shape).astype(np.int32)
+    out = []
+    for _ in range(steps):
+        state, metrics = zstep.step(state, zstep.put_batch(batch))
+        out.append(float(metrics["loss"]))
+    return out

@@ -7,11 +7,9 @@ split over ``model``.
 Losses over three steps are compared at rtol 1e-6 (float32 gathers and reductions: the
 loops sum in different orders); the second and third losses carry the gradients."""
 
-import jax
 import numpy as np
 import pytest
-
-import zjax
+from helpers import config_losses
 
 PATTERN = ["model.n_layers=4", "model.sliding_window=16", "model.global_every=2",
            "model.local_rope_theta=100", "model.attn_softcap=20", "model.final_softcap=5",
@@ -20,16 +18,8 @@ PATTERN = ["model.n_layers=4", "model.sliding_window=16", "model.global_every=2"
            "zero.gather_dtype=float32", "zero.reduce_dtype=float32"]
 
 
-def _losses(overrides: list[str], steps: int = 3) -> list[float]:
-    config = zjax.load_config("configs/llama-tiny.yaml", [*PATTERN, *overrides])
-    zstep = zjax.build_step(config)
-    state = zstep.init(jax.random.key(0))
-    batch = np.random.default_rng(0).integers(0, 256, (8, 65)).astype(np.int32)
-    out = []
-    for _ in range(steps):
-        state, metrics = zstep.step(state, zstep.put_batch(batch))
-        out.append(float(metrics["loss"]))
-    return out
+def _losses(overrides: list[str]) -> list[float]:
+    return config_losses("configs/llama-tiny.yaml", [*PATTERN, *overrides], steps=3)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ split over ``model`` (values unchanged; the host bytes are exactly the saved inp
 Memory figures are ``memory_analysis()`` of the step compiled from ``ShapeDtypeStruct``s.
 """
 
-import jax
 import numpy as np
 import pytest
+from helpers import config_losses
 
 import zjax
 from zjax.runtime.targets import target
@@ -73,15 +73,7 @@ def test_offloaded_layer_inputs_are_the_host_bytes_and_leave_the_device(name):
 
 
 def _losses(overrides: list[str], steps: int = 2):
-    config = zjax.load_config("configs/llama-tiny.yaml", [*TINY, *overrides])
-    zstep = zjax.build_step(config)
-    state = zstep.init(jax.random.key(0))
-    batch = np.random.default_rng(0).integers(0, 256, (8, 65)).astype(np.int32)
-    out = []
-    for _ in range(steps):
-        state, metrics = zstep.step(state, zstep.put_batch(batch))
-        out.append(float(metrics["loss"]))
-    return out
+    return config_losses("configs/llama-tiny.yaml", [*TINY, *overrides], steps=steps)
 
 
 @pytest.mark.slow
