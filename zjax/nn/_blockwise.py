@@ -91,11 +91,15 @@ def _segs(seg, start, size):
     return None if seg is None else lax.dynamic_slice_in_dim(seg, start, size, axis=1)
 
 
-def _forward(mask: Mask, bq: int, bk: int, q, k, v, qseg, kseg):
-    """``(out [B, T, K, G, D], lse [B, K, G, T])`` of grouped ``q [B, T, K, G, D]``."""
+def _forward(mask: Mask, bq: int, bk: int, q, k, v, qseg, kseg, offset=None, dtype=None):
+    """``(out [B, T, K, G, D], lse [B, K, G, T])`` of grouped ``q [B, T, K, G, D]``, query
+    ``i`` at key position ``offset + i`` (default ``S - T``; may be traced: ring attention's
+    blocks); ``out`` in ``dtype`` (default ``q``'s). A row that sees no key gets out 0 and
+    lse -inf."""
     b, t, kh, g, d = q.shape
     s_len = k.shape[1]
-    nq, nk, offset = t // bq, s_len // bk, s_len - t
+    nq, nk = t // bq, s_len // bk
+    offset = s_len - t if offset is None else offset
 
     def q_block(i):
         qi = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
@@ -121,8 +125,11 @@ def _forward(mask: Mask, bq: int, bk: int, q, k, v, qseg, kseg):
                 jnp.zeros((b, kh, g, bq, d), jnp.float32))
         lo, hi = _k_range(mask, i, bq, bk, nk, offset)
         m, total, acc = lax.fori_loop(lo, hi, k_block, init)
-        out = (acc / total[..., None]).astype(q.dtype)  # [B, K, G, bq, D]
-        return jnp.moveaxis(out, 3, 1), m + jnp.log(total)
+        seen = total > 0  # a block range left empty by the mask (ring attention's blocks)
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1)[..., None], 0)
+        out = out.astype(dtype or q.dtype)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1)), -jnp.inf)
+        return jnp.moveaxis(out, 3, 1), lse  # [B, bq, K, G, D]
 
     outs, lses = lax.map(q_block, jnp.arange(nq))  # [nq, B, bq, K, G, D], [nq, B, K, G, bq]
     out = jnp.moveaxis(outs, 0, 1).reshape(b, t, kh, g, d)
@@ -130,11 +137,14 @@ def _forward(mask: Mask, bq: int, bk: int, q, k, v, qseg, kseg):
     return out, lse
 
 
-def _backward(mask: Mask, bq: int, bk: int, res, dout):
+def _grads(mask: Mask, bq: int, bk: int, res, dout, offset=None):
+    """float32 ``(dq, dk, dv)`` of one block pair, given the rows' final ``out`` and ``lse``
+    (over every key the rows see, in this block or others: ring attention)."""
     q, k, v, qseg, kseg, out, lse = res
     b, t, kh, _, d = q.shape
     s_len = k.shape[1]
-    nq, nk, offset = t // bq, s_len // bk, s_len - t
+    nq, nk = t // bq, s_len // bk
+    offset = s_len - t if offset is None else offset
     # D_i = rowsum(dO * O): the softmax backward's correction, per query row
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32))
 
@@ -174,8 +184,13 @@ def _backward(mask: Mask, bq: int, bk: int, res, dout):
 
     dq, (dks, dvs) = lax.scan(k_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
     regroup = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s_len, kh, d)
-    return (dq.astype(q.dtype), regroup(dks).astype(k.dtype), regroup(dvs).astype(v.dtype),
-            None, None)
+    return dq, regroup(dks), regroup(dvs)
+
+
+def _backward(mask: Mask, bq: int, bk: int, res, dout):
+    q, k, v = res[:3]
+    dq, dk, dv = _grads(mask, bq, bk, res, dout)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
