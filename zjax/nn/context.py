@@ -1,0 +1,134 @@
+"""Attention over a sequence split along a mesh axis (context parallelism), inside
+``shard_map``: each device holds ``T / C`` consecutive tokens (or, striped, two chunks).
+
+- :func:`ulysses_attention` (DeepSpeed-Ulysses): an all-to-all turns the sequence-split
+  ``q``, ``k``, ``v`` into head-split full-length ones, :func:`zjax.nn.attention.attention`
+  runs on them (any kernel), and an all-to-all turns the output back. Per layer and device
+  the forward moves ``q``, ``k``, ``v`` and the output once each: ``(C - 1) / C`` of
+  ``4 x T/C x d_model`` elements with as many key/value as query heads. The query heads must
+  divide by ``C``; so must the key/value heads, or ``C`` by them, and then each key/value
+  head is repeated to ``C`` (grouped-query attention with few key/value heads: those bytes
+  grow to the query heads').
+- :func:`ring_attention`: key/value blocks passed around the axis with an online softmax
+  (:mod:`zjax.nn._ring`); any head count; memory linear in the local length. Causal
+  attention is balanced with :func:`stripe`'s layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zjax.errors import ArgumentError
+from zjax.nn._blockwise import Mask
+from zjax.nn._ring import ring
+from zjax.nn.attention import attention
+
+__all__ = ["ring_attention", "stripe", "ulysses_attention", "ulysses_kv_repeat", "unstripe"]
+
+
+def ulysses_kv_repeat(kv_heads: int, n: int) -> int:
+    """How many times Ulysses repeats each of ``kv_heads`` key/value heads over ``n``
+    devices: 1 when ``n`` divides them, ``n / kv_heads`` when they divide ``n``.
+
+    Raises:
+      ArgumentError: neither divides the other.
+    """
+    if kv_heads % n == 0:
+        return 1
+    if n % kv_heads == 0:
+        return n // kv_heads
+    raise ArgumentError("mesh.context", f"{kv_heads} key/value heads and a context axis of "
+                        f"{n} do not divide one another (Ulysses splits the heads over the "
+                        "axis); use ring attention")
+
+
+def ulysses_attention(q, k, v, *, axis_name: str, segment_ids=None, **options) -> jax.Array:
+    """Attention of the local ``q [B, T/C, H, D]`` over ``k``, ``v`` ``[B, T/C, K, D]``,
+    the sequence split over ``axis_name`` (``C`` devices, consecutive blocks), by all-to-all.
+
+    Args:
+      axis_name: the mesh axis the sequence is split over (inside ``shard_map``).
+      segment_ids: None or ``[B, T/C]`` ints (packed documents), gathered over the axis.
+      **options: :func:`zjax.nn.attention.attention`'s (causal, window, softcap, scale,
+        implementation, block_size).
+
+    Returns:
+      The local ``[B, T/C, H, D]`` of the output.
+    """
+    n = lax.axis_size(axis_name)
+    if q.shape[2] % n:
+        raise ArgumentError("mesh.context", f"{q.shape[2]} query heads do not divide by a "
+                            f"context axis of {n} (Ulysses splits the heads over it); use "
+                            "ring attention")
+    repeat = ulysses_kv_repeat(k.shape[2], n)
+    if repeat > 1:  # query head h reads key/value head h // (H / K) still
+        k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
+    to_heads = lambda x: lax.all_to_all(x, axis_name, 2, 1, tiled=True)
+    if segment_ids is not None:
+        segment_ids = lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
+    out = attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=segment_ids, **options)
+    return lax.all_to_all(out, axis_name, 1, 2, tiled=True)
+
+
+def ring_attention(q, k, v, *, axis_name: str, segment_ids=None, causal: bool = True,
+                   window: int | None = None, softcap: float | None = None,
+                   scale: float | None = None, striped: bool = True,
+                   block_size: int = 512) -> jax.Array:
+    """Self-attention of the local ``q [B, T/C, H, D]`` over ``k``, ``v`` ``[B, T/C, K, D]``,
+    the sequence split over ``axis_name`` (inside ``shard_map``), by passing key/value
+    blocks around it.
+
+    Args:
+      axis_name: the mesh axis the sequence is split over.
+      segment_ids: None or the local ``[B, T/C]`` ints (packed documents).
+      causal, window, softcap, scale: as :func:`zjax.nn.attention.attention`'s.
+      striped: the local tokens are chunks ``i`` and ``2C - 1 - i`` of ``2C``
+        (:func:`stripe`); else the ``i``-th of ``C`` consecutive blocks.
+      block_size: the tile of each block pair (must divide a chunk, or be clipped to it).
+
+    Returns:
+      The local ``[B, T/C, H, D]`` of the output, in the same layout.
+    """
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    if h % kh or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
+        raise ArgumentError("attention", f"ring attention needs q [B, T, H, D] and k, v "
+                            f"[B, T, K, D] with K dividing H; got {q.shape}, {k.shape}")
+    chunk = t // 2 if striped else t
+    block = min(block_size, chunk)
+    if (striped and t % 2) or chunk % block:
+        raise ArgumentError("attention", f"ring attention's local length {t} must split into "
+                            f"{2 if striped else 1} chunk(s) of a multiple of the block "
+                            f"{block}")
+    mask = Mask(causal, window, softcap, float(scale if scale is not None
+                                               else 1 / math.sqrt(d)))
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    out = ring(mask, block, block, axis_name, striped, q.reshape(b, t, kh, h // kh, d), k, v,
+               seg, seg)
+    return out.reshape(b, t, h, d)
+
+
+def _stripe_order(n: int) -> np.ndarray:
+    return np.array([c for i in range(n) for c in (i, 2 * n - 1 - i)])
+
+
+def stripe(x, n: int, *, axis: int = 1):
+    """The global sequence ``x`` reordered so that ``n`` equal consecutive blocks of it are
+    the striped layout: block ``i`` holds chunks ``i`` and ``2n - 1 - i`` of ``2n``."""
+    if x.shape[axis] % (2 * n):
+        raise ArgumentError("mesh.context", f"a sequence of {x.shape[axis]} tokens does not "
+                            f"split into 2 x {n} equal chunks (ring attention's striping)")
+    chunks = jnp.split(x, 2 * n, axis=axis)
+    return jnp.concatenate([chunks[c] for c in _stripe_order(n)], axis=axis)
+
+
+def unstripe(x, n: int, *, axis: int = 1):
+    """:func:`stripe`'s inverse."""
+    chunks = jnp.split(x, 2 * n, axis=axis)
+    inverse = np.argsort(_stripe_order(n))
+    return jnp.concatenate([chunks[c] for c in inverse], axis=axis)
