@@ -69,11 +69,10 @@ def _forward_ring(mask: Mask, bq: int, bk: int, axis: str, striped: bool, q, k, 
             jnp.full((b, kh, g, c), -jnp.inf, jnp.float32)) for _ in range(nc)]
     block = (k, v, kseg)
     for step in range(n):
-        kb, vb, ksb = block
+        kvs = list(zip(*(_chunks(x, nc, 1) for x in block), strict=True))
         k_at = _starts((me - step) % n, n, c, striped)
         for a in range(nc):
-            for j, (kc, vc, ksc) in enumerate(zip(_chunks(kb, nc, 1), _chunks(vb, nc, 1),
-                                                  _chunks(ksb, nc, 1), strict=True)):
+            for j, (kc, vc, ksc) in enumerate(kvs):
                 part = _forward(mask, bq, bk, qs[a], kc, vc, qsegs[a], ksc,
                                 offset=q_at[a] - k_at[j], dtype=jnp.float32)
                 acc[a] = _merge(acc[a], part)
@@ -96,11 +95,11 @@ def _backward_ring(mask: Mask, bq: int, bk: int, axis: str, striped: bool, res, 
     block = (k, v, kseg, zeros, zeros)  # the block's gradients travel with it
     for step in range(n):
         kb, vb, ksb, dk, dv = block
+        kvs = list(zip(*(_chunks(x, nc, 1) for x in (kb, vb, ksb)), strict=True))
         k_at = _starts((me - step) % n, n, c, striped)
         dks, dvs = _chunks(dk, nc, 1), _chunks(dv, nc, 1)
         for a in range(nc):
-            for j, (kc, vc, ksc) in enumerate(zip(_chunks(kb, nc, 1), _chunks(vb, nc, 1),
-                                                  _chunks(ksb, nc, 1), strict=True)):
+            for j, (kc, vc, ksc) in enumerate(kvs):
                 gq, gk, gv = _grads(mask, bq, bk,
                                     (qs[a], kc, vc, qsegs[a], ksc, outs[a], lses[a]),
                                     douts[a], offset=q_at[a] - k_at[j])
