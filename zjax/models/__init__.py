@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 from zjax._lazy import exports
 from zjax.models.config import GPTConfig, LlamaConfig
 
-__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "Trainable", "from_nnx", "from_pytree",
-           "lm_loss", "model_class"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "Packing", "Trainable", "from_nnx",
+           "from_pytree", "lm_loss", "model_class", "split_batch"]
 
 _LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.models.llama",
          "Trainable": "zjax.models.trainable", "from_nnx": "zjax.models.trainable",
-         "from_pytree": "zjax.models.trainable"}
+         "from_pytree": "zjax.models.trainable", "Packing": "zjax.models._batch",
+         "split_batch": "zjax.models._batch"}
 
 
 __getattr__ = exports(__name__, _LAZY)
@@ -33,6 +34,7 @@ def model_class(config: Any) -> type | None:
 
 
 if TYPE_CHECKING:
+    from zjax.models._batch import Packing, split_batch
     from zjax.models.gpt import GPT, lm_loss
     from zjax.models.llama import Llama
     from zjax.models.trainable import Trainable, from_nnx, from_pytree

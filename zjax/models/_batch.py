@@ -6,6 +6,12 @@ A batch is either an int array ``[B, T + 1]`` (one sequence per row), or a mappi
 padding), ``positions`` (each token's position in its document; derived from the segment ids
 when absent) and ``loss_mask`` (1 where the token is to be predicted, 0 where not: a prompt),
 each ``[B, T + 1]``, aligned with the tokens.
+
+Under sequence parallelism (a ``context`` axis of ``C`` in the step's mesh) every device holds
+its rows' whole token arrays, and :func:`split_batch` gives it its share of each sequence:
+chunks ``i`` and ``2C - 1 - i`` of ``2C`` (:func:`zjax.nn.context.stripe_shard`, which balances
+causal attention), with every token's global position, so rotary and learned position
+embeddings, segment ids and the loss weights stay those of the whole sequence.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from zjax.errors import ArgumentError
+from zjax.nn import model_axis_size
+from zjax.nn.context import stripe_shard
+from zjax.runtime.mesh import CONTEXT
 
 __all__ = ["BATCH_KEYS", "Packing", "positions_from_segments", "split_batch"]
 
@@ -28,11 +37,12 @@ class Packing(NamedTuple):
     in each document.
 
     Attributes:
-      segment_ids: int ``[B, T]``; 0 marks padding.
+      segment_ids: int ``[B, T]``; 0 marks padding. None: one document per row (a row split
+        over a context axis, whose positions are not ``0..T-1``).
       positions: int ``[B, T]``.
     """
 
-    segment_ids: jax.Array
+    segment_ids: jax.Array | None
     positions: jax.Array
 
 
@@ -49,8 +59,23 @@ def split_batch(batch) -> tuple[jax.Array, jax.Array, jax.Array | None, Packing 
     """``(inputs [B, T], targets [B, T], weights [B, T] float32 or None, packing or None)``.
 
     A target counts (weight 1) when it continues its input's document (same segment, not
-    padding) and its ``loss_mask`` is set; None weights mean every target counts.
+    padding) and its ``loss_mask`` is set; None weights mean every target counts. Inside a
+    step with a ``context`` axis of ``C`` > 1, each is this device's ``T / C`` tokens of the
+    striped layout, and ``packing`` always carries their global positions.
     """
+    inputs, targets, weights, packing = _whole(batch)
+    n = model_axis_size(CONTEXT)
+    if n == 1:
+        return inputs, targets, weights, packing
+    if packing is None:
+        pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        packing = Packing(None, pos)
+    mine = lambda x: None if x is None else stripe_shard(x, axis_name=CONTEXT)
+    return (mine(inputs), mine(targets), mine(weights),
+            Packing(mine(packing.segment_ids), mine(packing.positions)))
+
+
+def _whole(batch) -> tuple[jax.Array, jax.Array, jax.Array | None, Packing | None]:
     if not isinstance(batch, Mapping):
         return batch[:, :-1], batch[:, 1:], None, None
     unknown = sorted(set(batch) - set(BATCH_KEYS))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 
 from zjax.models._batch import split_batch
+from zjax.models._layers import check_length
 from zjax.nn.loss import chunked_cross_entropy
 
 __all__ = ["lm_loss"]
@@ -24,6 +27,8 @@ def lm_loss(model, batch) -> tuple[jax.Array, jax.Array]:
       ``(sum of token losses, token count)``: zjax divides by the global count, so a sharded
       run equals a single-device one.
     """
+    tokens = batch["tokens"] if isinstance(batch, Mapping) else batch
+    check_length(tokens[:, 1:], model.cfg.max_seq_len)  # the whole sequence, not a shard's
     inputs, targets, weights, packing = split_batch(batch)
     hidden = model.features(inputs, packing)
     # Gemma 2's final soft-cap (a GPT has none)

@@ -32,6 +32,11 @@ class GPTConfig:
         backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
         sequences elsewhere); ``dense``, ``blockwise``, ``splash``, ``triton``, ``cudnn`` force
         one (refused where it cannot honour the mask).
+      context_attention: how attention runs when ``mesh.context`` splits the sequence:
+        ``ulysses`` (all-to-all to head-split full-length attention in the ``attention``
+        kernel; the heads per ``mesh.model`` device must divide by ``mesh.context``, key/value
+        heads are repeated up to it), ``ring`` (key/value blocks passed around the axis; any
+        heads), ``auto`` (Ulysses where the heads split, else the ring).
       loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
         ``[loss_chunk, vocab]`` float32 logits, not every token's.
       mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
@@ -54,6 +59,7 @@ class GPTConfig:
     remat: bool = True
     attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
                              default="auto")
+    context_attention: str = choices("auto", "ulysses", "ring", default="auto")
     loss_chunk: int = positive(1024)
     mlp_chunk: int = non_negative(0)
 
@@ -127,6 +133,11 @@ class LlamaConfig:
         backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
         sequences elsewhere); ``dense``, ``blockwise``, ``splash``, ``triton``, ``cudnn`` force
         one (refused where it cannot honour the mask).
+      context_attention: how attention runs when ``mesh.context`` splits the sequence:
+        ``ulysses`` (all-to-all to head-split full-length attention in the ``attention``
+        kernel; the heads per ``mesh.model`` device must divide by ``mesh.context``, key/value
+        heads are repeated up to it), ``ring`` (key/value blocks passed around the axis; any
+        heads), ``auto`` (Ulysses where the heads split, else the ring).
       loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
         ``[loss_chunk, vocab]`` float32 logits, not every token's.
       mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
@@ -167,6 +178,7 @@ class LlamaConfig:
     remat: bool = True
     attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
                              default="auto")
+    context_attention: str = choices("auto", "ulysses", "ring", default="auto")
     loss_chunk: int = positive(1024)
     mlp_chunk: int = non_negative(0)
 

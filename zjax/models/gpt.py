@@ -60,6 +60,7 @@ class Block(nnx.Module):
             self.b_down = zeros((d,), ("embed",))
         self.bias = cfg.bias
         self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
+        self.context_attention = cfg.context_attention
 
     def _plus(self, x, name: str):
         return x + getattr(self, name)[...] if self.bias else x
@@ -90,6 +91,7 @@ class Block(nnx.Module):
             att = attention(q, cache.k, cache.v, q_start=start, implementation="dense")
         else:
             att = attention(q, k, v, implementation=self.attention,
+                            context=self.context_attention,
                             segment_ids=None if context is None else context.segment_ids)
         att = att.reshape(b, t, h * hd)
         x = self._plus(x + row_parallel_output(att @ self.wo[...]), "bo")

@@ -90,6 +90,7 @@ class LlamaBlock(nnx.Module):
         self.n_kv_heads, self.head_dim = cfg.kv_heads, hd
         self.rope, self.local_rope = cfg.rope, cfg.local_rope
         self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
+        self.context_attention = cfg.context_attention
         self.window, self.global_every = cfg.sliding_window, cfg.global_every
         self.softcap = cfg.attn_softcap
         self.scale = None if cfg.query_pre_attn_scalar is None \
@@ -142,7 +143,8 @@ class LlamaBlock(nnx.Module):
             kw = dict(window=window, softcap=self.softcap, scale=self.scale)
             if cache is None:
                 return attention(q, k, v, implementation=self.attention,
-                                 segment_ids=segments, **kw), None
+                                 context=self.context_attention, segment_ids=segments,
+                                 **kw), None
             cache = cache.write(k, v, start)  # these positions' keys and values written in
             return attention(q, cache.k, cache.v, q_start=start, implementation="dense",
                              **kw), cache

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from zjax.errors import ArgumentError
 from zjax.nn import _kernels
 from zjax.nn._blockwise import Mask, blockwise_attention
+from zjax.nn.tensor_parallel import model_axis_size
+from zjax.runtime.mesh import CONTEXT
 
 __all__ = ["DENSE_UP_TO", "IMPLEMENTATIONS", "attention", "choose", "dense_attention",
            "platform_kind", "trace_platform"]
@@ -117,7 +119,7 @@ def _check(q, k, v, window, softcap, causal, segment_ids):
 def attention(q, k, v, *, segment_ids=None, causal: bool = True, window: int | None = None,
               softcap: float | None = None, scale: float | None = None,
               implementation: str = "auto", q_start=None, interpret: bool = False,
-              block_size: int = 512) -> jax.Array:
+              block_size: int = 512, context: str = "auto") -> jax.Array:
     """Multi-head attention of ``q [B, T, H, D]`` over ``k``, ``v`` ``[B, S, K, D]``.
 
     Args:
@@ -131,6 +133,8 @@ def attention(q, k, v, *, segment_ids=None, causal: bool = True, window: int | N
       q_start: dense only: the (possibly traced) position of the first query (decoding).
       interpret: run a Pallas kernel in its interpreter (tests on CPU).
       block_size: the blockwise implementation's tile (queries and keys).
+      context: under a ``context`` axis: ``auto``, ``ulysses`` or ``ring``
+        (:func:`zjax.nn.context.context_method`); ``none`` attends over the local tokens only.
 
     Returns:
       ``[B, T, H, D]`` in ``q``'s dtype.
@@ -141,6 +145,13 @@ def attention(q, k, v, *, segment_ids=None, causal: bool = True, window: int | N
     if segment_ids is not None and not isinstance(segment_ids, tuple | list):
         segment_ids = (segment_ids, segment_ids)
     _check(q, k, v, window, softcap, causal, segment_ids)
+    if context != "none" and q_start is None and model_axis_size(CONTEXT) > 1:
+        from zjax.nn.context import context_attention  # it calls back here, with "none"
+
+        return context_attention(q, k, v, axis_name=CONTEXT, method=context,
+                                 segment_ids=None if segment_ids is None else segment_ids[0],
+                                 implementation=implementation, block_size=block_size,
+                                 causal=causal, window=window, softcap=softcap, scale=scale)
     mask = Mask(causal, window, softcap, float(scale if scale is not None
                                                else 1 / math.sqrt(q.shape[-1])))
     ask = dict(q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1],

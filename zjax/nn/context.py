@@ -28,7 +28,8 @@ from zjax.nn._blockwise import Mask
 from zjax.nn._ring import ring
 from zjax.nn.attention import attention
 
-__all__ = ["ring_attention", "stripe", "ulysses_attention", "ulysses_kv_repeat", "unstripe"]
+__all__ = ["CONTEXT_METHODS", "context_attention", "context_method", "ring_attention", "stripe",
+           "stripe_shard", "ulysses_attention", "ulysses_kv_repeat", "unstripe"]
 
 
 def ulysses_kv_repeat(kv_heads: int, n: int) -> int:
@@ -47,13 +48,16 @@ def ulysses_kv_repeat(kv_heads: int, n: int) -> int:
                         "axis); use ring attention")
 
 
-def ulysses_attention(q, k, v, *, axis_name: str, segment_ids=None, **options) -> jax.Array:
+def ulysses_attention(q, k, v, *, axis_name: str, segment_ids=None, striped: bool = False,
+                      **options) -> jax.Array:
     """Attention of the local ``q [B, T/C, H, D]`` over ``k``, ``v`` ``[B, T/C, K, D]``,
     the sequence split over ``axis_name`` (``C`` devices, consecutive blocks), by all-to-all.
 
     Args:
       axis_name: the mesh axis the sequence is split over (inside ``shard_map``).
       segment_ids: None or ``[B, T/C]`` ints (packed documents), gathered over the axis.
+      striped: the local tokens are :func:`stripe`'s layout (chunks ``i`` and ``2C - 1 - i``);
+        the full-length sequences are put back in order around the attention.
       **options: :func:`zjax.nn.attention.attention`'s (causal, window, softcap, scale,
         implementation, block_size).
 
@@ -68,10 +72,14 @@ def ulysses_attention(q, k, v, *, axis_name: str, segment_ids=None, **options) -
     repeat = ulysses_kv_repeat(k.shape[2], n)
     if repeat > 1:  # query head h reads key/value head h // (H / K) still
         k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
-    to_heads = lambda x: lax.all_to_all(x, axis_name, 2, 1, tiled=True)
+    order = (lambda x: unstripe(x, n)) if striped else (lambda x: x)
+    to_heads = lambda x: order(lax.all_to_all(x, axis_name, 2, 1, tiled=True))
     if segment_ids is not None:
-        segment_ids = lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
-    out = attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=segment_ids, **options)
+        segment_ids = order(lax.all_gather(segment_ids, axis_name, axis=1, tiled=True))
+    out = attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=segment_ids,
+                    context="none", **options)
+    if striped:
+        out = stripe(out, n)
     return lax.all_to_all(out, axis_name, 1, 2, tiled=True)
 
 
@@ -113,6 +121,51 @@ def ring_attention(q, k, v, *, axis_name: str, segment_ids=None, causal: bool = 
     return out.reshape(b, t, h, d)
 
 
+CONTEXT_METHODS = ("auto", "ulysses", "ring")
+
+
+def context_method(method: str, *, q_heads: int, kv_heads: int, n: int) -> str:
+    """``ulysses`` or ``ring``: what ``method`` (one of :data:`CONTEXT_METHODS`) runs for
+    ``q_heads`` and ``kv_heads`` local heads over a context axis of ``n``. ``auto`` takes
+    Ulysses where the heads split over the axis (its all-to-alls move each activation once,
+    and the attention runs in the backend's fastest kernel), else the ring.
+
+    Raises:
+      ArgumentError: an unknown method, or Ulysses asked for heads it cannot split.
+    """
+    if method not in CONTEXT_METHODS:
+        raise ArgumentError("model.context_attention", f"{method!r} is not a context "
+                            f"attention; choose one of {', '.join(CONTEXT_METHODS)}")
+    fits = q_heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
+    if method == "ulysses" and not fits:
+        raise ArgumentError("model.context_attention", f"ulysses splits the {q_heads} query "
+                            f"and {kv_heads} key/value heads (per model-axis device) over "
+                            f"mesh.context {n}, which does not divide the query heads or "
+                            "divide / is divided by the key/value heads; use ring or auto")
+    return method if method != "auto" else "ulysses" if fits else "ring"
+
+
+def context_attention(q, k, v, *, axis_name: str, method: str = "auto", segment_ids=None,
+                      implementation: str = "auto", block_size: int = 512, causal: bool = True,
+                      window: int | None = None, softcap: float | None = None,
+                      scale: float | None = None) -> jax.Array:
+    """Self-attention of the local ``q``, ``k``, ``v`` of a sequence split over ``axis_name``
+    in :func:`stripe`'s layout (what a zjax step gives each device), by Ulysses or the ring
+    (:func:`context_method`). ``implementation`` is the kernel Ulysses runs (the ring runs
+    its own blockwise one)."""
+    n = lax.axis_size(axis_name)
+    how = context_method(method, q_heads=q.shape[2], kv_heads=k.shape[2], n=n)
+    mask = dict(causal=causal, window=window, softcap=softcap, scale=scale)
+    if how == "ulysses":
+        return ulysses_attention(q, k, v, axis_name=axis_name, segment_ids=segment_ids,
+                                 striped=True, implementation=implementation,
+                                 block_size=block_size, **mask)
+    # a tile dividing the local chunks (T / 2C): the largest power of two up to block_size
+    block = math.gcd(q.shape[1] // 2, block_size)
+    return ring_attention(q, k, v, axis_name=axis_name, segment_ids=segment_ids, striped=True,
+                          block_size=block, **mask)
+
+
 def _stripe_order(n: int) -> np.ndarray:
     return np.array([c for i in range(n) for c in (i, 2 * n - 1 - i)])
 
@@ -132,3 +185,23 @@ def unstripe(x, n: int, *, axis: int = 1):
     chunks = jnp.split(x, 2 * n, axis=axis)
     inverse = np.argsort(_stripe_order(n))
     return jnp.concatenate([chunks[c] for c in inverse], axis=axis)
+
+
+def stripe_shard(x, *, axis_name: str, axis: int = 1):
+    """This device's block of :func:`stripe` ``(x, C)`` (inside ``shard_map``, ``C`` the size
+    of ``axis_name``): chunks ``i`` and ``2C - 1 - i`` of the ``2C`` equal chunks of the
+    global ``x`` along ``axis``, ``i`` the device's index on the axis.
+
+    Raises:
+      ArgumentError: ``2C`` does not divide the length.
+    """
+    n = lax.axis_size(axis_name)
+    t = x.shape[axis]
+    if t % (2 * n):
+        raise ArgumentError("mesh.context", f"a context axis of {n} does not split a sequence "
+                            f"of {t} tokens into 2 x {n} equal chunks (each device holds chunks "
+                            f"i and {2 * n - 1} - i, balancing causal attention); use a sequence "
+                            f"length divisible by {2 * n}")
+    chunk, i = t // (2 * n), lax.axis_index(axis_name)
+    take = lambda c: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=axis)
+    return jnp.concatenate([take(i), take(2 * n - 1 - i)], axis=axis)

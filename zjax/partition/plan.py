@@ -6,10 +6,9 @@ shard along the ``data`` axis (the largest one that the axis size divides, never
 stacked-layer dimension) or says why the leaf stays replicated. From that it derives the
 PartitionSpecs of stored params, gradients, fp32 master params and optax state per ZeRO stage.
 
-On a 2-D mesh the model's logical axes (:mod:`zjax.partition.rules`) first split some leaves over
-``model`` (tensor parallelism); ZeRO then shards each leaf over ``data`` along a *different*
-dimension, so a device holds ``1/(data x model)`` of a leaf split both ways, and gathering it
-over ``data`` yields exactly the device's tensor-parallel slice.
+The model's logical axes (:mod:`zjax.partition.rules`) first split some leaves over ``model``
+(tensor parallelism); ZeRO then shards each over ``data`` (x ``context``) along a *different*
+dimension: gathering the shard yields exactly the device's tensor-parallel slice.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from zjax.partition.config import ZeroConfig, resolve_dtype
 from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
 from zjax.runtime import Backend, backend_of
-from zjax.runtime.mesh import DATA, MODEL, NODE, REPLICA, split_nodes
+from zjax.runtime.mesh import CONTEXT, DATA, MODEL, NODE, REPLICA, shard_axes, split_nodes
 
 __all__ = ["LeafPlan", "ShardPlan", "make_plan", "path_str"]
 
@@ -51,8 +50,8 @@ class LeafPlan:
       dim: the dimension sharded over ``data``, or None if the leaf stays replicated.
       reason: why it is replicated (empty when sharded).
       model_dim: the dimension split over ``model`` (tensor parallelism), or None.
-      data_axes: the mesh axes ``dim`` is split over: ``data``, or ``(data, node)`` with
-        ZeRO++'s hierarchical partition.
+      data_axes: the mesh axes ``dim`` is split over: ``data``, ``(data, node)`` with
+        ZeRO++'s hierarchical partition, ``(data, context)`` with sequence parallelism.
     """
 
     path: str
@@ -139,7 +138,6 @@ class ShardPlan:
     leaves: tuple[LeafPlan, ...]
     treedef: Any
 
-    # ---- per-leaf views -------------------------------------------------------------------
     @property
     def n_data(self) -> int:
         return self.mesh.shape[DATA]
@@ -149,24 +147,26 @@ class ShardPlan:
         return self.mesh.shape[MODEL]
 
     @property
-    def n_replica(self) -> int:
-        """Replica groups of hybrid sharding (1 without a ``replica`` axis)."""
+    def n_replica(self) -> int:  # replica groups of hybrid sharding
         return self.mesh.shape.get(REPLICA, 1)
 
     @property
-    def n_node(self) -> int:
-        """Node groups of ZeRO++'s hierarchical partition (1 without a ``node`` axis)."""
+    def n_node(self) -> int:  # node groups of ZeRO++'s hierarchical partition
         return self.mesh.shape.get(NODE, 1)
 
     @property
     def n_shard(self) -> int:
-        """Shards of a sharded leaf: ``data`` (x ``node`` with the hierarchical partition)."""
-        return self.n_data * self.n_node
+        """Shards of a sharded leaf: ``data`` (x ``node`` under hpZ, x ``context``)."""
+        return self.n_data * self.n_node * self.n_context
+
+    @property
+    def n_context(self) -> int:  # devices each sequence is split over
+        return self.mesh.shape.get(CONTEXT, 1)
 
     @property
     def n_batch(self) -> int:
-        """Devices the batch is split over: ``replica`` x ``node`` x ``data``."""
-        return self.n_replica * self.n_shard
+        """Devices the batch's rows are split over: ``replica`` x ``node`` x ``data``."""
+        return self.n_replica * self.n_data * self.n_node
 
     def tree(self, values) -> Any:
         return jax.tree.unflatten(self.treedef, list(values))
@@ -190,10 +190,11 @@ class ShardPlan:
 
     @property
     def comm(self) -> Comm:
-        """How the ZeRO collectives move this plan's leaves over ``data`` (gather and reduce
-        dtypes, host residence, the backend's reduce-scatter)."""
-        return Comm(DATA, self.zero.gather, self.reduce_dtype, self.params_on_host,
-                    self.scatter, self.zero.quantized_weights, self.zero.quantize_block,
+        """How the ZeRO collectives move this plan's leaves over ``data`` (x ``context``):
+        gather and reduce dtypes, host residence, the backend's reduce-scatter."""
+        axis = shard_axes(self.mesh) if self.n_context > 1 else DATA
+        return Comm(axis, self.zero.gather, self.reduce_dtype, self.params_on_host, self.scatter,
+                    self.zero.quantized_weights, self.zero.quantize_block,
                     NODE if NODE in self.mesh.axis_names else None,
                     resolve_dtype(self.zero.quantize_scale_dtype,
                                   key="zero.quantize_scale_dtype"),
@@ -365,8 +366,8 @@ def make_plan(
     if zero.hpz_partition_size > 1 and NODE not in mesh.axis_names:
         mesh = split_nodes(mesh, zero.hpz_partition_size)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
-    n, m = mesh.shape[DATA] * mesh.shape.get(NODE, 1), mesh.shape[MODEL]
-    axes = (DATA, NODE) if NODE in mesh.axis_names else DATA
+    axes, m = shard_axes(mesh), mesh.shape[MODEL]
+    n = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
     leaves = []
     for key_path, leaf in flat:
         path = path_str(key_path)

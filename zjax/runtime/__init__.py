@@ -17,6 +17,7 @@ from zjax.runtime.config import MeshConfig
 
 _LAZY = {
     "Backend": "zjax.runtime._backend",
+    "CONTEXT": "zjax.runtime.mesh",
     "DATA": "zjax.runtime.mesh",
     "ENV": "zjax.runtime.distributed",
     "GPU_TARGETS": "zjax.runtime.targets",
@@ -41,10 +42,13 @@ _LAZY = {
     "simulate_cpu_devices": "zjax.runtime.mesh",
     "simulated_device_env": "zjax.runtime.mesh",
     "split_nodes": "zjax.runtime.mesh",
+    "shard_axes": "zjax.runtime.mesh",
+    "token_axes": "zjax.runtime.mesh",
     "target": "zjax.runtime.targets",
 }
 
 __all__ = [
+    "CONTEXT",
     "DATA",
     "ENV",
     "GPU_TARGETS",
@@ -67,10 +71,12 @@ __all__ = [
     "make_mesh",
     "process_batch_slice",
     "quiet_plugins",
+    "shard_axes",
     "simulate_cpu_devices",
     "simulated_device_env",
     "split_nodes",
     "target",
+    "token_axes",
     "write_stderr",
 ]
 
@@ -84,6 +90,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.runtime.distributed import ENV, ProcessSpec, detect, initialize
     from zjax.runtime.launch import launch
     from zjax.runtime.mesh import (
+        CONTEXT,
         DATA,
         MODEL,
         NODE,
@@ -91,8 +98,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         batch_axes,
         make_mesh,
         process_batch_slice,
+        shard_axes,
         simulate_cpu_devices,
         simulated_device_env,
         split_nodes,
+        token_axes,
     )
     from zjax.runtime.targets import GPU_TARGETS, TPU_HBM_BYTES, Target, target

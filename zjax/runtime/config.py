@@ -23,6 +23,11 @@ class MeshConfig:
         every group holds the same shards; the batch is split over replica x data, gradients
         are reduce-scattered over ``data`` then all-reduced over ``replica`` (shards only).
         Put ``data`` within a node and ``replica`` across nodes.
+      context: size of the ``context`` axis, sequence (context) parallelism: each sequence's
+        tokens are split over it (DeepSpeed's ``sequence_parallel_size``), attention runs as
+        Ulysses or ring attention across it (``model.context_attention``), and ZeRO shards
+        over ``data`` x ``context``, as DeepSpeed-Ulysses does. The batch's rows are split over
+        ``data`` only. Put ``context`` within a node.
       distributed: join a multi-process job through ``jax.distributed``: ``auto`` when the
         environment says this process is one of several (``zjax launch``, ``ZJAX_*``
         variables, SLURM, Open MPI), ``on`` to require it, ``off`` to run alone.
@@ -32,6 +37,7 @@ class MeshConfig:
     data: int = positive(-1, also=(-1,))
     model: int = positive(1, also=(-1,))
     replica: int = positive(1)
+    context: int = positive(1)
     distributed: str = choices("auto", "on", "off", default="auto")
     init_timeout_s: int = positive(300)
 

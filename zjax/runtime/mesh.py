@@ -1,5 +1,5 @@
-"""The device mesh (``data``, ``model``; ``replica`` for hybrid sharding, ``node`` for ZeRO++'s
-hierarchical partition) and CPU device simulation.
+"""The device mesh (``data``, ``model``; ``replica`` for hybrid sharding, ``context`` for
+sequence parallelism, ``node`` for ZeRO++'s hierarchical partition) and CPU device simulation.
 
 This module reads the process environment (``XLA_FLAGS``, ``PJRT_NPROC``) on purpose:
 simulating devices must happen before jax initialises its backends.
@@ -19,6 +19,7 @@ from zjax.errors import ConfigError
 from zjax.runtime.config import MeshConfig
 
 __all__ = [
+    "CONTEXT",
     "DATA",
     "MODEL",
     "NODE",
@@ -27,15 +28,18 @@ __all__ = [
     "batch_axes",
     "make_mesh",
     "process_batch_slice",
+    "shard_axes",
     "simulate_cpu_devices",
     "simulated_device_env",
     "split_nodes",
+    "token_axes",
 ]
 
 DATA = "data"
 MODEL = "model"
 REPLICA = "replica"
 NODE = "node"
+CONTEXT = "context"
 
 
 # Threads XLA:CPU gets per simulated device (PJRT_NPROC). Its thread pool defaults to
@@ -75,8 +79,8 @@ def simulate_cpu_devices(n: int) -> None:
 
 
 def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
-    """Build the ``(data, model)`` mesh, or ``(replica, data, model)`` with ``replica`` > 1,
-    with automatic (GSPMD) axis types.
+    """Build the ``(data, model)`` mesh with automatic (GSPMD) axis types; ``replica`` > 1
+    puts a ``replica`` axis first, ``context`` > 1 a ``context`` axis after ``data``.
 
     Args:
       config: axis sizes; ``-1`` takes all devices left.
@@ -84,27 +88,26 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
     """
     config = config or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
-    n, replica = len(devices), config.replica
+    n, replica, context = len(devices), config.replica, config.context
     data, model = config.data, config.model
-    times = f" x mesh.replica {replica}" if replica > 1 else ""
+    times = "".join(f" x mesh.{k} {v}" for k, v in (("replica", replica),
+                                                    ("context", context)) if v > 1)
     if data == -1:
-        if n % (model * replica):
+        if n % (model * replica * context):
             raise ConfigError(f"mesh.model: {model}{times} does not divide the {n} devices")
-        data = n // (model * replica)
+        data = n // (model * replica * context)
     elif model == -1:
-        if n % (data * replica):
+        if n % (data * replica * context):
             raise ConfigError(f"mesh.data: {data}{times} does not divide the {n} devices")
-        model = n // (data * replica)
-    if replica * data * model != n:
-        axes = f"replica={replica} x " if replica > 1 else ""
-        raise ConfigError(
-            f"mesh: {axes}data={data} x model={model} = {replica * data * model} does not "
-            f"equal the {n} devices")
-    if replica == 1:
-        return jax.make_mesh((data, model), (DATA, MODEL),
-                             axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
-    return jax.make_mesh((replica, data, model), (REPLICA, DATA, MODEL),
-                         axis_types=(AxisType.Auto,) * 3, devices=devices)
+        model = n // (data * replica * context)
+    sizes = {REPLICA: replica, DATA: data, CONTEXT: context, MODEL: model}
+    sizes = {k: v for k, v in sizes.items() if v > 1 or k in (DATA, MODEL)}
+    total = int(np.prod(list(sizes.values())))
+    if total != n:
+        shape = " x ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ConfigError(f"mesh: {shape} = {total} does not equal the {n} devices")
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
 
 
 def split_nodes(mesh: Mesh, group: int) -> Mesh:
@@ -123,6 +126,11 @@ def split_nodes(mesh: Mesh, group: int) -> Mesh:
         raise ConfigError(
             f"zero.hpz_partition_size: {group} with mesh.replica: {mesh.shape[REPLICA]}: hybrid "
             "sharding already keeps the weight gathers inside a replica group; use one of them")
+    if CONTEXT in names:
+        raise ConfigError(
+            f"zero.hpz_partition_size: {group} with mesh.context: {mesh.shape[CONTEXT]}: ZeRO "
+            "shards over data x context there; the hierarchical partition takes the data axis "
+            "alone; use one of them")
     if group < 1 or n % group:
         raise ConfigError(f"zero.hpz_partition_size: {group} does not divide the data axis "
                           f"({n} devices); use a divisor of {n}, e.g. the devices per node")
@@ -153,6 +161,25 @@ def batch_axes(mesh: Mesh) -> str | tuple[str, str]:
         if outer in mesh.axis_names:
             return (outer, DATA)
     return DATA
+
+
+def token_axes(mesh: Mesh) -> str | tuple[str, ...]:
+    """The mesh axes a global batch's tokens are split over: :func:`batch_axes` (the rows),
+    and ``context`` (each row's sequence) where the mesh has it. A sum over the batch's
+    tokens is a sum over these."""
+    rows = batch_axes(mesh)
+    if CONTEXT not in mesh.axis_names:
+        return rows
+    return (*(rows if isinstance(rows, tuple) else (rows,)), CONTEXT)
+
+
+def shard_axes(mesh: Mesh) -> str | tuple[str, ...]:
+    """The mesh axes ZeRO spreads a sharded leaf over: ``data``; ``(data, node)`` with
+    ZeRO++'s hierarchical partition; ``(data, context)`` with a context axis (DeepSpeed-
+    Ulysses' partition over the data x sequence group)."""
+    if NODE in mesh.axis_names:
+        return (DATA, NODE)
+    return (DATA, CONTEXT) if CONTEXT in mesh.axis_names else DATA
 
 
 def process_batch_slice(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:

@@ -1,6 +1,10 @@
 """Loss and gradients per replica, inside ``shard_map`` over ``data`` and ``model`` (and
 ``replica``: hybrid sharding all-reduces the reduced gradient shards over it once per step).
 
+With a ``context`` axis each device holds its rows' whole token arrays (they are small) and the
+model takes its share of every sequence (:func:`zjax.models.split_batch`); the sums are over
+``context`` too, and ZeRO's collectives run over ``data`` x ``context``.
+
 At stage 3 params enter as shards and are gathered over ``data`` on use; gradients leave
 reduce-scattered (stage 2-3) or all-reduced over ``data``, in float32. Leaves split over
 ``model`` stay split: the model computes on its tensor-parallel slices with Megatron's operators
@@ -25,7 +29,7 @@ from zjax.models.trainable import Trainable
 from zjax.offload import to_device
 from zjax.partition.gather import scatter_levels
 from zjax.partition.plan import ShardPlan
-from zjax.runtime.mesh import REPLICA, batch_axes
+from zjax.runtime.mesh import REPLICA, batch_axes, token_axes
 
 __all__ = ["accumulate", "loss_parts", "reduce_grads", "sharded_grads", "sharded_loss"]
 
@@ -111,7 +115,7 @@ def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
         if plan.n_replica > 1:  # hybrid sharding: the groups' (sharded) sums added up
             rd = plan.reduce_dtype
             g = jax.tree.map(lambda x: lax.psum(x.astype(rd), REPLICA).astype(jnp.float32), g)
-        return g, lax.psum(sums, batch_axes(plan.mesh))
+        return g, lax.psum(sums, token_axes(plan.mesh))
 
     return grads
 
@@ -134,7 +138,7 @@ def sharded_loss(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
 
     def local_loss(params, batch):
         loss_sum, count, _ = lax.psum(loss_parts(trainable.loss(params, batch, plan)),
-                                      batch_axes(mesh))
+                                      token_axes(mesh))
         return loss_sum / count
 
     return jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs,
