@@ -127,8 +127,11 @@ def with_deepspeed(ds_path: str, path: str | None, overrides: list[str], n_devic
     from zjax.config import from_deepspeed, load_config, read_deepspeed
 
     mesh = load_config(path, overrides).mesh
+    ds_dict = read_deepspeed(ds_path)
     n_data = mesh.data if mesh.model == -1 else n_devices // mesh.model
-    ds = from_deepspeed(read_deepspeed(ds_path), n_data=n_data)
+    if mesh.model != -1 and "sequence_parallel_size" not in ds_dict:
+        n_data //= mesh.context  # the config's own context axis: DeepSpeed's ranks are over it
+    ds = from_deepspeed(ds_dict, n_data=n_data)
     return load_config(path, [*ds.overrides, *overrides]), [
         f"deepspeed {key}: ignored: {why}" for key, why in ds.ignored]
 

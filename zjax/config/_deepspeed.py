@@ -67,7 +67,8 @@ _TOP_IGNORED = {
     "tensorboard": "set logging.tensorboard", "wandb": "not in zjax",
     "csv_monitor": "metrics.jsonl", "checkpoint": "set checkpoint.*",
     "aio": "NVMe only", "data_types": "set zero.reduce_dtype",
-    "seq_parallel_communication_data_type": "no sequence parallelism",
+    "seq_parallel_communication_data_type": "the context all-to-alls and ring move the "
+                                            "activations in their own dtype",
 }
 _ACTIVATIONS = {"partition_activations": "zero.partition_activations",
                 "cpu_checkpointing": "zero.offload_activations"}
@@ -321,13 +322,26 @@ def _activations(r: _Reader, d: dict) -> None:
             raise r.unknown(where, [*_ACTIVATIONS, *_ACTIVATIONS_IGNORED])
 
 
+def _sequence_parallel(r: _Reader, ds: dict, n_data: int) -> int:
+    """``sequence_parallel_size`` (DeepSpeed-Ulysses) -> ``mesh.context``; the data ranks
+    DeepSpeed's per-GPU batch sizes count are the devices over it."""
+    if "sequence_parallel_size" not in ds:
+        return n_data
+    size = _number("sequence_parallel_size", ds["sequence_parallel_size"], int)
+    if size < 1 or n_data % size:
+        raise ConfigError(f"deepspeed sequence_parallel_size: {size!r} does not divide the "
+                          f"{n_data} devices (over mesh.model)")
+    r.set("mesh.context", size)
+    return n_data // size
+
+
 def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
     """Map a DeepSpeed config (the JSON object) to zjax overrides.
 
     Args:
       ds: the parsed ``ds_config.json``.
-      n_data: data-parallel ranks (devices / ``mesh.model``): DeepSpeed's batch sizes are per
-        GPU, zjax's ``data.batch_size`` is global.
+      n_data: devices / ``mesh.model``: DeepSpeed's batch sizes are per GPU, zjax's
+        ``data.batch_size`` is global (the data ranks are these over ``sequence_parallel_size``).
 
     Raises:
       ConfigError: naming the DeepSpeed key that is unknown, not supported or impossible.
@@ -345,9 +359,10 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
     if precision["fp16"]:
         r.ignore("fp16", "float16 gathers with a float32 master; zjax has no loss scaling "
                  "(bf16 is the safer choice)")
+    n_data = _sequence_parallel(r, ds, n_data)
     for key, value in ds.items():
         if key in ("bf16", "fp16", "train_batch_size", "train_micro_batch_size_per_gpu",
-                   "gradient_accumulation_steps"):
+                   "gradient_accumulation_steps", "sequence_parallel_size"):
             continue
         if key == "zero_optimization":
             _zero(r, _object(key, value), gather_bytes=2 if gather != "float32" else 4,
@@ -379,6 +394,7 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
             raise r.unknown(key, ["zero_optimization", "optimizer", "scheduler", "bf16", "fp16",
                                   "train_batch_size", "train_micro_batch_size_per_gpu",
                                   "gradient_accumulation_steps", "gradient_clipping",
+                                  "sequence_parallel_size",
                                   "steps_per_print", "activation_checkpointing",
                                   *_TOP_IGNORED])
     _batch(r, ds, n_data)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zjax.nn._blockwise import Mask, _forward, _grads
+from zjax.nn._wire import ppermute
 
 __all__ = ["ring"]
 
@@ -43,7 +44,7 @@ def _starts(device, n: int, c: int, striped: bool) -> list:
 def _pass(tree, axis: str, n: int):
     """Every device's ``tree`` to the next device of the ring."""
     perm = [(j, (j + 1) % n) for j in range(n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)
+    return jax.tree.map(lambda x: ppermute(x, axis, perm), tree)
 
 
 def _merge(acc, part):

@@ -26,6 +26,7 @@ from jax import lax
 from zjax.errors import ArgumentError
 from zjax.nn._blockwise import Mask
 from zjax.nn._ring import ring
+from zjax.nn._wire import all_to_all
 from zjax.nn.attention import attention
 
 __all__ = ["CONTEXT_METHODS", "context_attention", "context_method", "ring_attention", "stripe",
@@ -73,14 +74,14 @@ def ulysses_attention(q, k, v, *, axis_name: str, segment_ids=None, striped: boo
     if repeat > 1:  # query head h reads key/value head h // (H / K) still
         k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
     order = (lambda x: unstripe(x, n)) if striped else (lambda x: x)
-    to_heads = lambda x: order(lax.all_to_all(x, axis_name, 2, 1, tiled=True))
+    to_heads = lambda x: order(all_to_all(x, axis_name, 2, 1))
     if segment_ids is not None:
         segment_ids = order(lax.all_gather(segment_ids, axis_name, axis=1, tiled=True))
     out = attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=segment_ids,
                     context="none", **options)
     if striped:
         out = stripe(out, n)
-    return lax.all_to_all(out, axis_name, 1, 2, tiled=True)
+    return all_to_all(out, axis_name, 1, 2)
 
 
 def ring_attention(q, k, v, *, axis_name: str, segment_ids=None, causal: bool = True,

@@ -90,15 +90,20 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     n, replica, context = len(devices), config.replica, config.context
     data, model = config.data, config.model
-    times = "".join(f" x mesh.{k} {v}" for k, v in (("replica", replica),
-                                                    ("context", context)) if v > 1)
+    others = [(k, v) for k, v in (("replica", replica), ("context", context)) if v > 1]
+
+    def product(key: str, size: int) -> str:  # "mesh.model: 2 x mesh.context 4": the keys set
+        named = ([(key, size)] if size > 1 or not others else []) + others
+        return f"mesh.{named[0][0]}: {named[0][1]}" + "".join(f" x mesh.{k} {v}"
+                                                             for k, v in named[1:])
+
     if data == -1:
         if n % (model * replica * context):
-            raise ConfigError(f"mesh.model: {model}{times} does not divide the {n} devices")
+            raise ConfigError(f"{product('model', model)} does not divide the {n} devices")
         data = n // (model * replica * context)
     elif model == -1:
         if n % (data * replica * context):
-            raise ConfigError(f"mesh.data: {data}{times} does not divide the {n} devices")
+            raise ConfigError(f"{product('data', data)} does not divide the {n} devices")
         model = n // (data * replica * context)
     sizes = {REPLICA: replica, DATA: data, CONTEXT: context, MODEL: model}
     sizes = {k: v for k, v in sizes.items() if v > 1 or k in (DATA, MODEL)}
