@@ -137,9 +137,10 @@ def _forward(mask: Mask, bq: int, bk: int, q, k, v, qseg, kseg, offset=None, dty
     return out, lse
 
 
-def _grads(mask: Mask, bq: int, bk: int, res, dout, offset=None):
+def _grads(mask: Mask, bq: int, bk: int, res, dout, offset=None, dq=None):
     """float32 ``(dq, dk, dv)`` of one block pair, given the rows' final ``out`` and ``lse``
-    (over every key the rows see, in this block or others: ring attention)."""
+    (over every key the rows see, in this block or others: ring attention); ``dq``: a float32
+    running sum to add this pair's query gradient to (ring attention: no second buffer)."""
     q, k, v, qseg, kseg, out, lse = res
     b, t, kh, _, d = q.shape
     s_len = k.shape[1]
@@ -182,7 +183,8 @@ def _grads(mask: Mask, bq: int, bk: int, res, dout, offset=None):
         dq, dk, dv = lax.fori_loop(lo, hi, q_block, (dq, zeros, zeros))
         return dq, (dk, dv)
 
-    dq, (dks, dvs) = lax.scan(k_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
+    dq0 = jnp.zeros(q.shape, jnp.float32) if dq is None else dq
+    dq, (dks, dvs) = lax.scan(k_block, dq0, jnp.arange(nk))
     regroup = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s_len, kh, d)
     return dq, regroup(dks), regroup(dvs)
 

@@ -58,6 +58,17 @@ def _merge(acc, part):
     return o1 * to_out(w1) + o2 * to_out(w2), lse
 
 
+def _around(n: int, body, carry):
+    """``body(carry, step, last)`` for ``step`` 0..n-1: a loop over all but the last step (a
+    loop of unrolled steps would let the compiler keep every step's tiles alive at once, and
+    blocks of one tile each have loops of one trip that it inlines), then the last one, which
+    passes nothing on."""
+    if n > 1:
+        carry, _ = lax.scan(lambda c, step: (body(c, step, False), None), carry,
+                            jnp.arange(n - 1))
+    return body(carry, n - 1, True)
+
+
 def _forward_ring(mask: Mask, bq: int, bk: int, axis: str, striped: bool, q, k, v, qseg,
                   kseg):
     n, me = lax.axis_size(axis), lax.axis_index(axis)
@@ -68,17 +79,21 @@ def _forward_ring(mask: Mask, bq: int, bk: int, axis: str, striped: bool, q, k, 
     b, _, kh, g, d = q.shape
     acc = [(jnp.zeros((b, c, kh, g, d), jnp.float32),
             jnp.full((b, kh, g, c), -jnp.inf, jnp.float32)) for _ in range(nc)]
-    block = (k, v, kseg)
-    for step in range(n):
+
+    def step_fn(carry, step, last: bool):
+        acc, block = carry
+        nxt = block if last else _pass(block, axis, n)  # in flight while this block is used
         kvs = list(zip(*(_chunks(x, nc, 1) for x in block), strict=True))
         k_at = _starts((me - step) % n, n, c, striped)
+        acc = list(acc)
         for a in range(nc):
             for j, (kc, vc, ksc) in enumerate(kvs):
                 part = _forward(mask, bq, bk, qs[a], kc, vc, qsegs[a], ksc,
                                 offset=q_at[a] - k_at[j], dtype=jnp.float32)
                 acc[a] = _merge(acc[a], part)
-        if step < n - 1:
-            block = _pass(block, axis, n)
+        return acc, nxt
+
+    acc, _ = _around(n, step_fn, (acc, (k, v, kseg)))
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([lse for _, lse in acc], axis=3)
 
@@ -91,24 +106,26 @@ def _backward_ring(mask: Mask, bq: int, bk: int, axis: str, striped: bool, res, 
     qs, qsegs, outs = _chunks(q, nc, 1), _chunks(qseg, nc, 1), _chunks(out, nc, 1)
     douts, lses = _chunks(dout, nc, 1), _chunks(lse, nc, 3)
     q_at = _starts(me, n, c, striped)
-    dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    block = (k, v, kseg, zeros, zeros)  # the block's gradients travel with it
-    for step in range(n):
-        kb, vb, ksb, dk, dv = block
+
+    def step_fn(carry, step, last: bool):
+        dq, (kb, vb, ksb), (dk, dv) = carry
+        nxt = (kb, vb, ksb) if last else _pass((kb, vb, ksb), axis, n)  # in flight meanwhile
         kvs = list(zip(*(_chunks(x, nc, 1) for x in (kb, vb, ksb)), strict=True))
         k_at = _starts((me - step) % n, n, c, striped)
-        dks, dvs = _chunks(dk, nc, 1), _chunks(dv, nc, 1)
+        dq, dks, dvs = list(dq), _chunks(dk, nc, 1), _chunks(dv, nc, 1)
         for a in range(nc):
             for j, (kc, vc, ksc) in enumerate(kvs):
-                gq, gk, gv = _grads(mask, bq, bk,
-                                    (qs[a], kc, vc, qsegs[a], ksc, outs[a], lses[a]),
-                                    douts[a], offset=q_at[a] - k_at[j])
-                dq[a], dks[j], dvs[j] = dq[a] + gq, dks[j] + gk, dvs[j] + gv
-        block = (kb, vb, ksb, jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
-        if step < n - 1:
-            block = _pass(block, axis, n)
-    dk, dv = _pass(block[3:], axis, n)  # home: the block came from the next device
+                dq[a], gk, gv = _grads(mask, bq, bk,
+                                       (qs[a], kc, vc, qsegs[a], ksc, outs[a], lses[a]),
+                                       douts[a], offset=q_at[a] - k_at[j], dq=dq[a])
+                dks[j], dvs[j] = dks[j] + gk, dvs[j] + gv
+        # the block's gradients travel with it; after the last step, one hop brings them home
+        grads = _pass((jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)), axis, n)
+        return dq, nxt, grads
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dq, _, (dk, dv) = _around(n, step_fn, ([jnp.zeros(x.shape, jnp.float32) for x in qs],
+                                          (k, v, kseg), (zeros, zeros)))
     return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype),
             dv.astype(v.dtype), None, None)
 

@@ -162,7 +162,7 @@ def context_attention(q, k, v, *, axis_name: str, method: str = "auto", segment_
                                  striped=True, implementation=implementation,
                                  block_size=block_size, **mask)
     # a tile dividing the local chunks (T / 2C): the largest power of two up to block_size
-    block = math.gcd(q.shape[1] // 2, block_size)
+    block = math.gcd(q.shape[1] // 4, block_size)
     return ring_attention(q, k, v, axis_name=axis_name, segment_ids=segment_ids, striped=True,
                           block_size=block, **mask)
 
