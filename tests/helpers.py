@@ -81,7 +81,7 @@ def reference_run(init, loss_fn, tx, batches, *, seed: int = 0):
     losses = []
     with jax.default_device(jax.devices()[0]):
         for batch in batches:
-            params, opt_state, loss = step(params, opt_state, jnp.asarray(batch))
+            params, opt_state, loss = step(params, opt_state, jax.tree.map(jnp.asarray, batch))
             losses.append(float(loss))
     return params, opt_state, losses
 

@@ -34,15 +34,18 @@ class LongestResult:
       tried: ``(seq_len, total_bytes or None, fits)`` of every length compiled, in order
         (None: the compiler refused the program as too large).
       budget_bytes: the budget per device.
+      context: the devices each sequence is split over (``mesh.context``).
     """
 
     seq_len: int
     report: PlanReport | None
     tried: list[tuple[int, int | None, bool]]
     budget_bytes: int
+    context: int = 1
 
     def table(self) -> str:
-        head = (f"longest sequence per device: {self.seq_len:,} tokens"
+        where = "device" if self.context == 1 else f"{self.context} devices (mesh.context)"
+        head = (f"longest sequence per {where}: {self.seq_len:,} tokens"
                 if self.seq_len else "no sequence length tried fits")
         lines = [f"{head} (budget {_size(self.budget_bytes)} per device)",
                  f"  {'seq_len':>10}{'device total':>16}  fits"]
@@ -106,4 +109,4 @@ def longest_sequence(config: Config, *, compile_report: Callable[[Config], PlanR
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return LongestResult(lo, reports.get(lo), tried, budget_bytes)
+    return LongestResult(lo, reports.get(lo), tried, budget_bytes, config.mesh.context)

@@ -186,5 +186,7 @@ def longest_sequence(config: Config, *, budget: int | str | None = None,
     n = len(devs)
     model = config.mesh.model if config.mesh.model > 0 else (
         n // config.mesh.data if config.mesh.data > 0 else n)  # model -1: what data leaves
+    # one sequence per data rank: each is split over mesh.context devices
     return _longest(config, compile_report=compile_, budget_bytes=budget_bytes,
-                    sequences=max(1, n // model), step=step, progress=progress)
+                    sequences=max(1, n // (model * config.mesh.context)), step=step,
+                    progress=progress)
