@@ -213,8 +213,11 @@ def compiled_for(name: str, *overrides: str, file: str = "configs/tiny.yaml"):
     config = zjax.load_config(file, [*TARGET_BASE, *overrides])
     zstep = zjax.build_step(config, None if name == "cpu" else target(name))
     compiled = zstep.lower(zjax.abstract_batch(config)).compile()
+    from zjax.task import flops_shape
+
     return zstep, compiled, report(zstep, compiled,
-                                  target=None if name == "cpu" else target(name))
+                                  target=None if name == "cpu" else target(name),
+                                  **flops_shape(config))
 
 
 def sharded_params(zstep, *, layer: bool = False) -> int:

@@ -148,10 +148,15 @@ def test_step_collective_bytes_are_the_formulas(name, method):
     and the backward's transposed all-to-alls as much again: 3 x. The ring per layer: the
     forward passes the local K and V C - 1 times, the backward as often, plus their float32
     gradients C times (the last hop brings them home)."""
-    zstep, compiled, _ = compiled_for(name, "mesh.context=2",
-                                      f"model.context_attention={method}",
-                                      file="configs/llama-tiny.yaml")
+    zstep, compiled, report = compiled_for(name, "mesh.context=2",
+                                           f"model.context_attention={method}",
+                                           file="configs/llama-tiny.yaml")
     cb = collective_bytes(compiled.as_text())
+    kind = "all_to_all" if method == "ulysses" else "collective_permute"
+    # zjax plan's figures: per step, per layer, and in the overlap
+    assert report.collectives[f"{kind}_bytes"] == getattr(cb, kind)
+    assert report.context_per_layer == {kind: getattr(cb, kind) // 2}
+    assert kind in report.overlap
     c, layers, rows, tokens, hd = 2, 2, 16 // 4, 64 // 2, 32
     assert zstep.plan.n_context == c and zstep.plan.n_batch == 4
     if method == "ulysses":

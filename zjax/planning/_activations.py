@@ -99,10 +99,12 @@ def kernel(name: str, platform: str, *, seq_len: int, head_dim: int) -> str:
 
 
 def estimate(model, data, train, zero, *, n_batch: int, n_model: int, act_bytes: int,
-             platform: str) -> dict[str, int]:
+             platform: str, n_context: int = 1) -> dict[str, int]:
     """:func:`activation_bytes` of a config's sections (the reference models' and any model
     section naming ``n_layers``, ``d_model``, ``n_heads`` and ``vocab_size``); ``{}`` when
-    the model section does not describe a decoder."""
+    the model section does not describe a decoder. With ``n_context`` devices per sequence,
+    each holds ``1 / n_context`` of its tokens (Ulysses' whole-length attention over
+    ``1 / n_context`` of the heads holds as much)."""
     names = ("n_layers", "d_model", "n_heads", "vocab_size")
     if not all(hasattr(model, k) for k in names):
         return {}
@@ -113,7 +115,7 @@ def estimate(model, data, train, zero, *, n_batch: int, n_model: int, act_bytes:
         kv_heads=getattr(model, "kv_heads", model.n_heads), head_dim=head_dim,
         vocab=model.vocab_size, gated=hasattr(model, "n_kv_heads"),
         sequences=max(1, data.batch_size // n_batch // train.grad_accum),
-        seq_len=data.seq_len, act_bytes=act_bytes, model=n_model,
+        seq_len=max(1, data.seq_len // n_context), act_bytes=act_bytes, model=n_model,
         attention=kernel(getattr(model, "attention", "dense"), platform,
                          seq_len=data.seq_len, head_dim=head_dim),
         loss_chunk=getattr(model, "loss_chunk", data.seq_len * data.batch_size),

@@ -64,7 +64,7 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
     plan_ = zstep.plan
     activations = estimate(config.model, config.data, config.train, config.zero,
                            n_batch=plan_.n_batch, n_model=plan_.n_model,
-                           act_bytes=plan_.zero.gather.itemsize,
+                           n_context=plan_.n_context, act_bytes=plan_.zero.gather.itemsize,
                            platform=plan_.mesh.devices.flat[0].platform)
     return report(zstep, compiled, grad_accum=config.train.grad_accum,
                   remat=getattr(config.model, "remat", None), target=target,

@@ -55,6 +55,9 @@ class PlanReport:
         they span (``data``, ``model``, ``data+model``).
       collectives_by_link: ``{intra_host | inter_host: {kind: bytes}}`` on more than one host
         (the processes' hosts, or ``hosts`` simulated: contiguous blocks of the mesh).
+      context_per_layer: ``{all_to_all | collective_permute: bytes}`` per layer (forward,
+        its recomputation and backward) of sequence parallelism's attention, with a
+        ``context`` axis and a model naming its ``n_layers``.
       device_kind: the devices compiled for (``cpu``, ``NVIDIA H100 80GB HBM3``, ``TPU v5``).
       fits_device: whether ``total_bytes`` fits the devices' memory (``per_device.capacity_bytes``,
         known for targets); None when unknown.
@@ -86,6 +89,7 @@ class PlanReport:
     flops: dict[str, float | None] = dataclasses.field(default_factory=dict)
     collectives_by_link: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     activations: dict[str, int] = dataclasses.field(default_factory=dict)
+    context_per_layer: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,6 +140,9 @@ class PlanReport:
                          f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
         lines.append("  collectives per step: " + ", ".join(
             f"{k.removesuffix('_bytes').replace('_', '-')} {_size(v)}" for k, v in c.items()))
+        if self.context_per_layer:
+            lines.append("  context attention per layer: " + ", ".join(
+                f"{k.replace('_', '-')} {_size(v)}" for k, v in self.context_per_layer.items()))
         if self.flops.get("per_step"):
             f_ = self.flops
             at_peak = (f", {f_['step_s_at_peak'] * 1e3:.1f} ms at the chips' bf16 peak"
@@ -286,7 +293,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     k = 4 + nbytes(zstep.canonical["opt_state"], per_device=False) / max(1, n_params)
     return PlanReport(
         n_params=n_params,
-        n_devices=plan.n_batch * plan.n_model,
+        n_devices=plan.n_batch * plan.n_context * plan.n_model,
         setting={"stage": zero.stage, "offload": _offload_name(zero),
                  "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
                  "grad_accum": grad_accum, "remat": remat,
@@ -294,12 +301,16 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
                                  if zero.partition_activations else "device"),
                  "mesh": {"data": plan.n_data, "model": plan.n_model,
                           **({"replica": plan.n_replica} if plan.n_replica > 1 else {}),
+                          **({"context": plan.n_context} if plan.n_context > 1 else {}),
                           **({"node": plan.n_node} if plan.n_node > 1 else {})},
                  "target": target.name if target else None},
         per_device=per_device,
         collectives={"all_gather_bytes": coll.all_gather,
                      "reduce_scatter_bytes": coll.reduce_scatter,
                      "all_reduce_bytes": coll.all_reduce,
+                     # sequence parallelism's: Ulysses' all-to-alls, the ring's permutes
+                     **{f"{k}_bytes": getattr(coll, k) for k in _CONTEXT_KINDS
+                        if getattr(coll, k)},
                      "wire_bytes": coll.wire},
         formula=formula(slice_params, plan.n_shard, stage=zero.stage,
                         param_bytes=zero.gather.itemsize, grad_bytes=zero.reduce.itemsize,
@@ -314,12 +325,23 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         collectives_by_axis=coll.by_axis,
         device_kind=plan.mesh.devices.flat[0].device_kind,
         fits_device=None if capacity is None else per_device["total_bytes"] <= capacity,
-        overlap={k: coll.overlap[k] for k in ("all_gather", "reduce_scatter", "all_reduce")
-                 if k in coll.overlap},
+        overlap={k: coll.overlap[k] for k in ("all_gather", "reduce_scatter", "all_reduce",
+                                              *_CONTEXT_KINDS) if k in coll.overlap},
         flops=_flops(n_params, plan, tokens_per_step, model_shape or {}),
         collectives_by_link=coll.by_link,
         activations=dict(activations or {}),
+        context_per_layer=_per_layer(coll, (model_shape or {}).get("n_layers")),
     )
+
+
+def _per_layer(coll, n_layers: int | None) -> dict[str, int]:
+    """Sequence parallelism's collective bytes per layer (every layer runs the same ones)."""
+    if not n_layers:
+        return {}
+    return {k: getattr(coll, k) // n_layers for k in _CONTEXT_KINDS if getattr(coll, k)}
+
+
+_CONTEXT_KINDS = ("all_to_all", "collective_permute")
 
 
 def host_of_devices(mesh, hosts: int | None) -> list[int] | None:
@@ -339,7 +361,7 @@ def _flops(n_params: int, plan, tokens: int | None, shape: dict) -> dict:
     per_token = flops_per_token(n_params, **shape)
     peak = peak_flops(plan.mesh.devices.flat[0].device_kind)
     per_step = per_token * tokens if tokens else None
-    n = plan.n_batch * plan.n_model
+    n = plan.n_batch * plan.n_context * plan.n_model
     return {"per_token": per_token, "per_step": per_step, "peak_per_device": peak,
             "step_s_at_peak": per_step / (peak * n) if per_step and peak else None}
 
