@@ -77,6 +77,17 @@ def test_mics_shard_size_is_hybrid_sharding_and_zeropp_maps():
     assert config.zero.hpz_partition_size == 4
 
 
+def test_sequence_parallel_size_is_the_context_axis():
+    # DeepSpeed-Ulysses' data ranks are the devices over the sequence-parallel group
+    config, imported = _config({"sequence_parallel_size": 4, "train_micro_batch_size_per_gpu": 2,
+                                "seq_parallel_communication_data_type": "fp32"})
+    assert (config.mesh.context, config.data.batch_size) == (4, 4)
+    assert "seq_parallel_communication_data_type" in dict(imported.ignored)
+    with pytest.raises(zjax.ConfigError, match=r"^deepspeed sequence_parallel_size: 3 does not "
+                                               r"divide the 8 devices"):
+        from_deepspeed({"sequence_parallel_size": 3}, n_data=8)
+
+
 def test_optimizer_scheduler_precision_and_hf_auto_values():
     ds = {"bf16": {"enabled": True}, "communication_data_type": "bf16",
           "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.98],
