@@ -323,15 +323,13 @@ def _activations(r: _Reader, d: dict) -> None:
 
 
 def _sequence_parallel(r: _Reader, ds: dict, n_data: int) -> int:
-    """``sequence_parallel_size`` (DeepSpeed-Ulysses) -> ``mesh.context``; the data ranks
-    DeepSpeed's per-GPU batch sizes count are the devices over it."""
-    if "sequence_parallel_size" not in ds:
-        return n_data
-    size = _number("sequence_parallel_size", ds["sequence_parallel_size"], int)
+    """DeepSpeed-Ulysses' ``sequence_parallel_size`` -> ``mesh.context``; the data ranks."""
+    size = _number("sequence_parallel_size", ds.get("sequence_parallel_size", 1), int)
     if size < 1 or n_data % size:
         raise ConfigError(f"deepspeed sequence_parallel_size: {size!r} does not divide the "
                           f"{n_data} devices (over mesh.model)")
-    r.set("mesh.context", size)
+    if "sequence_parallel_size" in ds:
+        r.set("mesh.context", size)
     return n_data // size
 
 

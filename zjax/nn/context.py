@@ -24,10 +24,10 @@ import numpy as np
 from jax import lax
 
 from zjax.errors import ArgumentError
+from zjax.nn._attend import local_attention
 from zjax.nn._blockwise import Mask
 from zjax.nn._ring import ring
 from zjax.nn._wire import all_to_all
-from zjax.nn.attention import attention
 
 __all__ = ["CONTEXT_METHODS", "context_attention", "context_method", "ring_attention", "stripe",
            "stripe_shard", "ulysses_attention", "ulysses_kv_repeat", "unstripe"]
@@ -77,8 +77,8 @@ def ulysses_attention(q, k, v, *, axis_name: str, segment_ids=None, striped: boo
     to_heads = lambda x: order(all_to_all(x, axis_name, 2, 1))
     if segment_ids is not None:
         segment_ids = order(lax.all_gather(segment_ids, axis_name, axis=1, tiled=True))
-    out = attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=segment_ids,
-                    context="none", **options)
+    out = local_attention(to_heads(q), to_heads(k), to_heads(v), segment_ids=segment_ids,
+                          **options)
     if striped:
         out = stripe(out, n)
     return all_to_all(out, axis_name, 1, 2)

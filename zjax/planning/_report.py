@@ -138,11 +138,10 @@ class PlanReport:
         if d.get("capacity_bytes"):
             lines.append(f"  {'device memory':<22}{_size(d['capacity_bytes']):>14}"
                          f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
-        lines.append("  collectives per step: " + ", ".join(
-            f"{k.removesuffix('_bytes').replace('_', '-')} {_size(v)}" for k, v in c.items()))
+        lines.append("  collectives per step: "
+                     + _kinds({k.removesuffix("_bytes"): v for k, v in c.items()}))
         if self.context_per_layer:
-            lines.append("  context attention per layer: " + ", ".join(
-                f"{k.replace('_', '-')} {_size(v)}" for k, v in self.context_per_layer.items()))
+            lines.append("  context attention per layer: " + _kinds(self.context_per_layer))
         if self.flops.get("per_step"):
             f_ = self.flops
             at_peak = (f", {f_['step_s_at_peak'] * 1e3:.1f} ms at the chips' bf16 peak"
@@ -153,12 +152,10 @@ class PlanReport:
             lines.append("  overlapped with compute: " + ", ".join(
                 f"{k.replace('_', '-')} {v:.0%}" for k, v in self.overlap.items()))
         if len(self.collectives_by_axis) > 1 or mesh.get("model", 1) > 1:
-            lines += [f"    over {axes}: " + ", ".join(f"{k.replace('_', '-')} {_size(v)}"
-                                                       for k, v in kinds.items())
+            lines += [f"    over {axes}: {_kinds(kinds)}"
                       for axes, kinds in self.collectives_by_axis.items()]
-        lines += [f"    {link.replace('_', '-')}: " + ", ".join(
-            f"{k.replace('_', '-')} {_size(v)}" for k, v in kinds.items())
-            for link, kinds in self.collectives_by_link.items()]
+        lines += [f"    {link.replace('_', '-')}: {_kinds(kinds)}"
+                  for link, kinds in self.collectives_by_link.items()]
         if self.replicated_leaves:
             lines.append(f"  replicated leaves ({len(self.replicated_leaves)}):")
             lines += [f"    {r['path']} {tuple(r['shape'])}: {r['reason']}"
@@ -305,13 +302,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
                           **({"node": plan.n_node} if plan.n_node > 1 else {})},
                  "target": target.name if target else None},
         per_device=per_device,
-        collectives={"all_gather_bytes": coll.all_gather,
-                     "reduce_scatter_bytes": coll.reduce_scatter,
-                     "all_reduce_bytes": coll.all_reduce,
-                     # sequence parallelism's: Ulysses' all-to-alls, the ring's permutes
-                     **{f"{k}_bytes": getattr(coll, k) for k in _CONTEXT_KINDS
-                        if getattr(coll, k)},
-                     "wire_bytes": coll.wire},
+        collectives=_collectives(coll),
         formula=formula(slice_params, plan.n_shard, stage=zero.stage,
                         param_bytes=zero.gather.itemsize, grad_bytes=zero.reduce.itemsize,
                         optimizer_bytes_per_param=k,
@@ -342,6 +333,20 @@ def _per_layer(coll, n_layers: int | None) -> dict[str, int]:
 
 
 _CONTEXT_KINDS = ("all_to_all", "collective_permute")
+
+
+def _kinds(kinds: dict) -> str:
+    """``all-gather 3.30 MiB, reduce-scatter ...`` of ``{kind: bytes}``."""
+    return ", ".join(f"{k.replace('_', '-')} {_size(v)}" for k, v in kinds.items())
+
+
+def _collectives(coll) -> dict[str, int]:
+    """The per-step collective bytes the report keeps: ZeRO's and tensor parallelism's, and
+    sequence parallelism's (Ulysses' all-to-alls, the ring's permutes) where there are any."""
+    return {"all_gather_bytes": coll.all_gather, "reduce_scatter_bytes": coll.reduce_scatter,
+            "all_reduce_bytes": coll.all_reduce,
+            **{f"{k}_bytes": getattr(coll, k) for k in _CONTEXT_KINDS if getattr(coll, k)},
+            "wire_bytes": coll.wire}
 
 
 def host_of_devices(mesh, hosts: int | None) -> list[int] | None:
