@@ -130,7 +130,7 @@ def test_checkpoints_move_between_context_sizes_bitwise(tmp_path):
     ckpt.close()
 
 
-def _heads_split(method: str, c: int) -> tuple[int, int]:
+def _heads_split(c: int) -> tuple[int, int]:
     """Query and key/value heads per device after Ulysses' all-to-all (llama-tiny's 4 and 2;
     the key/value heads repeated up to C when fewer)."""
     kv = 2 if 2 % c == 0 else c
@@ -160,7 +160,7 @@ def test_step_collective_bytes_are_the_formulas(name, method):
     c, layers, rows, tokens, hd = 2, 2, 16 // 4, 64 // 2, 32
     assert zstep.plan.n_context == c and zstep.plan.n_batch == 4
     if method == "ulysses":
-        h, kv = _heads_split(method, c)
+        h, kv = _heads_split(c)
         assert cb.all_to_all == 3 * layers * rows * tokens * (2 * h + 2 * kv) * hd * 2
         assert cb.collective_permute == 0
     else:

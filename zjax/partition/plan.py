@@ -192,7 +192,7 @@ class ShardPlan:
     def comm(self) -> Comm:
         """How the ZeRO collectives move this plan's leaves over ``data`` (x ``context``):
         gather and reduce dtypes, host residence, the backend's reduce-scatter."""
-        axis = shard_axes(self.mesh) if self.n_context > 1 else DATA
+        axis = (DATA, CONTEXT) if self.n_context > 1 else DATA  # hpZ: node_axis below
         return Comm(axis, self.zero.gather, self.reduce_dtype, self.params_on_host, self.scatter,
                     self.zero.quantized_weights, self.zero.quantize_block,
                     NODE if NODE in self.mesh.axis_names else None,
