@@ -6,35 +6,62 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from zjax.models._batch import split_batch
 from zjax.models._layers import check_length
 from zjax.nn.loss import chunked_cross_entropy
+from zjax.nn.moe import RouterStats, batch_sum
 
-__all__ = ["lm_loss"]
+__all__ = ["lm_loss", "router_losses"]
 
 
-def lm_loss(model, batch) -> tuple[jax.Array, jax.Array]:
+def lm_loss(model, batch) -> tuple:
     """Next-token cross-entropy of ``model`` (a GPT or Llama) on ``batch``.
 
     ``batch``: tokens ``[B, T + 1]``, or a mapping with packed documents
     (:mod:`zjax.models._batch`): attention stays within each document, positions restart in
     each, and only targets that continue their document (and pass the ``loss_mask``) count.
     The loss never holds ``[tokens, vocab]`` float32 logits: ``model.loss_chunk`` tokens at a
-    time (:func:`zjax.nn.loss.chunked_cross_entropy`).
+    time (:func:`zjax.nn.loss.chunked_cross_entropy`). A mixture of experts adds its router
+    losses (:func:`router_losses`).
 
     Returns:
       ``(sum of token losses, token count)``: zjax divides by the global count, so a sharded
-      run equals a single-device one.
+      run equals a single-device one; a mixture adds ``{metric: sum}`` (its router losses).
     """
     tokens = batch["tokens"] if isinstance(batch, Mapping) else batch
     check_length(tokens[:, 1:], model.cfg.max_seq_len)  # the whole sequence, not a shard's
     inputs, targets, weights, packing = split_batch(batch)
-    hidden = model.features(inputs, packing)
+    features = getattr(model, "features_and_stats", None)
+    hidden, stats = (model.features(inputs, packing), None) if features is None \
+        else features(inputs, packing)
     # Gemma 2's final soft-cap (a GPT has none)
     losses = chunked_cross_entropy(hidden, model.head_weight(), targets,
                                    chunk=model.cfg.loss_chunk,
                                    softcap=getattr(model.cfg, "final_softcap", None))
     if weights is None:
-        return jnp.sum(losses), jnp.asarray(targets.size, jnp.float32)
-    return jnp.sum(losses * weights), jnp.sum(weights)
+        loss_sum, count = jnp.sum(losses), jnp.asarray(targets.size, jnp.float32)
+    else:
+        loss_sum, count = jnp.sum(losses * weights), jnp.sum(weights)
+    if stats is None:
+        return loss_sum, count
+    return router_losses(stats, loss_sum, count, model.cfg)
+
+
+def router_losses(stats: RouterStats, loss_sum: jax.Array, count: jax.Array, cfg) -> tuple:
+    """``(loss_sum, count, metrics)`` with a mixture's router losses added.
+
+    The load-balance and z losses are means over the batch, averaged over the layers
+    (``stats`` holds this device's shares of their sums over the ``n_layers``); scaled by the
+    batch's loss-token count, so that zjax's division by it leaves ``coefficient x loss``.
+    ``moe_aux_loss`` and ``moe_z_loss`` are reported the same way; ``moe_dropped_tokens``
+    counts the step's dropped token-expert assignments over every layer.
+    """
+    total = batch_sum(lax.stop_gradient(count))
+    aux = stats.balance * (total / cfg.n_layers)
+    z = stats.z * (total / cfg.n_layers)
+    moe = cfg.moe
+    loss_sum = loss_sum + moe.aux_loss_coef * aux + moe.z_loss_coef * z
+    return loss_sum, count, {"moe_aux_loss": aux, "moe_z_loss": z,
+                             "moe_dropped_tokens": stats.dropped}

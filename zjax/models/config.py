@@ -5,11 +5,12 @@ is read and validated without loading the model."""
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from zjax.errors import ConfigError
 from zjax.schema import choices, non_negative, positive, validate
 
-__all__ = ["GPTConfig", "LlamaConfig"]
+__all__ = ["GPTConfig", "LlamaConfig", "MoESettings"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,17 @@ class GPTConfig:
     @property
     def ff(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+
+class MoESettings(NamedTuple):
+    """What a mixture-of-experts layer and its loss read of the ``model`` section."""
+
+    n_experts: int
+    k: int
+    renormalize: bool
+    capacity_factor: float | None
+    aux_loss_coef: float
+    z_loss_coef: float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,6 +157,24 @@ class LlamaConfig:
         units instead of every token's, for one more MLP forward; 0 (default) runs it whole.
       remat: recompute each layer in the backward pass (ZeRO stages 0-2; the stage-3 schedule
         always keeps only the layer inputs).
+      n_experts: routed experts in every layer's MLP (a mixture of experts, Mixtral's and
+        Qwen3-MoE's layout, :mod:`zjax.nn.moe`); 0 (default): a dense MLP.
+      experts_per_token: experts each token is routed to (top-k; at most ``n_experts``).
+      n_shared_experts: experts every token goes through besides its routed ones (DeepSeek's;
+        one gated MLP ``n_shared_experts x moe_d_ff`` wide).
+      moe_d_ff: one expert's hidden width (Qwen3-MoE's ``moe_intermediate_size``); empty:
+        ``d_ff`` (Mixtral's ``intermediate_size``).
+      router_renormalize: the kept router probabilities are divided by their sum (Mixtral;
+        Qwen3-MoE's ``norm_topk_prob``).
+      router_aux_loss_coef: the load-balancing loss's weight in the loss (Switch
+        Transformer's, as Hugging Face scales it: 1 x top-k when balanced; averaged over the
+        layers); reported as ``moe_aux_loss``.
+      router_z_loss_coef: the router z-loss's weight (ST-MoE: the mean squared log-sum-exp
+        of the router logits); reported as ``moe_z_loss``.
+      capacity_factor: empty (default): dropless, every token-expert assignment computed
+        (grouped matmuls); a number: each expert takes at most ``capacity_factor x tokens x
+        top-k / n_experts`` of a device's assignments per layer, first choices first
+        (GShard), the rest dropped and counted in ``moe_dropped_tokens``.
     """
 
     vocab_size: int = positive(256)
@@ -181,9 +211,18 @@ class LlamaConfig:
     context_attention: str = choices("auto", "ulysses", "ring", default="auto")
     loss_chunk: int = positive(1024)
     mlp_chunk: int = non_negative(0)
+    n_experts: int = non_negative(0)
+    experts_per_token: int = positive(2)
+    n_shared_experts: int = non_negative(0)
+    moe_d_ff: int | None = positive(None, none_means="d_ff")
+    router_renormalize: bool = True
+    router_aux_loss_coef: float = non_negative(0.001)
+    router_z_loss_coef: float = non_negative(0.0)
+    capacity_factor: float | None = positive(None, none_means="dropless")
 
     def __post_init__(self):
         validate(self, "model")
+        self._check_experts()
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(f"model.n_heads: {self.n_heads} does not divide model.d_model "
                               f"{self.d_model} (or set model.head_dim)")
@@ -206,6 +245,35 @@ class LlamaConfig:
                          ("model.n_heads", " (d_model / n_heads)"))
             raise ConfigError(f"{key}: a head of {self.head_width} dimensions{what} is odd; "
                               "rotary embeddings rotate pairs")
+
+    def _check_experts(self):
+        if not self.n_experts:
+            if self.n_shared_experts:
+                raise ConfigError(f"model.n_shared_experts: {self.n_shared_experts} needs "
+                                  "model.n_experts (the routed experts they join)")
+            return
+        if self.experts_per_token > self.n_experts:
+            raise ConfigError(f"model.experts_per_token: {self.experts_per_token} exceeds "
+                              f"model.n_experts {self.n_experts}; route each token to at most "
+                              "every expert")
+        if self.mlp_chunk:
+            raise ConfigError(f"model.mlp_chunk: {self.mlp_chunk} tiles a dense MLP; with "
+                              f"model.n_experts {self.n_experts} the experts run on grouped "
+                              "matmuls; set it to 0")
+
+    @property
+    def moe(self) -> MoESettings | None:
+        """The mixture's settings; None for a dense MLP."""
+        if not self.n_experts:
+            return None
+        return MoESettings(self.n_experts, self.experts_per_token, self.router_renormalize,
+                           self.capacity_factor, self.router_aux_loss_coef,
+                           self.router_z_loss_coef)
+
+    @property
+    def expert_ff(self) -> int:
+        """One expert's hidden width: ``moe_d_ff``, or ``ff``."""
+        return self.moe_d_ff or self.ff
 
     @property
     def rope(self) -> tuple:

@@ -31,6 +31,7 @@ from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
 from zjax.models.config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
+from zjax.nn.moe import Experts, RouterStats, moe_ffn
 
 __all__ = ["Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
 
@@ -112,9 +113,27 @@ class LlamaBlock(nnx.Module):
         if cfg.post_norms:  # Gemma 2/3: on each sublayer's output, before the residual add
             self.post_attn_norm = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
             self.post_mlp_norm = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
+        self.moe = cfg.moe
+        if cfg.n_experts:
+            self._init_experts(cfg, rngs, out_std)
+            return
         self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
         self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
+
+    def _init_experts(self, cfg: LlamaConfig, rngs: nnx.Rngs, out_std: float):
+        """The router ``[D, E]`` (whole on every device), the routed experts' weights
+        ``[E, D, F]`` / ``[E, F, D]`` and the shared experts' gated MLP."""
+        d, e, ef = cfg.d_model, cfg.n_experts, cfg.expert_ff
+        self.router = param(rngs, (d, e), 0.02, ("embed", None))
+        self.w_gate = param(rngs, (e, d, ef), 0.02, ("expert", "embed", "mlp"))
+        self.w_up = param(rngs, (e, d, ef), 0.02, ("expert", "embed", "mlp"))
+        self.w_down = param(rngs, (e, ef, d), out_std, ("expert", "mlp", "embed"))
+        if cfg.n_shared_experts:
+            sf = cfg.n_shared_experts * ef
+            self.shared_gate = param(rngs, (d, sf), 0.02, ("embed", "mlp"))
+            self.shared_up = param(rngs, (d, sf), 0.02, ("embed", "mlp"))
+            self.shared_down = param(rngs, (sf, d), out_std, ("mlp", "embed"))
 
     def _project(self, y, name: str):
         """``y``'s heads of projection ``name`` (``q``, ``k``, ``v``): ``[B, T, heads, hd]``,
@@ -158,15 +177,38 @@ class LlamaBlock(nnx.Module):
                                   q, k, v, cache)
         return att.reshape(b, t, q.shape[2] * self.head_dim), cache
 
-    def _mlp(self, y):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
+    def _mlp(self, y, prefix: str = "w"):  # token-wise: tiled over chunks (model.mlp_chunk)
         act = ACTIVATIONS[self.mlp_activation]
-        return (act(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...]
+        w = lambda name: getattr(self, f"{prefix}_{name}")[...]
+        return (act(y @ w("gate")) * (y @ w("up"))) @ w("down")
+
+    def _experts(self, y, context: Packing | None, dropless: bool):
+        """The mixture of experts on ``y`` ``[B, T, D]`` (normalised, unmarked): the routed
+        experts' and the shared experts' partial outputs (split over ``model`` like a dense
+        MLP's hidden units) and this layer's router statistics."""
+        b, t, d = y.shape
+        flat = y.reshape(b * t, d)
+        segments = None if context is None else context.segment_ids
+        mask = None if segments is None else (segments != 0).reshape(-1)
+        moe = self.moe
+        out, stats = moe_ffn(
+            flat, self.router[...], Experts(self.w_gate[...], self.w_up[...],
+                                            self.w_down[...]),
+            k=moe.k, renormalize=moe.renormalize,
+            capacity_factor=None if dropless else moe.capacity_factor,
+            activation=ACTIVATIONS[self.mlp_activation], mask=mask)
+        if hasattr(self, "shared_gate"):
+            out = out + self._mlp(column_parallel_input(flat), "shared")
+        return out.reshape(b, t, d), stats
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
                  context: Packing | None = None, layer: jax.Array | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
         positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents;
         ``layer``: this block's index (with ``global_every``: it picks the layer's kind)."""
+        stats = None
+        if isinstance(x, tuple):  # a mixture's layers carry their router statistics
+            x, stats = x
         m = model_axis_size()
         if self.n_kv_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
@@ -175,10 +217,16 @@ class LlamaBlock(nnx.Module):
         y = column_parallel_input(self.ln1(x))
         att, new_cache = self._attention(y, cache, start, context, layer)
         x = x + self._post(row_parallel_output(att @ self.wo[...]), "post_attn_norm")
-        y = column_parallel_input(self.ln2(x))
-        out = row_parallel_output(tiled(self._mlp, y, chunk=self.mlp_chunk))
-        x = x + self._post(out, "post_mlp_norm")
-        return x if cache is None else (x, new_cache)
+        if self.moe is None:
+            y = column_parallel_input(self.ln2(x))
+            out = tiled(self._mlp, y, chunk=self.mlp_chunk)
+        else:  # decoding runs dropless: a capacity is a training-time budget
+            out, layer_stats = self._experts(self.ln2(x), context, dropless=cache is not None)
+            stats = None if stats is None else stats + layer_stats
+        x = x + self._post(row_parallel_output(out), "post_mlp_norm")
+        if cache is not None:
+            return x, new_cache
+        return x if stats is None else (x, stats)
 
     def _post(self, out, name: str):
         """A sublayer's output through its output norm (Gemma 2/3), where the model has one."""
@@ -204,8 +252,18 @@ class Llama(nnx.Module):
 
     def features(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         """The final normalised hidden states ``[B, T, D]`` (what the head multiplies)."""
+        return self.features_and_stats(tokens, packing)[0]
+
+    def features_and_stats(self, tokens: jax.Array, packing: Packing | None = None
+                           ) -> tuple[jax.Array, RouterStats | None]:
+        """:meth:`features`, and a mixture's router statistics summed over its layers
+        (None for a dense model)."""
         check_length(tokens, self.cfg.max_seq_len)
-        return self.ln_f(self.blocks(self._embed(tokens), packing))
+        x = self._embed(tokens)
+        if self.cfg.moe is None:
+            return self.ln_f(self.blocks(x, packing)), None
+        h, stats = self.blocks((x, RouterStats.zeros()), packing)
+        return self.ln_f(h), stats
 
     def _embed(self, tokens):
         x = jnp.take(self.embed[...], tokens, axis=0)

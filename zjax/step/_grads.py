@@ -31,11 +31,15 @@ from zjax.partition.gather import scatter_levels
 from zjax.partition.plan import ShardPlan
 from zjax.runtime.mesh import REPLICA, batch_axes, token_axes
 
-__all__ = ["accumulate", "loss_parts", "reduce_grads", "sharded_grads", "sharded_loss"]
+__all__ = ["accumulate", "loss_parts", "metric_values", "reduce_grads", "sharded_grads",
+           "sharded_loss"]
 
 
 def loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
-    """``(loss_sum, count)`` or ``(loss_sum, count, {name: sum})`` -> the 3-tuple, float32."""
+    """``(loss_sum, count)`` or ``(loss_sum, count, {name: sum})`` -> the 3-tuple, float32.
+
+    A step reports each metric sum over the batch divided by the count (a mean per loss
+    token), but one named ``*_tokens`` as the sum itself (a count: :func:`metric_values`)."""
     if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise TypeError(
             "a zjax loss returns (loss_sum, count) or (loss_sum, count, metric_sums), "
@@ -44,6 +48,12 @@ def loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
     extra = dict(out[2]) if len(out) == 3 else {}
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     return f32(out[0]), f32(out[1]), {k: f32(v) for k, v in extra.items()}
+
+
+def metric_values(extra: dict, count) -> dict:
+    """A loss's metric sums over the batch as the step reports them: ``*_tokens`` as sums
+    (counts of tokens), the others divided by ``count`` (means per loss token)."""
+    return {k: v if k.endswith("_tokens") else v / count for k, v in extra.items()}
 
 
 def reduce_grads(grads: Any, plan: ShardPlan, *, reduced_in_backward: bool) -> Any:

@@ -32,6 +32,7 @@ from zjax.errors import ConfigError
 from zjax.offload import global_norm
 from zjax.offload.nvme import StreamingOptimizer, check_elementwise
 from zjax.partition.plan import ShardPlan
+from zjax.step._grads import metric_values
 from zjax.step._nvme_engine import (
     LeafShards,
     ParamBuilder,
@@ -270,7 +271,8 @@ class NvmeStep:
         self.engine.step = step + 1
         metrics = {"loss": loss_sum / count, "grad_norm": norm, "param_norm": param_norm,
                    "finite": finite, "count": count,
-                   **{k: float(local_value(v)) / count for k, v in sums["extra"].items()},
+                   **metric_values({k: float(local_value(v)) for k, v in sums["extra"].items()},
+                                   count),
                    **nvme}
         return (TrainState(self.engine.step_array(step + 1), params, None, None),
                 {k: jnp.asarray(v) for k, v in metrics.items()})

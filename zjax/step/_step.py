@@ -27,7 +27,7 @@ from zjax.offload import check_memory_kind, on_host
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.runtime.mesh import batch_axes
-from zjax.step._grads import sharded_grads, sharded_loss
+from zjax.step._grads import metric_values, sharded_grads, sharded_loss
 from zjax.step._nvme import NvmeOptimizer, nvme_parts
 from zjax.step._nvme_io import NvmeStorage
 from zjax.step._state import TrainState, make_init, state_from, state_layout
@@ -208,7 +208,7 @@ def make_step(
                                    clip_norm=clip_norm)
         metrics = {"loss": loss_sum / count, "grad_norm": updated.grad_norm,
                    "param_norm": updated.param_norm, "finite": updated.finite, "count": count,
-                   **{k: v / count for k, v in extra.items()}}
+                   **metric_values(extra, count)}
         return store(state.step, updated, layout, plan), metrics
 
     evaluate = jax.jit(sharded_loss(trainable, plan, mesh),

@@ -1,0 +1,72 @@
+"""A mixture-of-experts feed-forward layer for any model: a softmax top-k router (Mixtral's;
+Qwen-MoE's and DeepSeek's without renormalisation) and gated-MLP experts, dropless by default.
+
+- **Dropless** (:func:`moe_ffn` with ``capacity_factor=None``): each token is copied to its
+  ``k`` experts, the copies sorted by expert and run through grouped matmuls
+  (``jax.lax.ragged_dot``); every assignment is computed, none padded.
+- **Capacity** (``capacity_factor=c``): GShard's rule: each expert takes at most
+  ``ceil(c * N * k / E)`` of the ``N`` tokens' assignments, first choices first; the rest are
+  dropped (counted in :class:`RouterStats`). Its buffers are static ``[E, capacity, D]``.
+
+The router's auxiliary losses are returned as statistics (:class:`RouterStats`), a
+load-balance share and a z-loss share of this device's tokens, whose sums over the devices are
+the batch's losses; the model adds them to its loss with its coefficients
+(:func:`zjax.models.lm_loss` does for the reference Llama). Under tensor parallelism the
+experts' hidden units are split over ``model`` like a dense MLP's (the caller sums the partial
+outputs, :func:`zjax.nn.row_parallel_output`); the router sees the whole input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from zjax.nn._experts import Experts, capacity, dropless, with_capacity
+from zjax.nn._routing import RouterStats, Routing, batch_sum, route, router_stats
+from zjax.nn.tensor_parallel import column_parallel_input
+
+__all__ = ["Experts", "RouterStats", "Routing", "batch_sum", "capacity", "moe_ffn", "route",
+           "router_stats"]
+
+
+def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
+            renormalize: bool = True, capacity_factor: float | None = None,
+            activation: Callable = jax.nn.silu,
+            mask: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+    """The routed experts' output for tokens ``x``.
+
+    Under tensor parallelism (inside a step with a ``model`` axis, each expert's hidden units
+    split over it as :mod:`zjax.partition.rules` splits ``mlp``), ``x`` is the input as every
+    ``model`` device holds it, unmarked: the router reads it whole, and the experts' input and
+    the combine weights enter the tensor-parallel region here
+    (:func:`zjax.nn.column_parallel_input`, which sums their gradients over ``model``); the
+    output is then each device's partial sum, for the caller's
+    :func:`zjax.nn.row_parallel_output`. Outside a ``model`` axis both marks are the identity.
+
+    Args:
+      x: ``[N, D]`` tokens.
+      router: ``[D, E]`` router weights (Hugging Face's ``gate.weight`` transposed).
+      experts: the ``E`` experts' weights (:class:`Experts`).
+      k: experts per token (at most ``E``).
+      renormalize: the kept probabilities divided by their sum (:func:`route`).
+      capacity_factor: None (dropless), or each expert's capacity as a multiple of an even
+        share of the assignments (:func:`capacity`).
+      activation: the gated MLP's activation (SwiGLU: silu).
+      mask: ``[N]`` 1 for a token, 0 for padding: which tokens the router's statistics count.
+
+    Returns:
+      ``([N, D] output in x's dtype, this device's RouterStats)``.
+    """
+    n_experts = experts.gate.shape[0]
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"k = {k} experts per token, with {n_experts} experts")
+    routing = route(x @ router.astype(x.dtype), k=k, renormalize=renormalize)
+    # the weights scale partial sums under tensor parallelism: their gradient is summed
+    split = routing._replace(weights=column_parallel_input(routing.weights))
+    x = column_parallel_input(x)
+    if capacity_factor is None:
+        return dropless(x, split, experts, activation=activation), router_stats(routing, mask)
+    y, dropped = with_capacity(x, split, experts, factor=capacity_factor,
+                               activation=activation)
+    return y, router_stats(routing, mask, dropped)
