@@ -1,7 +1,8 @@
 """Hugging Face Llama-family checkpoints and their logits without torch or zjax: a float64 numpy
 forward written from transformers 4.57's modelling files (``modeling_llama.py``,
 ``modeling_mistral.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``, ``modeling_phi3.py``,
-``modeling_gemma.py``, ``modeling_gemma2.py``, ``modeling_gemma3.py``),
+``modeling_gemma.py``, ``modeling_gemma2.py``, ``modeling_gemma3.py``, ``modeling_mixtral.py``,
+``modeling_qwen3_moe.py``),
 and tiny random checkpoints written with transformers' own config classes and the tensor
 names of those files' ``state_dict``.
 
@@ -33,6 +34,10 @@ FAMILIES = {
     # soft-caps small enough to bite at these weights; the window shorter than the tokens
     "gemma2": ("Gemma2Config", {"head_dim": 24, "sliding_window": 5, "query_pre_attn_scalar": 20,
                                 "attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0}),
+    # mixtures: 4 experts, 2 a token (Qwen3-MoE's experts narrower than intermediate_size)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 40, "norm_topk_prob": True}),
     # windowed, windowed, global (a 2:1 pattern); the global layer's rotary scaled linearly
     "gemma3": ("Gemma3TextConfig", {"architectures": ["Gemma3ForCausalLM"], "head_dim": 24,
                                     "num_hidden_layers": 3, "sliding_window": 4,
@@ -57,7 +62,7 @@ def tensor_names(hf: dict) -> dict[str, tuple[int, ...]]:
     """The ``state_dict`` names and shapes of a Llama-family model as transformers builds it."""
     d, hd = hf["hidden_size"], hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     h, kv, ff = hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"]
-    qwen2, qwen3 = hf["model_type"] == "qwen2", hf["model_type"] == "qwen3"
+    qwen2, qwen3 = hf["model_type"] == "qwen2", hf["model_type"] in ("qwen3", "qwen3_moe")
     names = {"model.embed_tokens.weight": (hf["vocab_size"], d), "model.norm.weight": (d,)}
     if not hf.get("tie_word_embeddings"):
         names["lm_head.weight"] = (hf["vocab_size"], d)
@@ -70,6 +75,10 @@ def tensor_names(hf: dict) -> dict[str, tuple[int, ...]]:
                   p + "self_attn.o_proj.weight": (d, h * hd),
                   p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
                   p + "mlp.down_proj.weight": (d, ff)}
+        if _experts(hf):  # the MLP is a mixture: a router and E experts
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del names[p + f"mlp.{name}.weight"]
+            names |= _expert_names(hf, p)
         if qwen2:  # Qwen2Attention: bias=True on q, k, v
             names |= {p + "self_attn.q_proj.bias": (h * hd,),
                       p + "self_attn.k_proj.bias": (kv * hd,),
@@ -80,6 +89,49 @@ def tensor_names(hf: dict) -> dict[str, tuple[int, ...]]:
             names |= {p + "pre_feedforward_layernorm.weight": (d,),
                       p + "post_feedforward_layernorm.weight": (d,)}
     return _fuse(hf, names) if hf["model_type"] == "phi3" else names
+
+
+def _experts(hf: dict) -> int:
+    return hf.get("num_local_experts") or hf.get("num_experts") or 0
+
+
+def _expert_names(hf: dict, p: str) -> dict:
+    """modeling_mixtral's ``block_sparse_moe`` (``gate``; ``experts.{e}.w1``, ``w3``, ``w2``:
+    gate, up, down) or modeling_qwen3_moe's ``mlp`` (``gate``; ``experts.{e}.gate_proj`` ...,
+    ``moe_intermediate_size`` wide)."""
+    d = hf["hidden_size"]
+    if hf["model_type"] == "mixtral":
+        ff, base, proj = hf["intermediate_size"], p + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        ff, base, proj = hf["moe_intermediate_size"], p + "mlp.", ("gate_proj", "up_proj",
+                                                                   "down_proj")
+    names = {base + "gate.weight": (_experts(hf), d)}
+    for e in range(_experts(hf)):
+        x = f"{base}experts.{e}."
+        names |= {x + f"{proj[0]}.weight": (ff, d), x + f"{proj[1]}.weight": (ff, d),
+                  x + f"{proj[2]}.weight": (d, ff)}
+    return names
+
+
+def _mixture(hf, t, p, y):
+    """MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock: a softmax over the experts, the top
+    ``num_experts_per_tok`` kept (renormalised: always in Mixtral, where ``norm_topk_prob`` in
+    Qwen3-MoE), each chosen expert's SwiGLU output weighted and summed."""
+    names = list(_expert_names(hf, p))
+    logits = y @ t[names[0]].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    k = hf["num_experts_per_tok"]
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, top, axis=-1)
+    if hf["model_type"] == "mixtral" or hf.get("norm_topk_prob"):
+        weights = weights / weights.sum(-1, keepdims=True)
+    out = np.zeros_like(y)
+    for e in range(_experts(hf)):
+        gate, up, down = (t[n] for n in names[1 + 3 * e: 4 + 3 * e])
+        h = _act(hf, y @ gate.T) * (y @ up.T) @ down.T
+        out += np.sum(np.where(top == e, weights, 0.0), axis=-1)[:, None] * h
+    return out
 
 
 def _fuse(hf: dict, names: dict) -> dict:
@@ -256,8 +308,11 @@ def _layer(hf, t, p, x, i):
     else:
         x = x + att
         y = norm("post_attention_layernorm", x)
-    mlp = (_act(hf, y @ t[p + "mlp.gate_proj.weight"].T) * (y @ t[p + "mlp.up_proj.weight"].T)
-           ) @ t[p + "mlp.down_proj.weight"].T
+    if _experts(hf):
+        mlp = _mixture(hf, t, p, y)
+    else:
+        mlp = (_act(hf, y @ t[p + "mlp.gate_proj.weight"].T)
+               * (y @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
     return x + (norm("post_feedforward_layernorm", mlp) if _sandwich(hf) else mlp)
 
 

@@ -1,4 +1,5 @@
-"""Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1/2/3 checkpoints in and out: zjax's logits
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3, Mixtral and Qwen3-MoE checkpoints in and
+out: zjax's logits
 equal a float64 reference written from transformers' modelling files (itself checked against
 transformers' Flax Llama, Mistral and Gemma), greedy generation equals token for token, every
 ``config.json`` key that transformers' config class writes is mapped, fixed or inert, and each
@@ -129,7 +130,9 @@ def _changed(key: str, hf: dict):
             else "gelu_pytorch_tanh",
             "query_pre_attn_scalar": hd * 4, "attn_logit_softcapping": 0.5,
             "final_logit_softcapping": 0.5, "rope_local_base_freq": 10000.0,
-            "layer_types": ["full_attention"] * hf["num_hidden_layers"]}[key]
+            "layer_types": ["full_attention"] * hf["num_hidden_layers"],
+            "num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 1,
+            "moe_intermediate_size": 48, "norm_topk_prob": not hf.get("norm_topk_prob")}[key]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -170,8 +173,8 @@ def _finetune(tmp_path, directory, name: str, model_axis: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "mistral", "phi3", "qwen2",
-                                    "qwen3"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "mistral", "mixtral", "phi3",
+                                    "qwen2", "qwen3", "qwen3_moe"])
 def test_import_stage3_steps_export_reload_gives_the_trained_logits(tmp_path, family):
     """import-hf -> 3 stage-3 steps (tensor-parallel over 2 devices, the same losses as over
     1) -> export --format hf: the files hold the trained model (by the reference's forward

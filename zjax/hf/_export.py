@@ -60,7 +60,7 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
         try:
             work.mkdir()
             _write_weights(work, state_dir, dict(stored), layout.leaves(config.model),
-                           config.model.n_layers, target, max_shard_bytes)
+                           target, max_shard_bytes)
             hf = config_json(layout, config.model, dtype=target.name, origin=origin)
             (work / "config.json").write_text(json.dumps(hf, indent=2))
             for name in IDENTITY_FILES[1:] if origin is not None else ():  # as it was
@@ -139,7 +139,7 @@ def config_json(layout: Layout, model, *, dtype: str, origin: Path | None) -> di
 
 
 def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf],
-                   n_layers: int, target: np.dtype, max_shard_bytes: int) -> None:
+                   target: np.dtype, max_shard_bytes: int) -> None:
     from zjax.checkpoint import read_leaf
 
     missing = [leaf.keys for leaf in leaves if leaf.keys not in stored]
@@ -150,7 +150,7 @@ def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf]
     for leaf in leaves:
         groups.setdefault(leaf.hf, []).append(leaf)
     plan = [(name, hf_shape(group[0], stored[group[0].keys]))
-            for group in groups.values() for name in group[0].names(n_layers)]
+            for group in groups.values() for name in group[0].names(stored[group[0].keys])]
     files, size = [[]], 0
     for item in plan:
         nbytes = int(np.prod(item[1], dtype=np.int64)) * target.itemsize
@@ -183,8 +183,9 @@ def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf]
 def _tensors(group: list[Leaf], arrays: list[np.ndarray]) -> Iterator[np.ndarray]:
     """The Hugging Face tensors (one per layer when stacked) of one group's leaves; its own
     frame, so the leaves are freed before the next group's are read."""
-    layers = zip(*arrays, strict=True) if group[0].stacked else [arrays]
-    for parts in layers:  # fused parts side by side on zjax's last axis
+    lead = group[0].lead  # one tensor per layer (and expert)
+    per = [a.reshape(-1, *a.shape[lead:]) for a in arrays] if lead else [[a] for a in arrays]
+    for parts in zip(*per, strict=True):  # fused parts side by side on zjax's last axis
         whole = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         yield np.ascontiguousarray(whole.T if group[0].transpose else whole)
 

@@ -9,6 +9,17 @@ to Llama's (transformers 4.57's modelling files):
   switch), none on the output projection.
 - ``Qwen3ForCausalLM``: RMSNorm over each query and key head before rotary, an explicit
   ``head_dim``, no biases.
+- ``MixtralForCausalLM``: Mistral's attention and a mixture of ``num_local_experts`` SwiGLU
+  experts ``intermediate_size`` wide, ``num_experts_per_tok`` of them per token, the kept
+  router probabilities renormalised (``block_sparse_moe.gate``, ``experts.{e}.w1`` / ``w3`` /
+  ``w2``: gate, up, down); ``router_jitter_noise`` only at 0.
+- ``Qwen3MoeForCausalLM``: Qwen3's attention and a mixture of ``num_experts`` experts
+  ``moe_intermediate_size`` wide, renormalised where ``norm_topk_prob`` (``mlp.gate``,
+  ``mlp.experts.{e}.gate_proj`` ...); every layer sparse (``decoder_sparse_step`` 1, no
+  ``mlp_only_layers``).
+- ``router_aux_loss_coef`` of both becomes ``model.router_aux_loss_coef`` (a training setting
+  a run may change; inert to the logits, as is ``output_router_logits``, transformers' switch
+  for adding it).
 - ``Phi3ForCausalLM``: Llama's computation with fused tensors: ``qkv_proj`` (the query heads,
   then the key heads, then the value heads) and ``gate_up_proj`` (gate, then up); Mistral's
   ``sliding_window``. The 128k variants' ``rope_scaling: longrope`` is refused (not yet
@@ -27,9 +38,9 @@ from typing import Any
 
 from zjax.errors import CheckpointError
 from zjax.hf._layout import Leaf
-from zjax.hf._llama import ANY, LEAVES, Family, family_layout
+from zjax.hf._llama import ANY, LEAVES, Family, expert_leaves, family_layout
 
-__all__ = ["LLAMA", "MISTRAL", "PHI3", "QWEN2", "QWEN3"]
+__all__ = ["LLAMA", "MISTRAL", "MIXTRAL", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE"]
 
 
 def _full_attention(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -73,6 +84,54 @@ QWEN3 = family_layout(Family(
     inert=_QWEN_INERT,
     options=lambda hf, source: {"qk_norm": True, **_full_attention(hf, source)},
     to_hf=_qwen_to_hf, model={"qk_norm": True}))
+
+
+def _experts(hf: dict[str, Any], count: str, width: str | None = None) -> dict[str, Any]:
+    """The mixture's options of a ``config.json`` whose expert count is ``count``."""
+    out = {"n_experts": int(hf[count]), "experts_per_token": int(hf["num_experts_per_tok"]),
+           "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
+    return out if width is None else {**out, "moe_d_ff": int(hf[width])}
+
+
+def _experts_to_hf(cfg, count: str) -> dict[str, Any]:
+    return {count: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False}
+
+
+_MIXTURE = {"n_experts": ANY, "experts_per_token": ANY}
+# the aux loss's weight is a training setting (read into model.router_aux_loss_coef), and
+# output_router_logits transformers' switch for adding it: neither changes the logits
+_MOE_INERT = ("router_aux_loss_coef", "output_router_logits")
+_MIXTRAL_LEAVES = expert_leaves("block_sparse_moe.gate", "block_sparse_moe.experts",
+                                ("w1", "w3", "w2"))
+MIXTRAL = family_layout(Family(
+    architecture="MixtralForCausalLM", model_type="mixtral",
+    fixed={"router_jitter_noise": (0, 0.0, None)},
+    mapped=("sliding_window", "num_local_experts", "num_experts_per_tok"),
+    inert=_MOE_INERT,
+    options=lambda hf, source: {"sliding_window": hf.get("sliding_window"),
+                                **_experts(hf, "num_local_experts")},
+    to_hf=lambda cfg: {"sliding_window": cfg.sliding_window, "intermediate_size": cfg.expert_ff,
+                       **_experts_to_hf(cfg, "num_local_experts")},
+    model={"sliding_window": ANY, **_MIXTURE}, table=lambda cfg: _MIXTRAL_LEAVES))
+
+_QWEN_MOE_LEAVES = expert_leaves("mlp.gate", "mlp.experts", ("gate_proj", "up_proj",
+                                                             "down_proj"))
+QWEN3_MOE = family_layout(Family(
+    architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe",
+    fixed={"use_sliding_window": (False, None), "attention_bias": (False, None),
+           "decoder_sparse_step": (1, None), "mlp_only_layers": ([], None)},
+    mapped=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
+    # every layer sparse: intermediate_size (a dense layer's width) is read back, not used
+    inert=(*_QWEN_INERT, *_MOE_INERT, "intermediate_size"),
+    options=lambda hf, source: {
+        "qk_norm": True, "router_renormalize": bool(hf.get("norm_topk_prob", False)),
+        **_experts(hf, "num_experts", "moe_intermediate_size"), **_full_attention(hf, source)},
+    to_hf=lambda cfg: {**_qwen_to_hf(cfg), **_experts_to_hf(cfg, "num_experts"),
+                       "moe_intermediate_size": cfg.expert_ff,
+                       "norm_topk_prob": cfg.router_renormalize},
+    model={"qk_norm": True, "moe_d_ff": ANY, "router_renormalize": ANY, **_MIXTURE},
+    table=lambda cfg: _QWEN_MOE_LEAVES))
 
 
 def _phi3_table(cfg) -> tuple[Leaf, ...]:

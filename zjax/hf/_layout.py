@@ -51,7 +51,9 @@ class Leaf:
 
     Attributes:
       keys: the leaf's path in zjax's params.
-      hf: the Hugging Face name, with ``{i}`` for the layer when the leaf is stacked.
+      hf: the Hugging Face name, with ``{i}`` for the layer when the leaf is stacked, and
+        ``{e}`` for the expert when the leaf stacks a mixture's experts (its dimension after
+        the layer's: one tensor per layer and expert).
       transpose: the file holds the transpose (``nn.Linear``'s ``[out, in]``).
       part: ``(k, n)``: the leaf is the k-th of n equal parts of the tensor along zjax's last
         axis (a fused projection: GPT-2's ``c_attn``), or ``(k, (w0, w1, ...))``: of parts in
@@ -67,6 +69,15 @@ class Leaf:
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
+
+    @property
+    def lead(self) -> int:
+        """zjax's dimensions the file spreads over tensors: layers, then experts."""
+        return int(self.stacked) + int(self.per_expert)
 
     def _weights(self) -> tuple[int, ...]:
         parts = self.part[1]
@@ -86,8 +97,13 @@ class Leaf:
         weights = self._weights()
         return size * sum(weights[:self.part[0]]) // weights[self.part[0]]
 
-    def names(self, n_layers: int) -> list[str]:
-        return [self.hf.format(i=i) for i in range(n_layers)] if self.stacked else [self.hf]
+    def names(self, shape: tuple[int, ...]) -> list[str]:
+        """The Hugging Face tensors of the leaf of zjax shape ``shape``, in order (layer by
+        layer, expert by expert)."""
+        if not self.stacked:
+            return [self.hf]
+        experts = range(shape[1]) if self.per_expert else [0]
+        return [self.hf.format(i=i, e=e) for i in range(shape[0]) for e in experts]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +164,6 @@ def check_known(hf: dict[str, Any], known: tuple[str, ...], *, source: str,
 
 def hf_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of one Hugging Face tensor of ``leaf`` (of zjax shape ``shape``)."""
-    one = list(shape[1:] if leaf.stacked else shape)
+    one = list(shape[leaf.lead:])
     one[-1] = leaf.whole(one[-1])
     return tuple(reversed(one)) if leaf.transpose else tuple(one)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from zjax.errors import CheckpointError, ConfigError
-from zjax.hf._families import LLAMA, MISTRAL, PHI3, QWEN2, QWEN3
+from zjax.hf._families import LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3, QWEN3_MOE
 from zjax.hf._gemma import GEMMA, GEMMA2, GEMMA3
 from zjax.hf._gpt2 import GPT2
 from zjax.hf._layout import Layout
@@ -15,7 +15,7 @@ __all__ = ["LAYOUTS", "layout_for_hf", "layout_for_model"]
 
 # a run's model is exported as the first that can hold it (a Mistral without a window is a
 # Llama); a run started from a Hugging Face model keeps that model's architecture
-LAYOUTS = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3, GPT2)
+LAYOUTS = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3, MIXTRAL, QWEN3_MOE, GPT2)
 
 
 def layout_for_hf(hf: dict[str, Any], *, source: str) -> Layout:
@@ -49,5 +49,5 @@ def layout_for_model(loop: str, model: Any, *, prefer: Layout | None = None) -> 
         raise ConfigError(f"--format: hf: no Hugging Face architecture zjax writes holds this "
                           f"model ({reasons})")
     raise ConfigError(f"--format: hf needs a run of loop: llama (Llama, Mistral, Qwen2, Qwen3, "
-                      f"Phi-3, Gemma 1/2/3) or loop: lm with GPT-2's layout (GPT2LMHeadModel); "
-                      f"the run is loop: {loop}")
+                      f"Phi-3, Gemma 1/2/3, Mixtral, Qwen3-MoE) or loop: lm with GPT-2's "
+                      f"layout (GPT2LMHeadModel); the run is loop: {loop}")

@@ -39,7 +39,7 @@ from zjax.errors import CheckpointError, ConfigError
 from zjax.hf._layout import Layout, Leaf, check_fixed, check_known
 from zjax.models import LlamaConfig
 
-__all__ = ["ANY", "LEAVES", "Family", "family_layout", "leaves", "refusal"]
+__all__ = ["ANY", "LEAVES", "Family", "expert_leaves", "family_layout", "leaves", "refusal"]
 
 
 _L = ("blocks", "layers")
@@ -68,7 +68,11 @@ FIXED = {"hidden_act": ("silu", None), "attention_dropout": (0, 0.0, None)}
 # the LlamaConfig options that tell the families apart
 OPTIONS = ("qkv_bias", "qk_norm", "sliding_window", "mlp_activation", "norm_plus_one",
            "embed_scale", "post_norms", "global_every", "local_rope_theta", "attn_softcap",
-           "final_softcap", "query_pre_attn_scalar")
+           "final_softcap", "query_pre_attn_scalar", "n_experts", "experts_per_token",
+           "n_shared_experts", "moe_d_ff", "router_renormalize")
+# settings of training, not of the weights: a run may differ from the checkpoint's
+TRAINING = ("remat", "max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
+            "capacity_factor")
 ANY = object()  # Family.model: the option may take any value
 
 
@@ -198,6 +202,22 @@ def _hf_rope_scaling(cfg: LlamaConfig) -> dict[str, Any] | None:
         "original_max_position_embeddings": cfg.rope_original_max_len}
 
 
+def expert_leaves(router: str, experts: str, names: tuple[str, str, str]) -> tuple[Leaf, ...]:
+    """:data:`LEAVES` with a mixture's MLP: the router ``{router}.weight`` and the experts'
+    gate, up and down projections ``{experts}.{e}.{name}.weight`` (``names`` in that order),
+    each ``[L, E, ...]`` leaf made of one tensor per layer and expert."""
+    mlp = {"w_gate": names[0], "w_up": names[1], "w_down": names[2]}
+    out = []
+    for leaf in LEAVES:
+        name = mlp.get(leaf.keys[-1])
+        if name is not None:
+            leaf = Leaf(leaf.keys, f"model.layers.{{i}}.{experts}.{{e}}.{name}.weight", True)
+        out.append(leaf)
+        if leaf.keys[-2:] == ("ln2", "scale"):
+            out.append(Leaf((*_L, "router"), f"model.layers.{{i}}.{router}.weight", True))
+    return tuple(out)
+
+
 def leaves(cfg: LlamaConfig, table: tuple[Leaf, ...] = LEAVES) -> list[Leaf]:
     """The leaves of ``cfg``'s params in ``table``: no ``head`` when the embeddings are tied,
     q/k/v biases and head norms only where the model has them."""
@@ -220,6 +240,7 @@ def family_layout(family: Family) -> Layout:
         from_hf=lambda hf, *, source, max_seq_len=None: _config(
             family, hf, source=source, max_seq_len=max_seq_len),
         to_hf=lambda cfg, *, dtype: _hf_config(family, cfg, dtype=dtype),
-        leaves=lambda cfg: leaves(cfg, family.table(cfg)), free=("remat", "max_seq_len"),
+        leaves=lambda cfg: leaves(cfg, family.table(cfg)), free=TRAINING,
         ignored=("rotary_emb.inv_freq",),
-        mapped=(*MAPPED, *family.mapped), bounds=BOUNDS)
+        mapped=tuple(k for k in (*MAPPED, *family.mapped) if k not in family.inert),
+        bounds=BOUNDS)

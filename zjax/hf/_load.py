@@ -9,6 +9,7 @@ writes them one at a time).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,7 +95,7 @@ class HFCheckpoint:
         cfg, names = self.config, set()
         for leaf in self.leaves:
             want = hf_shape(leaf, self.shapes[leaf.keys])
-            for name in map(self._file_name, leaf.names(cfg.n_layers)):
+            for name in map(self._file_name, leaf.names(self.shapes[leaf.keys])):
                 names.add(name)
                 if name not in self.tensors:
                     raise CheckpointError(f"{self.directory}: tensor {name!r} is missing "
@@ -123,16 +124,19 @@ class HFCheckpoint:
         if not leaf.stacked:
             return self._finite(leaf.hf, _slice(self._array(leaf.hf), leaf.transpose, index,
                                                  dtype))
-        layers = range(*index[0].indices(shape[0]))
+        spans = [range(*index[d].indices(shape[d])) for d in range(leaf.lead)]
         out = None
-        for j, i in enumerate(layers):  # filled in place: no second copy of the leaf
-            name = leaf.hf.format(i=i)
-            one = self._finite(name, _slice(self._array(name), leaf.transpose, index[1:],
-                                            dtype))
+        for at in itertools.product(*(range(len(r)) for r in spans)):
+            # one tensor per layer (and expert), filled in place: no second copy of the leaf
+            where = [r[a] for r, a in zip(spans, at, strict=True)]
+            name = leaf.hf.format(**dict(zip("ie"[:leaf.lead], where, strict=True)))
+            one = self._finite(name, _slice(self._array(name), leaf.transpose,
+                                            index[leaf.lead:], dtype))
             if out is None:
-                out = np.empty((len(layers), *one.shape), dtype)
-            out[j] = one
-        return out if out is not None else np.empty((0, *shape[1:]), dtype)
+                out = np.empty((*map(len, spans), *one.shape), dtype)
+            out[at] = one
+        return out if out is not None else np.empty(
+            (*map(len, spans), *shape[leaf.lead:]), dtype)
 
     def _finite(self, name: str, values: np.ndarray) -> np.ndarray:
         """``values`` (read from tensor ``name``), refused if any is NaN or infinite: such
