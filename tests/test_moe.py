@@ -197,3 +197,19 @@ def test_capacity_counts_each_devices_dropped_assignments():
 def test_bad_expert_settings_name_the_key(overrides, message):
     with pytest.raises(zjax.ConfigError, match=message):
         LlamaConfig(**overrides)
+
+
+def test_the_plan_counts_active_parameters_in_model_flops():
+    """``zjax plan``: total and active parameters (the chosen and shared experts), and model
+    FLOPs (MFU's numerator) of the active ones: 6 N_active + 12 L H Q T per token."""
+    config = zjax.load_config("configs/llama-tiny.yaml", [
+        "model.n_experts=4", "model.experts_per_token=2", "model.n_shared_experts=1",
+        "model.moe_d_ff=64", "data.path=", "data.batch_size=8"])
+    report = zjax.plan(config)
+    m = config.model
+    routed = m.n_layers * m.n_experts * 3 * m.d_model * 64
+    assert report.active_params == report.n_params - routed // 2  # 2 of 4 experts a token
+    attention = 12 * m.n_layers * m.n_heads * m.head_width * config.data.seq_len
+    assert report.flops["per_token"] == 6 * report.active_params + attention
+    assert f"{report.n_params:,} parameters ({report.active_params:,} active per token)" \
+        in report.table()

@@ -29,16 +29,19 @@ def peak_flops(device_kind: str) -> float | None:
 
 def flops_per_token(n_params: int, *, n_layers: int | None = None, d_model: int | None = None,
                     seq_len: int | None = None, attn_width: int | None = None,
-                    window: int | None = None, windowed_layers: int = 0) -> float:
+                    window: int | None = None, windowed_layers: int = 0,
+                    inactive_params: int = 0) -> float:
     """Model FLOPs to train on one token: ``6 N`` (forward and backward of every parameter's
     matmul) plus, for a transformer whose shape is given, ``12 L H Q T`` for attention's
     scores and weighted sum over ``T`` positions (PaLM's; ``H Q`` is ``attn_width``, the
     query heads' total width, ``d_model`` unless given). ``windowed_layers`` of the layers
     attend through a sliding ``window`` and count ``min(T, window)`` positions.
 
-    ``N`` counts every parameter, the embedding table included (for a tied embedding it is
-    the output projection too).
+    ``N`` counts every parameter a token uses, the embedding table included (for a tied
+    embedding it is the output projection too): a mixture's ``inactive_params`` (the experts
+    a token is not routed to) are left out.
     """
+    n_params = n_params - inactive_params
     if None in (n_layers, d_model, seq_len):
         return 6.0 * n_params
     windowed = windowed_layers if window is not None else 0

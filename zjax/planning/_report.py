@@ -33,6 +33,8 @@ class PlanReport:
 
     Attributes:
       n_params: total parameter count Ψ.
+      active_params: a mixture of experts' parameters one token uses (the chosen experts'
+        and every shared one); None for a dense model.
       n_devices: devices in the mesh (``data`` x ``model``).
       setting: the knobs the autotuner varies (stage, offload, prefetch, grad_accum, remat,
         and ``mesh``: the ``data`` and ``model`` axis sizes).
@@ -90,6 +92,7 @@ class PlanReport:
     collectives_by_link: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     activations: dict[str, int] = dataclasses.field(default_factory=dict)
     context_per_layer: dict[str, int] = dataclasses.field(default_factory=dict)
+    active_params: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -101,6 +104,10 @@ class PlanReport:
     def fits(self, budget_bytes: int) -> bool:
         return self.per_device["total_bytes"] <= budget_bytes
 
+    def _active(self) -> str:
+        return "" if self.active_params is None else \
+            f" ({self.active_params:,} active per token)"
+
     def table(self) -> str:
         """The human-readable report."""
         d, f, c = self.per_device, self.formula, self.collectives
@@ -110,7 +117,8 @@ class PlanReport:
             if len(mesh) > 2 or mesh.get("model", 1) > 1 else ""
         where = f" ({s['target']}: {self.device_kind})" if s.get("target") else ""
         lines = [
-            f"zjax plan{where}: {self.n_params:,} parameters on {self.n_devices} devices{shape}, "
+            f"zjax plan{where}: {self.n_params:,} parameters{self._active()} on "
+            f"{self.n_devices} devices{shape}, "
             f"ZeRO stage {s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, "
             f"grad_accum {s['grad_accum']}, remat {s['remat']}"
             + (f", activations {s['activations']}"
@@ -322,6 +330,8 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         collectives_by_link=coll.by_link,
         activations=dict(activations or {}),
         context_per_layer=_per_layer(coll, (model_shape or {}).get("n_layers")),
+        active_params=n_params - (model_shape or {})["inactive_params"]
+        if "inactive_params" in (model_shape or {}) else None,
     )
 
 
