@@ -31,7 +31,8 @@ class Stack(nnx.Module):
 
     Args:
       make_layer: ``make_layer(rngs) -> nnx.Module``; the block maps ``x -> y`` with ``y``
-        of ``x``'s shape and dtype and holds only ``nnx.Param`` state.
+        like ``x`` (an array, or a pytree of arrays: a mixture of experts' ``(x, router
+        statistics)``, summed over the layers) and holds only ``nnx.Param`` state.
       n_layers: number of layers L.
       rngs: NNX RNGs; split so every layer is initialised differently.
       remat: checkpoint each layer in the plain scan (recompute it in the backward pass).
@@ -52,7 +53,7 @@ class Stack(nnx.Module):
         self.indexed = indexed
         self.runner: Runner | None = None
 
-    def __call__(self, x: jax.Array, context: Any = None) -> jax.Array:
+    def __call__(self, x: Any, context: Any = None) -> Any:
         """``x`` through every layer; ``context`` (packed documents' segment ids and
         positions, say) reaches each block as ``block(h, context=context)``."""
         graphdef, state = nnx.split(self.layers)
