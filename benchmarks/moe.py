@@ -21,24 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from attention import _median_time  # this directory: the benchmarks share it
+
 E, K = 8, 2
-
-
-def _median_time(fn, args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _masked(x, router, w):
@@ -79,7 +67,7 @@ def run(tokens: int, d: int, f: int, repeats: int) -> dict:
             return jnp.sum(layer(x, r, w).astype(jnp.float32))
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         temp = fn.lower(x, router, w).compile().memory_analysis().temp_size_in_bytes
-        rows[name] = {"seconds": round(_median_time(fn, (x, router, w), repeats), 4),
+        rows[name] = {"seconds": round(_median_time(fn, x, router, w, repeats=repeats), 4),
                       "temp_mib": round(temp / 2 ** 20, 1)}
     for name in ("dropless", "capacity"):
         rows[name]["over_masked"] = round(rows[name]["seconds"] / rows["masked"]["seconds"], 3)
