@@ -1,7 +1,8 @@
 """A reference Llama-family decoder in Flax NNX: RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU MLP, untied head; the layers in a ``Stack``. Options (``LlamaConfig``) give
-Mistral's sliding window, Qwen2's q/k/v biases, Qwen3's head norms and width, and Gemma's
-1 + w norms, scaled embeddings and GELU-gated MLP.
+Mistral's sliding window, Qwen2's q/k/v biases, Qwen3's head norms and width, Gemma's
+1 + w norms, scaled embeddings and GELU-gated MLP, and Mixtral's and Qwen3-MoE's mixture of
+experts in place of the MLP (:mod:`zjax.nn.moe`).
 
 The layout and conventions are Hugging Face's ``LlamaForCausalLM``: rotary embeddings rotate
 the two halves of each head (``rotate_half``), query head ``j`` reads key/value head
@@ -205,7 +206,9 @@ class LlamaBlock(nnx.Module):
                  context: Packing | None = None, layer: jax.Array | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
         positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents;
-        ``layer``: this block's index (with ``global_every``: it picks the layer's kind)."""
+        ``layer``: this block's index (with ``global_every``: it picks the layer's kind).
+        A mixture of experts' block (``model.n_experts``) in training takes and returns
+        ``(x, RouterStats)``, this layer's router statistics added."""
         stats = None
         if isinstance(x, tuple):  # a mixture's layers carry their router statistics
             x, stats = x
