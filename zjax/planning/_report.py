@@ -104,9 +104,11 @@ class PlanReport:
     def fits(self, budget_bytes: int) -> bool:
         return self.per_device["total_bytes"] <= budget_bytes
 
-    def _active(self) -> str:
-        return "" if self.active_params is None else \
+    def _counts(self) -> str:
+        """``N parameters (M active per token) on D devices``."""
+        active = "" if self.active_params is None else \
             f" ({self.active_params:,} active per token)"
+        return f"{self.n_params:,} parameters{active} on {self.n_devices} devices"
 
     def table(self) -> str:
         """The human-readable report."""
@@ -117,8 +119,7 @@ class PlanReport:
             if len(mesh) > 2 or mesh.get("model", 1) > 1 else ""
         where = f" ({s['target']}: {self.device_kind})" if s.get("target") else ""
         lines = [
-            f"zjax plan{where}: {self.n_params:,} parameters{self._active()} on "
-            f"{self.n_devices} devices{shape}, "
+            f"zjax plan{where}: {self._counts()}{shape}, "
             f"ZeRO stage {s['stage']}, offload {s['offload']}, prefetch {s['prefetch']}, "
             f"grad_accum {s['grad_accum']}, remat {s['remat']}"
             + (f", activations {s['activations']}"
