@@ -66,7 +66,7 @@ def _suspects(plan: ShardPlan, message: str) -> list[str]:
     for leaf in plan.leaves:
         if leaf.dim is None:
             continue
-        local = leaf.shape[leaf.dim] // plan.n_shard
+        local = leaf.shape[leaf.dim] // plan.shards_of(leaf)
         score = (local in numbers) + (leaf.shape[leaf.dim] in numbers)
         shard = list(leaf.shape)
         shard[leaf.dim] = local
@@ -123,7 +123,9 @@ def from_pytree(
         def prefetch(layer_elements: int, n_layers: int) -> int:
             return plan.zero.prefetch_depth(layer_elements=layer_elements, n_layers=n_layers)
 
-        run = gather_on_use(loss_fn, [LeafSpec(leaf.path, leaf.dim) for leaf in plan.leaves],
+        run = gather_on_use(loss_fn, [LeafSpec(leaf.path, leaf.dim,
+                                               axes=plan.comm_of(leaf).axis_name)
+                                      for leaf in plan.leaves],
                             prefetch=prefetch, join=plan.join_gathers,
                             bucket=plan.bucket_layer_gathers, comm=plan.comm, **keeping)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
@@ -173,7 +175,7 @@ def from_nnx(
 
 def _gather_non_stacked(shards, plan: ShardPlan):
     """Every leaf outside a Stack gathered once; stack leaves stay shards for the schedule."""
-    out = [x if leaf.stacked else gather_tree(x, leaf.dim, comm=plan.comm)
+    out = [x if leaf.stacked else gather_tree(x, leaf.dim, comm=plan.comm_of(leaf))
            for x, leaf in zip(jax.tree.leaves(shards), plan.leaves, strict=True)]
     if plan.join_gathers:  # XLA:CPU: none may overlap the stack's loops
         out = join_gathers(out, [not leaf.stacked and leaf.dim is not None
@@ -217,6 +219,7 @@ def _stack_runner(plan: ShardPlan):
                                               n_layers=stack.n_layers),
             bucket=plan.bucket_layer_gathers,
             comm=plan.comm,
+            axes=tuple(plan.comm_of(leaf).axis_name for leaf in layer_leaves),
             **_input_keeping(plan),
         )
         return functools.partial(scheduled_scan, spec=spec)

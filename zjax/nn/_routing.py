@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zjax.runtime.mesh import CONTEXT, DATA, NODE, REPLICA
+from zjax.runtime.mesh import CONTEXT, DATA, EXPERT, NODE, REPLICA
 
 __all__ = ["RouterStats", "Routing", "batch_sum", "route", "router_stats"]
 
 # the mesh axes a step splits its batch's tokens over (never ``model``: its devices hold the
 # same tokens)
-_TOKEN_AXES = (REPLICA, NODE, DATA, CONTEXT)
+_TOKEN_AXES = (REPLICA, NODE, DATA, EXPERT, CONTEXT)
 
 
 def batch_sum(x):

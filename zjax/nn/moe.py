@@ -8,6 +8,10 @@ Qwen-MoE's and DeepSeek's without renormalisation) and gated-MLP experts, drople
   ``ceil(c * N * k / E)`` of the ``N`` tokens' assignments, first choices first; the rest are
   dropped (counted in :class:`RouterStats`). Its buffers are static ``[E, capacity, D]``.
 
+Under expert parallelism (inside a step whose mesh has an ``expert`` axis of ``n``), the
+experts' weights arrive as this device's ``E / n`` experts and the assignments travel to
+their experts' devices and back by all-to-all over the axis (:mod:`zjax.nn._dispatch`).
+
 The router's auxiliary losses are returned as statistics (:class:`RouterStats`), a
 load-balance share and a z-loss share of this device's tokens, whose sums over the devices are
 the batch's losses; the model adds them to its loss with its coefficients
@@ -22,9 +26,11 @@ from collections.abc import Callable
 
 import jax
 
+from zjax.nn._dispatch import parallel_capacity, parallel_dropless
 from zjax.nn._experts import Experts, capacity, dropless, with_capacity
 from zjax.nn._routing import RouterStats, Routing, batch_sum, route, router_stats
-from zjax.nn.tensor_parallel import column_parallel_input
+from zjax.nn.tensor_parallel import column_parallel_input, model_axis_size
+from zjax.runtime.mesh import EXPERT
 
 __all__ = ["Experts", "RouterStats", "Routing", "batch_sum", "capacity", "moe_ffn", "route",
            "router_stats"]
@@ -47,7 +53,8 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
     Args:
       x: ``[N, D]`` tokens.
       router: ``[D, E]`` router weights (Hugging Face's ``gate.weight`` transposed).
-      experts: the ``E`` experts' weights (:class:`Experts`).
+      experts: the ``E`` experts' weights (:class:`Experts`); under expert parallelism this
+        device's ``E / n``.
       k: experts per token (at most ``E``).
       renormalize: the kept probabilities divided by their sum (:func:`route`).
       capacity_factor: None (dropless), or each expert's capacity as a multiple of an even
@@ -58,15 +65,20 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
     Returns:
       ``([N, D] output in x's dtype, this device's RouterStats)``.
     """
-    n_experts = experts.gate.shape[0]
+    n_experts, ep = router.shape[-1], model_axis_size(EXPERT)
+    if experts.gate.shape[0] * ep != n_experts:
+        raise ValueError(f"{experts.gate.shape[0]} experts on each of {ep} devices of the "
+                         f"{EXPERT} axis, for a router over {n_experts}")
     if not 1 <= k <= n_experts:
         raise ValueError(f"k = {k} experts per token, with {n_experts} experts")
     routing = route(x @ router.astype(x.dtype), k=k, renormalize=renormalize)
     # the weights scale partial sums under tensor parallelism: their gradient is summed
     split = routing._replace(weights=column_parallel_input(routing.weights))
     x = column_parallel_input(x)
+    kw = dict(activation=activation) if ep == 1 else dict(activation=activation, axis=EXPERT)
     if capacity_factor is None:
-        return dropless(x, split, experts, activation=activation), router_stats(routing, mask)
-    y, dropped = with_capacity(x, split, experts, factor=capacity_factor,
-                               activation=activation)
+        run = dropless if ep == 1 else parallel_dropless
+        return run(x, split, experts, **kw), router_stats(routing, mask)
+    run = with_capacity if ep == 1 else parallel_capacity
+    y, dropped = run(x, split, experts, factor=capacity_factor, **kw)
     return y, router_stats(routing, mask, dropped)

@@ -39,11 +39,14 @@ class LeafSpec:
       layered: a whole leaf (``dim`` None) that a scan over it may still slice per
         iteration, so the scan runs as a scheduled loop (stages 0-2 under ZeRO-R, whose
         saved layer inputs the loop keeps).
+      axes: the mesh axes it is sharded over where they are not the ``Comm``'s (a mixture's
+        expert weights), or None.
     """
 
     path: str
     dim: int | None
     layered: bool = False
+    axes: Any = None
 
 
 def layer_of(path: str) -> str:

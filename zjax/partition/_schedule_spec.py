@@ -28,6 +28,9 @@ class ScheduleSpec:
       partition_inputs: a mesh axis the layer inputs are replicated over (tensor
         parallelism's ``model``): each device keeps its ``1/n`` of their last dimension and
         the backward all-gathers it (DeepSpeed's ``partition_activations``).
+      axes: per flattened leaf, the mesh axes it is sharded over where they are not
+        ``comm.axis_name``'s (a mixture's expert weights: the data devices holding the same
+        experts), else None; empty: every leaf over ``comm.axis_name``.
     """
 
     dims: tuple[int | None, ...]
@@ -36,3 +39,10 @@ class ScheduleSpec:
     bucket: bool = False
     offload_inputs: bool = False
     partition_inputs: str | None = None
+    axes: tuple = ()
+
+    def comms(self, comm: Comm) -> list[Comm]:
+        """``comm`` per leaf, over the leaf's own axes."""
+        axes = self.axes or (None,) * len(self.dims)
+        return [comm if a is None or a == comm.axis_name
+                else dataclasses.replace(comm, axis_name=a) for a in axes]

@@ -24,11 +24,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError, ConfigError
+from zjax.partition._placement import choose_dim, split_of
 from zjax.partition.config import ZeroConfig, resolve_dtype
 from zjax.partition.gather import Comm
-from zjax.partition.rules import DEFAULT_RULES, Rules, model_dim
+from zjax.partition.rules import DEFAULT_RULES, Rules
 from zjax.runtime import Backend, backend_of
-from zjax.runtime.mesh import CONTEXT, DATA, MODEL, NODE, REPLICA, shard_axes, split_nodes
+from zjax.runtime.mesh import CONTEXT, DATA, EXPERT, MODEL, NODE, REPLICA, shard_axes, split_nodes
 
 __all__ = ["LeafPlan", "ShardPlan", "make_plan", "path_str"]
 
@@ -51,7 +52,9 @@ class LeafPlan:
       reason: why it is replicated (empty when sharded).
       model_dim: the dimension split over ``model`` (tensor parallelism), or None.
       data_axes: the mesh axes ``dim`` is split over: ``data``, ``(data, node)`` with
-        ZeRO++'s hierarchical partition, ``(data, context)`` with sequence parallelism.
+        ZeRO++'s hierarchical partition, ``(data, context)`` with sequence parallelism,
+        ``expert`` too with expert parallelism (not for an expert leaf).
+      expert_dim: the dimension split over ``expert`` (a mixture's experts), or None.
     """
 
     path: str
@@ -62,6 +65,7 @@ class LeafPlan:
     reason: str = ""
     model_dim: int | None = None
     data_axes: str | tuple[str, ...] = DATA
+    expert_dim: int | None = None
 
     @property
     def size(self) -> int:
@@ -84,46 +88,11 @@ class LeafPlan:
             axes[self.dim] = self.data_axes
         if self.model_dim is not None:
             axes[self.model_dim] = MODEL
+        if self.expert_dim is not None:
+            axes[self.expert_dim] = EXPERT
         while axes and axes[-1] is None:
             axes.pop()
         return P(*axes)
-
-
-def _choose_dim(shape, *, n: int, stacked: bool, threshold: int,
-                model_dim: int | None = None) -> tuple[int | None, str]:
-    per_layer = int(np.prod(shape[1:] if stacked else shape, dtype=np.int64))
-    if n == 1:
-        return None, "data axis has size 1"
-    if per_layer < threshold:
-        what = "elements per layer" if stacked else "elements"
-        return None, f"persistent: {per_layer} {what} < param_persistence_threshold {threshold}"
-    first = 1 if stacked else 0
-    # never the dimension tensor parallelism already splits: data shards go along another one
-    candidates = [d for d in range(first, len(shape)) if shape[d] % n == 0 and d != model_dim]
-    if not candidates:
-        dims = shape[first:]
-        besides = "" if model_dim is None else f" besides the model-split dimension {model_dim}"
-        return None, f"no dimension of {tuple(dims)}{besides} divisible by data={n}"
-    # largest dimension; the last one on ties (keeps contiguous shards for row-major matmuls)
-    best = max(candidates, key=lambda d: (shape[d], d))
-    return best, ""
-
-
-def _model_dim(path, shape, stacked, logical_axes, rules, m) -> int | None:
-    names = logical_axes(path) if logical_axes else None
-    if not names or m == 1:
-        return None
-    names = tuple(names)
-    offset = 1 if stacked and len(names) == len(shape) - 1 else 0
-    if len(names) + offset != len(shape):
-        raise ValueError(f"{path}: logical axes {names} do not match its shape {shape}")
-    dim = model_dim(names, rules, offset=offset)
-    if dim is not None and shape[dim] % m:
-        raise ArgumentError(
-            "mesh", f"the model axis ({m}) does not divide the {names[dim - offset]!r} dimension "
-            f"of {path} (size {shape[dim]}, shape {shape}); use a model axis size that divides "
-            f"{shape[dim]}")
-    return dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +125,25 @@ class ShardPlan:
 
     @property
     def n_shard(self) -> int:
-        """Shards of a sharded leaf: ``data`` (x ``node`` under hpZ, x ``context``)."""
-        return self.n_data * self.n_node * self.n_context
+        """Shards of a sharded leaf: ``data`` (x ``node`` under hpZ, x ``context``,
+        x ``expert``); an expert leaf has :meth:`shards_of` (no ``expert``)."""
+        return self.n_data * self.n_node * self.n_context * self.n_expert
+
+    @property
+    def n_expert(self) -> int:  # devices a mixture's experts are split over
+        return self.mesh.shape.get(EXPERT, 1)
+
+    def shards_of(self, leaf: LeafPlan) -> int:
+        """Shards of ``leaf`` when sharded: the sizes of its ``data_axes``."""
+        axes = (leaf.data_axes,) if isinstance(leaf.data_axes, str) else leaf.data_axes
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+    def comm_of(self, leaf: LeafPlan) -> Comm:
+        """:attr:`comm` over ``leaf``'s own axes (an expert leaf's: without ``expert``)."""
+        comm = self.comm
+        if NODE in self.mesh.axis_names or leaf.data_axes == comm.axis_name:
+            return comm
+        return dataclasses.replace(comm, axis_name=leaf.data_axes)
 
     @property
     def n_context(self) -> int:  # devices each sequence is split over
@@ -165,8 +151,9 @@ class ShardPlan:
 
     @property
     def n_batch(self) -> int:
-        """Devices the batch's rows are split over: ``replica`` x ``node`` x ``data``."""
-        return self.n_replica * self.n_data * self.n_node
+        """Devices the batch's rows are split over: ``replica`` x ``node`` x ``data`` x
+        ``expert``."""
+        return self.n_replica * self.n_data * self.n_node * self.n_expert
 
     def tree(self, values) -> Any:
         return jax.tree.unflatten(self.treedef, list(values))
@@ -192,7 +179,7 @@ class ShardPlan:
     def comm(self) -> Comm:
         """How the ZeRO collectives move this plan's leaves over ``data`` (x ``context``):
         gather and reduce dtypes, host residence, the backend's reduce-scatter."""
-        axis = (DATA, CONTEXT) if self.n_context > 1 else DATA  # hpZ: node_axis below
+        axis = DATA if NODE in self.mesh.axis_names else shard_axes(self.mesh)  # hpZ: below
         return Comm(axis, self.zero.gather, self.reduce_dtype, self.params_on_host, self.scatter,
                     self.zero.quantized_weights, self.zero.quantize_block,
                     NODE if NODE in self.mesh.axis_names else None,
@@ -329,8 +316,9 @@ class ShardPlan:
     def leaf_bytes(self, leaf: LeafPlan, dtype, sharded: bool) -> int:
         """Bytes of ``leaf`` in ``dtype`` on one device: split over ``model`` where the rules
         say, and over ``data`` too when ``sharded`` (the stage shards it) and the plan does."""
-        n = self.n_shard if sharded and leaf.dim is not None else 1
+        n = self.shards_of(leaf) if sharded and leaf.dim is not None else 1
         n *= self.n_model if leaf.model_dim is not None else 1
+        n *= self.n_expert if leaf.expert_dim is not None else 1
         return leaf.size // n * np.dtype(dtype).itemsize
 
 
@@ -366,31 +354,27 @@ def make_plan(
     if zero.hpz_partition_size > 1 and NODE not in mesh.axis_names:
         mesh = split_nodes(mesh, zero.hpz_partition_size)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
-    axes, m = shard_axes(mesh), mesh.shape[MODEL]
-    n = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
     leaves = []
     for key_path, leaf in flat:
         path = path_str(key_path)
         is_stacked = bool(stacked and stacked(path))
         shape = tuple(leaf.shape)
-        mdim = _model_dim(path, shape, is_stacked, logical_axes, rules, m)
+        split = split_of(path, shape, is_stacked, logical_axes, rules, mesh)
         if zero.stage == 0:
             dim, reason = None, "stage 0 replicates everything"
         elif not np.issubdtype(leaf.dtype, np.floating):
             dim, reason = None, f"not a float leaf ({leaf.dtype})"
         else:
-            dim, reason = _choose_dim(
-                shape, n=n, stacked=is_stacked, threshold=zero.param_persistence_threshold,
-                model_dim=mdim,
-            )
-        leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason, mdim,
-                               axes))
-    if m > 1 and all(leaf.model_dim is None for leaf in leaves):
-        raise ArgumentError(
-            "mesh", f"a model axis of {m}, but the model names no parameter dimension that the "
-            f"rules split over it ({', '.join(k for k, v in rules if v == MODEL)}); annotate "
-            "its weights with logical axes (see zjax.partition.rules) or use a model axis of 1")
+            dim, reason = choose_dim(
+                shape, n=split.n, stacked=is_stacked,
+                threshold=zero.param_persistence_threshold,
+                taken=(split.model_dim, split.expert_dim))
+        leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason,
+                               split.model_dim, split.data_axes, split.expert_dim))
+    for axis, field in ((MODEL, "model_dim"), (EXPERT, "expert_dim")):
+        _check_named(axis, field, mesh, leaves, rules)
     plan = ShardPlan(zero, mesh, tuple(leaves), treedef)
+    n = plan.n_shard
     if zero.stage == 3 and n > 1 and len(plan.replicated) == len(leaves):
         raise ConfigError(
             f"zero.stage: 3 has nothing to shard: every leaf stays replicated on data={n} "
@@ -398,3 +382,15 @@ def make_plan(
             f"zero.param_persistence_threshold ({zero.param_persistence_threshold}) or use stage 0"
         )
     return plan
+
+
+def _check_named(axis: str, field: str, mesh: Mesh, leaves: list[LeafPlan], rules: Rules):
+    """A mesh axis above 1 that no leaf's named dimension is split over is refused."""
+    size = mesh.shape.get(axis, 1)
+    if size > 1 and all(getattr(leaf, field) is None for leaf in leaves):
+        raise ArgumentError(
+            "mesh" if axis == MODEL else f"mesh.{axis}",
+            f"a {axis} axis of {size}, but the model names no parameter dimension that "
+            f"the rules split over it ({', '.join(k for k, v in rules if v == axis)}); "
+            f"annotate its weights with logical axes (see zjax.partition.rules) or use a "
+            f"{axis} axis of 1")

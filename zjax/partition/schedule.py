@@ -139,6 +139,7 @@ def scheduled_loop(
     k = min(spec.prefetch, n_layers)
     comm = spec.comm.resolved(np.float32)
     gather_dtype, reduce_dtype = comm.gather_dtype, comm.reduce_dtype
+    comms = spec.comms(comm)  # each leaf's own axes (a mixture's experts: without expert)
 
     to_device = (lambda x: jax.device_put(x, jax.memory.Space.Device)) if comm.from_host \
         else (lambda x: x)
@@ -149,8 +150,8 @@ def scheduled_loop(
 
     # the leaves moved as one bucket (spec.bucket): sharded float leaves, if more than one;
     # never without prefetch (a layer's bucket would arrive whole before any of its compute)
-    bucketed = [d is not None and is_float(x) for x, d in zip(leaves_in, spec.dims,
-                                                                strict=True)]
+    bucketed = [d is not None and is_float(x) and c is comm
+                for x, d, c in zip(leaves_in, spec.dims, comms, strict=True)]
     hpz = comm.node_axis is not None
     if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize:
         bucketed = [False] * len(bucketed)
@@ -160,13 +161,13 @@ def scheduled_loop(
     def gather_layer(leaves, i):
         """Layer ``i``'s weights, and (hpZ) their secondary partitions, kept for the backward."""
         out, secondary = [], []
-        for leaf, dim, b in zip(leaves, spec.dims, bucketed, strict=True):
+        for leaf, dim, b, lc in zip(leaves, spec.dims, bucketed, comms, strict=True):
             w, sec = to_device(slice_layer(leaf, i)), None
             floating = jnp.issubdtype(w.dtype, jnp.floating)
             if floating and not (comm.quantize and dim is not None):
                 w = comm.cast(w)  # (quantized from the float32 shard itself)
             if dim is not None and not b:
-                c = comm if floating else dataclasses.replace(comm, quantize=False)
+                c = lc if floating else dataclasses.replace(lc, quantize=False)
                 w, sec = gather_levels(w, c, axis=dim - 1)
             out.append(w)
             secondary.append(sec)
@@ -286,13 +287,13 @@ def scheduled_loop(
             dc = [d for d, f in zip(jax.tree.leaves(dc), float_consts, strict=True) if f]
             dconsts = [acc + d for acc, d in zip(dconsts, dc, strict=True)]
             shards, pend = [], []  # pend: hpZ's first level, crossing nodes next iteration
-            for dw, dim, b in zip(dws, spec.dims, bucketed, strict=True):
+            for dw, dim, b, lc in zip(dws, spec.dims, bucketed, comms, strict=True):
                 p = None
                 if dim is not None and not b and hpz:
                     dw, p = None, reduce_scatter(dw.astype(reduce_dtype), comm.axis_name,
                                                  dim=dim - 1, **scatter_kw)
                 elif dim is not None and not b:
-                    dw = scatter_levels(dw.astype(reduce_dtype), comm, dim=dim - 1)
+                    dw = scatter_levels(dw.astype(reduce_dtype), lc, dim=dim - 1)
                 shards.append(dw)
                 pend.append(p)
             if in_bucket:

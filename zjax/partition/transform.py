@@ -100,16 +100,18 @@ def gather_on_use(
       ``jax.checkpoint(policy=REMAT_POLICY)`` so the shared leaves are re-gathered for the
       backward rather than kept).
     """
+    comms = ScheduleSpec(dims=tuple(spec.dim for spec in leaves),
+                         axes=tuple(spec.axes for spec in leaves)).comms(comm)
+
     def gather_leaf(x, leaf: int):
-        return gather(x, dim=leaves[leaf].dim, comm=comm)
+        return gather(x, dim=leaves[leaf].dim, comm=comms[leaf])
 
     def wrapped(shards, *args):
         flat, treedef = jax.tree.flatten(shards)
         if len(flat) != len(leaves):
             raise ValueError(f"{len(leaves)} leaf specs for {len(flat)} parameter leaves")
-        size = lax.axis_size(comm.axes)
-        full = [_gathered_aval(x, spec.dim, size, comm.gather_dtype)
-                for x, spec in zip(flat, leaves, strict=True)]
+        full = [_gathered_aval(x, spec.dim, lax.axis_size(c.axes), comm.gather_dtype)
+                for x, spec, c in zip(flat, leaves, comms, strict=True)]
         abstract_args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a),
                                                                     jnp.result_type(a)), args)
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
@@ -321,6 +323,7 @@ def _run_scan(prog, seg, inputs: dict, top, private_shards, stacked_shards, gath
         dims=tuple(leaves[sliced[pos]].dim for pos in order),
         prefetch=prefetch(layer_elements, n_layers),
         comm=comm.resolved(want[0]),
+        axes=tuple(leaves[sliced[pos]].axes for pos in order),
         **layer_opts,
     )
     carry_out, ys = scheduled_loop(body, [stacked_shards[sliced[pos]] for pos in order],

@@ -18,6 +18,7 @@ from zjax.runtime.config import MeshConfig
 _LAZY = {
     "Backend": "zjax.runtime._backend",
     "CONTEXT": "zjax.runtime.mesh",
+    "EXPERT": "zjax.runtime.mesh",
     "DATA": "zjax.runtime.mesh",
     "ENV": "zjax.runtime.distributed",
     "GPU_TARGETS": "zjax.runtime.targets",
@@ -51,6 +52,7 @@ __all__ = [
     "CONTEXT",
     "DATA",
     "ENV",
+    "EXPERT",
     "GPU_TARGETS",
     "MODEL",
     "NODE",
@@ -92,6 +94,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.runtime.mesh import (
         CONTEXT,
         DATA,
+        EXPERT,
         MODEL,
         NODE,
         REPLICA,

@@ -28,6 +28,11 @@ class MeshConfig:
         Ulysses or ring attention across it (``model.context_attention``), and ZeRO shards
         over ``data`` x ``context``, as DeepSpeed-Ulysses does. The batch's rows are split over
         ``data`` only. Put ``context`` within a node.
+      expert: size of the ``expert`` axis, expert parallelism (DeepSpeed-MoE's ``ep_size``):
+        a mixture's experts are split over it and tokens reach theirs by all-to-all; the
+        batch's rows are split over ``data`` x ``expert``; ZeRO shards every other leaf over
+        ``data`` x ``expert`` and the experts' weights over the ``data`` devices that hold the
+        same experts (DeepSpeed's expert-data-parallel group). It must divide the experts.
       distributed: join a multi-process job through ``jax.distributed``: ``auto`` when the
         environment says this process is one of several (``zjax launch``, ``ZJAX_*``
         variables, SLURM, Open MPI), ``on`` to require it, ``off`` to run alone.
@@ -38,6 +43,7 @@ class MeshConfig:
     model: int = positive(1, also=(-1,))
     replica: int = positive(1)
     context: int = positive(1)
+    expert: int = positive(1)
     distributed: str = choices("auto", "on", "off", default="auto")
     init_timeout_s: int = positive(300)
 

@@ -1,5 +1,6 @@
-"""The device mesh (``data``, ``model``; ``replica`` for hybrid sharding, ``context`` for
-sequence parallelism, ``node`` for ZeRO++'s hierarchical partition) and CPU device simulation.
+"""The device mesh (``data``, ``model``; ``replica`` for hybrid sharding, ``expert`` for
+expert parallelism, ``context`` for sequence parallelism, ``node`` for ZeRO++'s hierarchical
+partition) and CPU device simulation.
 
 This module reads the process environment (``XLA_FLAGS``, ``PJRT_NPROC``) on purpose:
 simulating devices must happen before jax initialises its backends.
@@ -21,6 +22,7 @@ from zjax.runtime.config import MeshConfig
 __all__ = [
     "CONTEXT",
     "DATA",
+    "EXPERT",
     "MODEL",
     "NODE",
     "REPLICA",
@@ -40,6 +42,7 @@ MODEL = "model"
 REPLICA = "replica"
 NODE = "node"
 CONTEXT = "context"
+EXPERT = "expert"
 
 
 # Threads XLA:CPU gets per simulated device (PJRT_NPROC). Its thread pool defaults to
@@ -80,7 +83,8 @@ def simulate_cpu_devices(n: int) -> None:
 
 def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
     """Build the ``(data, model)`` mesh with automatic (GSPMD) axis types; ``replica`` > 1
-    puts a ``replica`` axis first, ``context`` > 1 a ``context`` axis after ``data``.
+    puts a ``replica`` axis first, ``expert`` > 1 an ``expert`` axis after ``data``,
+    ``context`` > 1 a ``context`` axis after those.
 
     Args:
       config: axis sizes; ``-1`` takes all devices left.
@@ -88,9 +92,11 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
     """
     config = config or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
-    n, replica, context = len(devices), config.replica, config.context
+    n, replica, context, expert = len(devices), config.replica, config.context, config.expert
     data, model = config.data, config.model
-    others = [(k, v) for k, v in (("replica", replica), ("context", context)) if v > 1]
+    others = [(k, v) for k, v in (("replica", replica), ("expert", expert),
+                                  ("context", context)) if v > 1]
+    rest = replica * context * expert
 
     def product(key: str, size: int) -> str:  # "mesh.model: 2 x mesh.context 4": the keys set
         named = ([(key, size)] if size > 1 or not others else []) + others
@@ -98,14 +104,14 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
                                                              for k, v in named[1:])
 
     if data == -1:
-        if n % (model * replica * context):
+        if n % (model * rest):
             raise ConfigError(f"{product('model', model)} does not divide the {n} devices")
-        data = n // (model * replica * context)
+        data = n // (model * rest)
     elif model == -1:
-        if n % (data * replica * context):
+        if n % (data * rest):
             raise ConfigError(f"{product('data', data)} does not divide the {n} devices")
-        model = n // (data * replica * context)
-    sizes = {REPLICA: replica, DATA: data, CONTEXT: context, MODEL: model}
+        model = n // (data * rest)
+    sizes = {REPLICA: replica, DATA: data, EXPERT: expert, CONTEXT: context, MODEL: model}
     sizes = {k: v for k, v in sizes.items() if v > 1 or k in (DATA, MODEL)}
     total = int(np.prod(list(sizes.values())))
     if total != n:
@@ -131,11 +137,12 @@ def split_nodes(mesh: Mesh, group: int) -> Mesh:
         raise ConfigError(
             f"zero.hpz_partition_size: {group} with mesh.replica: {mesh.shape[REPLICA]}: hybrid "
             "sharding already keeps the weight gathers inside a replica group; use one of them")
-    if CONTEXT in names:
-        raise ConfigError(
-            f"zero.hpz_partition_size: {group} with mesh.context: {mesh.shape[CONTEXT]}: ZeRO "
-            "shards over data x context there; the hierarchical partition takes the data axis "
-            "alone; use one of them")
+    for axis in (CONTEXT, EXPERT):
+        if axis in names:
+            raise ConfigError(
+                f"zero.hpz_partition_size: {group} with mesh.{axis}: {mesh.shape[axis]}: ZeRO "
+                f"shards over data x {axis} there; the hierarchical partition takes the data "
+                "axis alone; use one of them")
     if group < 1 or n % group:
         raise ConfigError(f"zero.hpz_partition_size: {group} does not divide the data axis "
                           f"({n} devices); use a divisor of {n}, e.g. the devices per node")
@@ -159,13 +166,11 @@ def split_nodes(mesh: Mesh, group: int) -> Mesh:
     return Mesh(devices, new_names, axis_types=(AxisType.Auto,) * len(new_names))
 
 
-def batch_axes(mesh: Mesh) -> str | tuple[str, str]:
-    """The mesh axes a global batch is split over: ``data``, or ``(replica, data)`` /
-    ``(node, data)``."""
-    for outer in (REPLICA, NODE):
-        if outer in mesh.axis_names:
-            return (outer, DATA)
-    return DATA
+def batch_axes(mesh: Mesh) -> str | tuple[str, ...]:
+    """The mesh axes a global batch's rows are split over: ``data``, or ``(replica, data)`` /
+    ``(node, data)``, with ``expert`` after ``data`` where the mesh has it."""
+    axes = [a for a in (REPLICA, NODE, DATA, EXPERT) if a in mesh.axis_names]
+    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def token_axes(mesh: Mesh) -> str | tuple[str, ...]:
@@ -178,32 +183,34 @@ def token_axes(mesh: Mesh) -> str | tuple[str, ...]:
     return (*(rows if isinstance(rows, tuple) else (rows,)), CONTEXT)
 
 
-def shard_axes(mesh: Mesh) -> str | tuple[str, ...]:
+def shard_axes(mesh: Mesh, *, experts: bool = False) -> str | tuple[str, ...]:
     """The mesh axes ZeRO spreads a sharded leaf over: ``data``; ``(data, node)`` with
     ZeRO++'s hierarchical partition; ``(data, context)`` with a context axis (DeepSpeed-
-    Ulysses' partition over the data x sequence group)."""
+    Ulysses' partition over the data x sequence group); ``expert`` too where the mesh has it,
+    except for a leaf split over it (``experts``: a mixture's expert weights, sharded over
+    the data devices that hold the same experts)."""
     if NODE in mesh.axis_names:
         return (DATA, NODE)
-    return (DATA, CONTEXT) if CONTEXT in mesh.axis_names else DATA
+    axes = [a for a in (DATA, EXPERT, CONTEXT) if a in mesh.axis_names
+            and not (experts and a == EXPERT)]
+    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def process_batch_slice(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
     """Which of ``count`` equal slices of each global batch this process loads: ``(i, count)``.
 
-    The batch is split over ``replica`` (or ``node``) x ``data`` only, so processes whose
-    devices sit at the same coordinates there (a ``model`` axis spanning processes) load the
-    same slice.
+    The batch is split over :func:`batch_axes` only, so processes whose devices sit at the
+    same coordinates there (a ``model`` axis spanning processes) load the same slice.
     """
     process_index = jax.process_index() if process_index is None else process_index
     names = mesh.axis_names
-    n_data = mesh.shape[DATA]
     axes = batch_axes(mesh)
-    outer = axes[0] if isinstance(axes, tuple) else None
+    axes = (axes,) if isinstance(axes, str) else axes
+    sizes = tuple(mesh.shape[a] for a in axes)
     rows: dict[int, set] = {}
-    for idx in np.ndindex(mesh.devices.shape):
-        group = idx[names.index(outer)] if outer else 0
-        rows.setdefault(mesh.devices[idx].process_index, set()).add(
-            group * n_data + idx[names.index(DATA)])
+    for idx in np.ndindex(mesh.devices.shape):  # the row block: the batch axes' coordinates
+        row = int(np.ravel_multi_index(tuple(idx[names.index(a)] for a in axes), sizes))
+        rows.setdefault(mesh.devices[idx].process_index, set()).add(row)
     slices = sorted({tuple(sorted(r)) for r in rows.values()})
     flat = [i for s in slices for i in s]
     if len(flat) != len(set(flat)) or len({len(s) for s in slices}) != 1:

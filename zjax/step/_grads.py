@@ -62,9 +62,10 @@ def reduce_grads(grads: Any, plan: ShardPlan, *, reduced_in_backward: bool) -> A
     ``reduced_in_backward``: stage 3's sharded leaves were reduce-scattered by the gather
     primitive or the layer schedule already; they pass through.
     """
-    rd, comm = plan.reduce_dtype, plan.comm
+    rd = plan.reduce_dtype
     out = []
     for g, leaf in zip(jax.tree.leaves(grads), plan.leaves, strict=True):
+        comm = plan.comm_of(leaf)  # an expert leaf: over the devices holding its experts
         if leaf.dim is not None and plan.zero.stage == 3 and reduced_in_backward:
             pass
         elif plan.params_on_host:  # a persistent leaf's local gradient, back from the host

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from zjax.errors import ArgumentError
+from zjax.errors import ArgumentError, ConfigError
 from zjax.runtime.mesh import make_mesh
 from zjax.runtime.targets import Target
 from zjax.step import ZeroStep, make_step
@@ -59,6 +59,7 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
     loop = loop if loop is not None else resolve_loop(config.loop)
     if isinstance(devices, Target):
         devices = devices.devices
+    _check_experts(config)
     mesh = make_mesh(config.mesh, devices=None if devices is None else list(devices))
     # the NVMe optimizer updates sub-groups apart: the step clips, by the norm of the whole
     nvme = config.zero.offload_optimizer.nvme
@@ -68,6 +69,18 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
                          micro_batches=config.train.grad_accum,
                          skip_nonfinite=config.train.on_nonfinite == "skip",
                          clip_norm=config.optimizer.clip_norm if nvme else None)
+
+
+def _check_experts(config: Config) -> None:
+    """``mesh.expert`` splits a reference model's experts: it must divide them."""
+    n, experts = config.mesh.expert, getattr(config.model, "n_experts", None)
+    if n == 1 or experts is None:  # a user's model: the plan checks its named dimensions
+        return
+    if not experts:
+        raise ConfigError(f"mesh.expert: {n} splits a mixture's experts, but the model is "
+                          "dense (model.n_experts: 0)")
+    if experts % n:
+        raise ConfigError(f"mesh.expert: {n} does not divide model.n_experts {experts}")
 
 
 def abstract_batch(config: Config, *, loop: Loop | None = None) -> jax.ShapeDtypeStruct:

@@ -1,0 +1,88 @@
+"""Where one parameter leaf goes: the dimensions the rules split over ``model`` and ``expert``,
+the mesh axes ZeRO shards it over, and the dimension it shards (helpers of ``plan.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from jax.sharding import Mesh
+
+from zjax.errors import ArgumentError
+from zjax.partition.rules import Rules, axis_dim
+from zjax.runtime.mesh import EXPERT, MODEL, shard_axes
+
+__all__ = ["Split", "choose_dim", "split_of"]
+
+
+class Split:
+    """A leaf's tensor-parallel and expert-parallel dimensions and ZeRO's axes for it.
+
+    Attributes:
+      model_dim: the dimension split over ``model``, or None.
+      expert_dim: the dimension split over ``expert`` (a mixture's experts), or None.
+      data_axes: the mesh axes ZeRO shards it over (no ``expert`` for an expert leaf).
+      n: the shards of a sharded leaf: the product of those axes' sizes.
+    """
+
+    def __init__(self, model_dim: int | None, expert_dim: int | None, mesh: Mesh):
+        self.model_dim, self.expert_dim = model_dim, expert_dim
+        self.data_axes = shard_axes(mesh, experts=expert_dim is not None)
+        axes = (self.data_axes,) if isinstance(self.data_axes, str) else self.data_axes
+        self.n = int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _named_dim(path, shape, names, offset, rules, axis: str, size: int) -> int | None:
+    dim = axis_dim(names, rules, axis=axis, offset=offset)
+    if dim is not None and size > 1 and shape[dim] % size:
+        raise ArgumentError(
+            "mesh" if axis == MODEL else f"mesh.{axis}",
+            f"the {axis} axis ({size}) does not divide the {names[dim - offset]!r} "
+            f"dimension of {path} (size {shape[dim]}, shape {shape}); use a {axis} axis size "
+            f"that divides {shape[dim]}")
+    return dim if size > 1 else None
+
+
+def split_of(path: str, shape: tuple[int, ...], stacked: bool,
+             logical_axes: Callable[[str], tuple[str | None, ...] | None] | None,
+             rules: Rules, mesh: Mesh) -> Split:
+    """The :class:`Split` of the leaf at ``path`` (its logical axis names through ``rules``).
+
+    Raises:
+      ArgumentError: a mesh axis does not divide the dimension it must split.
+    """
+    names = logical_axes(path) if logical_axes else None
+    if not names:
+        return Split(None, None, mesh)
+    names = tuple(names)
+    offset = 1 if stacked and len(names) == len(shape) - 1 else 0
+    if len(names) + offset != len(shape):
+        raise ValueError(f"{path}: logical axes {names} do not match its shape {shape}")
+    dims = [_named_dim(path, shape, names, offset, rules, axis, mesh.shape.get(axis, 1))
+            for axis in (MODEL, EXPERT)]
+    return Split(*dims, mesh)
+
+
+def choose_dim(shape, *, n: int, stacked: bool, threshold: int,
+               taken: tuple[int | None, ...] = ()) -> tuple[int | None, str]:
+    """The dimension ZeRO shards ``n`` ways (the largest one ``n`` divides, never the stacked
+    layer dimension nor one in ``taken``, which tensor or expert parallelism splits), or
+    ``(None, why it stays whole)``."""
+    per_layer = int(np.prod(shape[1:] if stacked else shape, dtype=np.int64))
+    if n == 1:
+        return None, "data axis has size 1"
+    if per_layer < threshold:
+        what = "elements per layer" if stacked else "elements"
+        return None, f"persistent: {per_layer} {what} < param_persistence_threshold {threshold}"
+    first = 1 if stacked else 0
+    candidates = [d for d in range(first, len(shape)) if shape[d] % n == 0 and d not in taken]
+    if not candidates:
+        dims = shape[first:]
+        split = [d for d in taken if d is not None]
+        besides = "" if not split else \
+            f" besides the model- or expert-split dimension{'s' * (len(split) > 1)} " \
+            f"{', '.join(map(str, split))}"
+        return None, f"no dimension of {tuple(dims)}{besides} divisible by data={n}"
+    # largest dimension; the last one on ties (keeps contiguous shards for row-major matmuls)
+    best = max(candidates, key=lambda d: (shape[d], d))
+    return best, ""
