@@ -151,21 +151,80 @@ def reference():
                                   make_tx(), batches)
 
 
-@pytest.mark.parametrize(("stage", "data", "model"), [
-    pytest.param(3, 8, 1), pytest.param(3, 4, 2),
-    pytest.param(2, 8, 1, marks=pytest.mark.slow), pytest.param(0, 8, 1, marks=pytest.mark.slow),
+def _zero(stage=3, **kw):
+    return zjax.ZeroConfig(stage=stage, prefetch_layers=1, param_persistence_threshold=0,
+                           gather_dtype="float32", reduce_dtype="float32", **kw)
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("stage", "data", "model", "expert", "offload"), [
+    pytest.param(3, 8, 1, 1, False, id="s3-d8"),
+    pytest.param(3, 4, 1, 2, False, id="s3-d4-e2"),
+    pytest.param(3, 4, 2, 1, False, id="s3-d4-m2", marks=_SLOW),
+    pytest.param(3, 2, 1, 4, False, id="s3-d2-e4", marks=_SLOW),
+    pytest.param(3, 2, 2, 2, False, id="s3-d2-m2-e2", marks=_SLOW),  # tensor x expert
+    pytest.param(3, 4, 1, 2, True, id="s3-d4-e2-offload", marks=_SLOW),
+    pytest.param(2, 4, 1, 2, False, id="s2-d4-e2", marks=_SLOW),
+    pytest.param(0, 4, 1, 2, False, id="s0-d4-e2", marks=_SLOW),
 ])
-def test_training_matches_single_device(reference, stage, data, model):
+def test_training_matches_single_device(reference, stage, data, model, expert, offload):
     batches, expected = reference
-    zero = zjax.ZeroConfig(stage=stage, prefetch_layers=1, param_persistence_threshold=0,
-                           gather_dtype="float32", reduce_dtype="float32")
-    mesh = zjax.make_mesh(zjax.MeshConfig(data=data, model=model))
+    zero = _zero(stage, **(dict(offload_optimizer={"device": "cpu"},
+                                offload_param={"device": "cpu"}) if offload else {}))
+    mesh = zjax.make_mesh(zjax.MeshConfig(data=data, model=model, expert=expert))
     zstep, state, losses = train_steps(llama_trainable(MOE), zero, batches, mesh=mesh)
     assert_matches_reference(losses, state, expected)
-    leaf = zstep.plan.leaves_by_path["blocks/layers/w_gate"]
+    plan = zstep.plan
+    leaf, attn = plan.leaves_by_path["blocks/layers/w_gate"], plan.leaves_by_path[
+        "blocks/layers/wq"]
     assert leaf.shape == (3, 4, 32, 16)
     if model > 1:  # each expert's hidden units split over model
         assert leaf.model_dim == 3
+    if expert > 1:  # experts over the expert axis, ZeRO over the data devices holding them
+        assert leaf.expert_dim == 1 and leaf.data_axes == "data"
+        assert attn.data_axes == ("data", "expert")
+        assert plan.leaf_bytes(leaf, np.float32, stage >= 1) == leaf.size * 4 // (
+            expert * model * (data if stage >= 1 else 1))
+
+
+def test_capacity_under_expert_parallelism_is_the_data_parallel_capacity():
+    """Each device's tokens are one capacity group either way: expert parallelism moves the
+    same buffers, so training is the same (rounding apart)."""
+    cfg = dataclasses.replace(MOE, capacity_factor=1.0)
+    batches = token_batches(2)
+    runs = [train_steps(llama_trainable(cfg), _zero(), batches,
+                        mesh=zjax.make_mesh(zjax.MeshConfig(data=8 // e, expert=e)))
+            for e in (1, 4)]
+    np.testing.assert_allclose(runs[1][2], runs[0][2], rtol=1e-6)
+    assert_trees_close(runs[1][1].params, runs[0][1].params, **FP32, what="params")
+
+
+def test_checkpoints_move_between_expert_parallel_sizes_bitwise(tmp_path):
+    from zjax.checkpoint import CheckpointConfig, Checkpointer
+
+    def make(data, expert):
+        mesh = zjax.make_mesh(zjax.MeshConfig(data=data, expert=expert))
+        return zjax.make_step(llama_trainable(MOE), make_tx(), zero=_zero(), mesh=mesh)
+
+    zstep = make(4, 2)
+    state = zstep.init(jax.random.key(0))
+    for b in token_batches(2):
+        state, _ = zstep.step(state, zstep.put_batch(b))
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    ckpt.save(2, state, zstep)
+    ckpt.wait()
+    saved = jax.device_get((state.params, state.opt_state))
+    for data, expert in ((2, 4), (8, 1)):
+        other = make(data, expert)
+        restored, _, _ = ckpt.restore(2, other)
+        got = jax.device_get((restored.params, restored.opt_state))
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
+            np.testing.assert_array_equal(x, y)
+        w = restored.params["blocks"]["layers"]["w_gate"]
+        assert w.sharding.spec == other.plan.param_specs["blocks"]["layers"]["w_gate"]
+    ckpt.close()
 
 
 def test_capacity_counts_each_devices_dropped_assignments():
@@ -199,17 +258,33 @@ def test_bad_expert_settings_name_the_key(overrides, message):
         LlamaConfig(**overrides)
 
 
-def test_the_plan_counts_active_parameters_in_model_flops():
-    """``zjax plan``: total and active parameters (the chosen and shared experts), and model
-    FLOPs (MFU's numerator) of the active ones: 6 N_active + 12 L H Q T per token."""
+def test_the_plan_counts_active_parameters_and_the_experts_figures():
+    """``zjax plan``: total and active parameters (the chosen and shared experts), model FLOPs
+    (MFU's numerator) of the active ones, 6 N_active + 12 L H Q T per token, and with
+    ``mesh.expert``: the experts each device holds, their stored and gathered bytes, and the
+    all-to-all bytes (capacity 1: buffers of exactly k bf16 rows of d per token; dispatch and
+    combine, in the forward, its recomputation and the backward)."""
     config = zjax.load_config("configs/llama-tiny.yaml", [
         "model.n_experts=4", "model.experts_per_token=2", "model.n_shared_experts=1",
-        "model.moe_d_ff=64", "data.path=", "data.batch_size=8"])
+        "model.moe_d_ff=64", "model.capacity_factor=1.0", "mesh.expert=2", "data.path=",
+        "data.batch_size=8"])
     report = zjax.plan(config)
     m = config.model
     routed = m.n_layers * m.n_experts * 3 * m.d_model * 64
     assert report.active_params == report.n_params - routed // 2  # 2 of 4 experts a token
     attention = 12 * m.n_layers * m.n_heads * m.head_width * config.data.seq_len
     assert report.flops["per_token"] == 6 * report.active_params + attention
+    table = report.table()
     assert f"{report.n_params:,} parameters ({report.active_params:,} active per token)" \
-        in report.table()
+        in table
+    tokens = 8 * config.data.seq_len // 8  # per device
+    a2a = 6 * tokens * 2 * m.d_model * 2 * m.n_layers
+    assert report.setting["mesh"]["expert"] == 2
+    assert report.experts == {
+        "n_experts": 4, "experts_per_device": 2, "expert_params": routed,
+        "params_bytes": routed * 4 // 8,  # float32, over expert 2 x data 4
+        "gathered_layer_bytes": routed // m.n_layers // 2 * 2,  # 2 experts, bf16
+        "all_to_all_bytes": a2a, "all_to_all_per_layer": a2a // m.n_layers}
+    assert report.collectives["all_to_all_bytes"] == a2a
+    assert not report.context_per_layer
+    assert "experts: 4 (2 per device)" in table

@@ -28,8 +28,9 @@ from zjax.planning._hlo import (
 )
 from zjax.planning._hlo_text import axes_of, group_size, link_of
 from zjax.planning._longest import LongestResult
+from zjax.planning._memory import compiled_memory, formula
 from zjax.planning._plan import autotune, compile_report, longest_sequence, plan, run_cli_json
-from zjax.planning._report import PlanReport, compiled_memory, formula, report
+from zjax.planning._report import PlanReport, report
 from zjax.planning._search import Candidate, TuneResult, parse_bytes
 from zjax.planning._search import autotune as search
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
 from zjax.errors import ConfigError
 from zjax.partition import nbytes
+from zjax.planning._experts import expert_all_to_all, expert_figures
 from zjax.planning._flops import flops_per_token, peak_flops
 from zjax.planning._hlo import collective_bytes
+from zjax.planning._memory import compiled_bytes, compiled_memory, formula, state_bytes
 from zjax.runtime.targets import Target
 from zjax.step import ZeroStep
 
@@ -35,9 +35,11 @@ class PlanReport:
       n_params: total parameter count Ψ.
       active_params: a mixture of experts' parameters one token uses (the chosen experts'
         and every shared one); None for a dense model.
-      n_devices: devices in the mesh (``data`` x ``model``).
-      setting: the knobs the autotuner varies (stage, offload, prefetch, grad_accum, remat,
-        and ``mesh``: the ``data`` and ``model`` axis sizes).
+      experts: a mixture's figures (:func:`zjax.planning._experts.expert_figures`): experts
+        per device, the expert parameters one device stores, one layer's experts gathered,
+        the all-to-all bytes over ``expert`` per step and per layer; empty for a dense model.
+      n_devices: devices in the mesh; ``setting``: the knobs the autotuner varies (stage,
+        offload, prefetch, grad_accum, remat, and ``mesh``: the axis sizes).
       per_device: ``params_bytes`` (stored params), ``grads_bytes`` (reduced gradients in
         ``zero.reduce_dtype``, transient), ``optimizer_bytes`` (float32 master and optax state),
         ``model_state_bytes`` (their sum), ``temp_bytes`` (compiled temporaries: activations,
@@ -51,18 +53,18 @@ class PlanReport:
       formula: the ZeRO paper's ``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` and
         ``model_state_bytes`` for the same Ψ, N, stage and dtypes (N the ``data`` axis, Ψ the
         parameters of one ``model`` slice: split leaves count ``1/model``).
-      replicated_leaves: ``{path, shape, reason}`` of each leaf kept whole over ``data``.
-      notes: caveats of this backend (e.g. XLA:CPU reducing in float32).
+      replicated_leaves: ``{path, shape, reason}`` of each leaf kept whole over ``data``;
+        ``notes``: caveats of this backend (e.g. XLA:CPU reducing in float32).
       collectives_by_axis: ``{axes: {kind: bytes}}``: the same collectives by the mesh axes
         they span (``data``, ``model``, ``data+model``).
       collectives_by_link: ``{intra_host | inter_host: {kind: bytes}}`` on more than one host
         (the processes' hosts, or ``hosts`` simulated: contiguous blocks of the mesh).
       context_per_layer: ``{all_to_all | collective_permute: bytes}`` per layer (forward,
         its recomputation and backward) of sequence parallelism's attention, with a
-        ``context`` axis and a model naming its ``n_layers``.
-      device_kind: the devices compiled for (``cpu``, ``NVIDIA H100 80GB HBM3``, ``TPU v5``).
-      fits_device: whether ``total_bytes`` fits the devices' memory (``per_device.capacity_bytes``,
-        known for targets); None when unknown.
+        ``context`` axis and a model naming its ``n_layers`` (a mixture's all-to-alls over
+        ``expert`` left out).
+      device_kind: the devices compiled for (``cpu``, ``NVIDIA H100 80GB HBM3``, ``TPU v5``);
+        ``fits_device``: whether ``total_bytes`` fits their memory (``capacity_bytes``).
       overlap: per collective kind, the fraction of its bytes with compute scheduled between
         its start and its done, loops weighted by trip count (0 where the backend runs it
         synchronously).
@@ -93,6 +95,7 @@ class PlanReport:
     activations: dict[str, int] = dataclasses.field(default_factory=dict)
     context_per_layer: dict[str, int] = dataclasses.field(default_factory=dict)
     active_params: int | None = None
+    experts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -110,10 +113,20 @@ class PlanReport:
             f" ({self.active_params:,} active per token)"
         return f"{self.n_params:,} parameters{active} on {self.n_devices} devices"
 
+    def _collective_lines(self) -> list[str]:
+        """Collective bytes per step, sequence parallelism's per layer, a mixture's experts."""
+        c = self.collectives
+        lines = ["  collectives per step: "
+                 + _kinds({k.removesuffix("_bytes"): v for k, v in c.items()})]
+        if self.context_per_layer:
+            lines.append("  context attention per layer: " + _kinds(self.context_per_layer))
+        if self.experts:
+            lines.append(_experts_line(self.experts))
+        return lines
+
     def table(self) -> str:
         """The human-readable report."""
-        d, f, c = self.per_device, self.formula, self.collectives
-        s = self.setting
+        d, f, s = self.per_device, self.formula, self.setting
         mesh = s.get("mesh") or {}
         shape = " (" + " x ".join(f"{k} {v}" for k, v in mesh.items()) + ")" \
             if len(mesh) > 2 or mesh.get("model", 1) > 1 else ""
@@ -147,10 +160,7 @@ class PlanReport:
         if d.get("capacity_bytes"):
             lines.append(f"  {'device memory':<22}{_size(d['capacity_bytes']):>14}"
                          f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
-        lines.append("  collectives per step: "
-                     + _kinds({k.removesuffix("_bytes"): v for k, v in c.items()}))
-        if self.context_per_layer:
-            lines.append("  context attention per layer: " + _kinds(self.context_per_layer))
+        lines += self._collective_lines()
         if self.flops.get("per_step"):
             f_ = self.flops
             at_peak = (f", {f_['step_s_at_peak'] * 1e3:.1f} ms at the chips' bf16 peak"
@@ -186,75 +196,6 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
-            optimizer_bytes_per_param: float, secondary_group: int = 1,
-            secondary_params: int = 0) -> dict[str, int]:
-    """The ZeRO paper's model-state bytes per device (its K is ``optimizer_bytes_per_param``).
-
-    Stage 0: ``(p + g + K)Ψ``; 1: ``(p + g)Ψ + KΨ/N``; 2: ``pΨ + (g + K)Ψ/N``; 3: all ``/N``.
-    With ZeRO++'s hpZ over groups of ``secondary_group`` (k) devices, ``hpz_secondary_bytes``
-    is the secondary partition the forward keeps for the backward, ``pΨ'/k`` (ZeRO++'s
-    ``2Ψ/k`` in 16 bits) besides the model state, where Ψ' (``secondary_params``) counts the
-    layer stack's sharded params: the leaves outside it are gathered across nodes again.
-    """
-    psi, n = n_params, n_devices
-    params = param_bytes * psi / (n if stage >= 3 else 1)
-    grads = grad_bytes * psi / (n if stage >= 2 else 1)
-    opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
-    out = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
-           "model_state_bytes": params + grads + opt}
-    if secondary_group > 1:
-        out["hpz_secondary_bytes"] = param_bytes * secondary_params / secondary_group
-    return {k: round(v) for k, v in out.items()}
-
-
-def _state_bytes(zstep: ZeroStep) -> dict[str, int]:
-    """Per device: stored params, reduced gradients (``zero.reduce_dtype``, transient), float32
-    master and optimizer state, and what of the state lives in host memory."""
-    plan, a = zstep.plan, zstep.abstract_state
-    reduce = plan.zero.reduce  # the configured dtype: the one an accelerator reduces in
-    optimizer = nbytes(a.opt_state) + nbytes(a.master)
-    # with the optimizer on NVMe: the float32 master and the per-parameter state, in files
-    nvme = 0 if zstep.nvme is None else nbytes(
-        (zstep.canonical["params"], [x for x in jax.tree.leaves(zstep.canonical["opt_state"])
-                                     if x.ndim]))
-    return {
-        "params_bytes": nbytes(a.params),
-        "grads_bytes": sum(plan.leaf_bytes(leaf, reduce, plan.zero.stage >= 2)
-                           for leaf in plan.leaves),
-        "optimizer_bytes": optimizer + nvme,
-        "host_bytes": nbytes(a, memory="host"),
-        "nvme_bytes": nvme,
-    }
-
-
-def compiled_memory(compiled: Any) -> dict[str, int]:
-    """``argument_bytes``, ``output_bytes``, ``temp_bytes`` and ``peak_bytes`` (arguments +
-    outputs + temporaries - donated aliases) of a compiled step, per device."""
-    mem = compiled.memory_analysis()
-    out = {"argument_bytes": int(mem.argument_size_in_bytes),
-           "output_bytes": int(mem.output_size_in_bytes),
-           "temp_bytes": int(mem.temp_size_in_bytes)}
-    out["peak_bytes"] = sum(out.values()) - int(mem.alias_size_in_bytes)
-    return out
-
-
-def _compiled_bytes(compiled: Any, host: int) -> dict[str, int]:
-    """``temp_bytes``, ``host_bytes`` and ``total_bytes`` (peak in device memory) of the
-    compiled step; ``host``: the state's host bytes counted from its shardings."""
-    mem = compiled.memory_analysis()
-    # TPU counts host-memory arguments and outputs apart (host_*); XLA:CPU counts them in
-    # argument/output, so there the host-placed state is taken out by its shardings
-    host_apart = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
-                  + mem.host_temp_size_in_bytes) > 0
-    if host_apart:  # the compiler's own figure: it includes the backend's padding
-        host = int(mem.host_argument_size_in_bytes)
-    figures = compiled_memory(compiled)
-    return {"temp_bytes": figures["temp_bytes"], "host_bytes": host,
-            "host_temp_bytes": int(mem.host_temp_size_in_bytes),
-            "total_bytes": figures["peak_bytes"] - (0 if host_apart else host)}
-
-
 def _notes(plan) -> list[str]:
     notes = []
     if plan.reduce_dtype != plan.zero.reduce:
@@ -282,14 +223,16 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     estimate of :func:`zjax.planning._activations.estimate`.
     """
     plan, zero = zstep.plan, zstep.plan.zero
+    shape = dict(model_shape or {})
+    n_experts = shape.pop("n_experts", None)  # not a FLOPs figure
     n_params = sum(leaf.size for leaf in plan.leaves)
     # what one model slice holds: tensor parallelism divides the split leaves
     slice_params = sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
                        for leaf in plan.leaves)
-    state = _state_bytes(zstep)
+    state = state_bytes(zstep)
     per_device = {k: state[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
     per_device["model_state_bytes"] = sum(per_device.values())
-    per_device.update(_compiled_bytes(compiled, state["host_bytes"]))
+    per_device.update(compiled_bytes(compiled, state["host_bytes"]))
     per_device["nvme_bytes"] = state["nvme_bytes"]
     capacity = per_device["capacity_bytes"] = target.capacity_bytes if target else None
     coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape),
@@ -300,16 +243,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     return PlanReport(
         n_params=n_params,
         n_devices=plan.n_batch * plan.n_context * plan.n_model,
-        setting={"stage": zero.stage, "offload": _offload_name(zero),
-                 "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
-                 "grad_accum": grad_accum, "remat": remat,
-                 "activations": ("offload" if zero.offload_activations else "partition"
-                                 if zero.partition_activations else "device"),
-                 "mesh": {"data": plan.n_data, "model": plan.n_model,
-                          **({"replica": plan.n_replica} if plan.n_replica > 1 else {}),
-                          **({"context": plan.n_context} if plan.n_context > 1 else {}),
-                          **({"node": plan.n_node} if plan.n_node > 1 else {})},
-                 "target": target.name if target else None},
+        setting=_setting(plan, grad_accum=grad_accum, remat=remat, target=target),
         per_device=per_device,
         collectives=_collectives(coll),
         formula=formula(slice_params, plan.n_shard, stage=zero.stage,
@@ -327,20 +261,51 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         fits_device=None if capacity is None else per_device["total_bytes"] <= capacity,
         overlap={k: coll.overlap[k] for k in ("all_gather", "reduce_scatter", "all_reduce",
                                               *_CONTEXT_KINDS) if k in coll.overlap},
-        flops=_flops(n_params, plan, tokens_per_step, model_shape or {}),
+        flops=_flops(n_params, plan, tokens_per_step, shape),
         collectives_by_link=coll.by_link,
         activations=dict(activations or {}),
-        context_per_layer=_per_layer(coll, (model_shape or {}).get("n_layers")),
-        active_params=n_params - (model_shape or {})["inactive_params"]
-        if "inactive_params" in (model_shape or {}) else None,
+        context_per_layer=_per_layer(coll, plan, shape.get("n_layers")),
+        active_params=n_params - shape["inactive_params"] if "inactive_params" in shape
+        else None,
+        experts=expert_figures(plan, coll.by_axis, n_experts=n_experts,
+                               n_layers=shape.get("n_layers")),
     )
 
 
-def _per_layer(coll, n_layers: int | None) -> dict[str, int]:
-    """Sequence parallelism's collective bytes per layer (every layer runs the same ones)."""
-    if not n_layers:
+def _setting(plan, *, grad_accum: int, remat: bool | None, target: Target | None) -> dict:
+    """The report's ``setting``: the knobs the autotuner varies and the mesh's axis sizes."""
+    zero = plan.zero
+    return {"stage": zero.stage, "offload": _offload_name(zero),
+            "prefetch": zero.prefetch_layers if zero.stage == 3 else None,
+            "grad_accum": grad_accum, "remat": remat,
+            "activations": ("offload" if zero.offload_activations else "partition"
+                            if zero.partition_activations else "device"),
+            "mesh": {"data": plan.n_data, "model": plan.n_model,
+                     **({"replica": plan.n_replica} if plan.n_replica > 1 else {}),
+                     **({"context": plan.n_context} if plan.n_context > 1 else {}),
+                     **({"expert": plan.n_expert} if plan.n_expert > 1 else {}),
+                     **({"node": plan.n_node} if plan.n_node > 1 else {})},
+            "target": target.name if target else None}
+
+
+def _per_layer(coll, plan, n_layers: int | None) -> dict[str, int]:
+    """Sequence parallelism's collective bytes per layer (every layer runs the same ones);
+    a mixture's all-to-alls over ``expert`` are not among them."""
+    if not n_layers or plan.n_context == 1:
         return {}
-    return {k: getattr(coll, k) // n_layers for k in _CONTEXT_KINDS if getattr(coll, k)}
+    kinds = {k: getattr(coll, k) for k in _CONTEXT_KINDS}
+    kinds["all_to_all"] -= expert_all_to_all(coll.by_axis)
+    return {k: v // n_layers for k, v in kinds.items() if v}
+
+
+def _experts_line(e: dict[str, Any]) -> str:
+    a2a = "" if not e["all_to_all_bytes"] else (
+        f"; all-to-all {_size(e['all_to_all_bytes'])} per step"
+        + (f" ({_size(e['all_to_all_per_layer'])} a layer)"
+           if e["all_to_all_per_layer"] else ""))
+    return (f"  experts: {e['n_experts']} ({e['experts_per_device']} per device), "
+            f"{e['expert_params']:,} expert parameters, {_size(e['params_bytes'])} stored "
+            f"per device, {_size(e['gathered_layer_bytes'])} a layer gathered{a2a}")
 
 
 _CONTEXT_KINDS = ("all_to_all", "collective_permute")

@@ -98,7 +98,8 @@ def flops_shape(config: Config) -> dict:
     the global batch's tokens, and the transformer's depth, width and sequence length when
     the model section names them (a user's model may not: then 6N only), with a Llama's
     attention width, windowed layers and, for a mixture, the parameters of the experts a
-    token is not routed to (``inactive_params``: model FLOPs count active parameters)."""
+    token is not routed to (``inactive_params``: model FLOPs count active parameters) and
+    its ``n_experts``."""
     model = config.model
     shape = {"n_layers": getattr(model, "n_layers", None),
              "d_model": getattr(model, "d_model", None), "seq_len": config.data.seq_len}
@@ -109,6 +110,7 @@ def flops_shape(config: Config) -> dict:
                   "window": model.sliding_window,
                   "windowed_layers": sum(map(model.windowed, range(model.n_layers)))}
         if getattr(model, "n_experts", 0):  # the experts a token is not routed to
+            shape["n_experts"] = model.n_experts
             shape["inactive_params"] = (model.n_layers * (model.n_experts
                                                           - model.experts_per_token)
                                         * 3 * model.d_model * model.expert_ff)

@@ -1,0 +1,82 @@
+"""Per-device memory of a train step: the ZeRO paper's formula, the state's bytes from its
+shardings, and the compiled step's own figures (``memory_analysis()``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from zjax.partition import nbytes
+from zjax.step import ZeroStep
+
+__all__ = ["compiled_bytes", "compiled_memory", "formula", "state_bytes"]
+
+
+def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
+            optimizer_bytes_per_param: float, secondary_group: int = 1,
+            secondary_params: int = 0) -> dict[str, int]:
+    """The ZeRO paper's model-state bytes per device (its K is ``optimizer_bytes_per_param``).
+
+    Stage 0: ``(p + g + K)Ψ``; 1: ``(p + g)Ψ + KΨ/N``; 2: ``pΨ + (g + K)Ψ/N``; 3: all ``/N``.
+    With ZeRO++'s hpZ over groups of ``secondary_group`` (k) devices, ``hpz_secondary_bytes``
+    is the secondary partition the forward keeps for the backward, ``pΨ'/k`` (ZeRO++'s
+    ``2Ψ/k`` in 16 bits) besides the model state, where Ψ' (``secondary_params``) counts the
+    layer stack's sharded params: the leaves outside it are gathered across nodes again.
+    """
+    psi, n = n_params, n_devices
+    params = param_bytes * psi / (n if stage >= 3 else 1)
+    grads = grad_bytes * psi / (n if stage >= 2 else 1)
+    opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
+    out = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
+           "model_state_bytes": params + grads + opt}
+    if secondary_group > 1:
+        out["hpz_secondary_bytes"] = param_bytes * secondary_params / secondary_group
+    return {k: round(v) for k, v in out.items()}
+
+
+def state_bytes(zstep: ZeroStep) -> dict[str, int]:
+    """Per device: stored params, reduced gradients (``zero.reduce_dtype``, transient), float32
+    master and optimizer state, and what of the state lives in host memory."""
+    plan, a = zstep.plan, zstep.abstract_state
+    reduce = plan.zero.reduce  # the configured dtype: the one an accelerator reduces in
+    optimizer = nbytes(a.opt_state) + nbytes(a.master)
+    # with the optimizer on NVMe: the float32 master and the per-parameter state, in files
+    nvme = 0 if zstep.nvme is None else nbytes(
+        (zstep.canonical["params"], [x for x in jax.tree.leaves(zstep.canonical["opt_state"])
+                                     if x.ndim]))
+    return {
+        "params_bytes": nbytes(a.params),
+        "grads_bytes": sum(plan.leaf_bytes(leaf, reduce, plan.zero.stage >= 2)
+                           for leaf in plan.leaves),
+        "optimizer_bytes": optimizer + nvme,
+        "host_bytes": nbytes(a, memory="host"),
+        "nvme_bytes": nvme,
+    }
+
+
+def compiled_memory(compiled: Any) -> dict[str, int]:
+    """``argument_bytes``, ``output_bytes``, ``temp_bytes`` and ``peak_bytes`` (arguments +
+    outputs + temporaries - donated aliases) of a compiled step, per device."""
+    mem = compiled.memory_analysis()
+    out = {"argument_bytes": int(mem.argument_size_in_bytes),
+           "output_bytes": int(mem.output_size_in_bytes),
+           "temp_bytes": int(mem.temp_size_in_bytes)}
+    out["peak_bytes"] = sum(out.values()) - int(mem.alias_size_in_bytes)
+    return out
+
+
+def compiled_bytes(compiled: Any, host: int) -> dict[str, int]:
+    """``temp_bytes``, ``host_bytes`` and ``total_bytes`` (peak in device memory) of the
+    compiled step; ``host``: the state's host bytes counted from its shardings."""
+    mem = compiled.memory_analysis()
+    # TPU counts host-memory arguments and outputs apart (host_*); XLA:CPU counts them in
+    # argument/output, so there the host-placed state is taken out by its shardings
+    host_apart = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
+                  + mem.host_temp_size_in_bytes) > 0
+    if host_apart:  # the compiler's own figure: it includes the backend's padding
+        host = int(mem.host_argument_size_in_bytes)
+    figures = compiled_memory(compiled)
+    return {"temp_bytes": figures["temp_bytes"], "host_bytes": host,
+            "host_temp_bytes": int(mem.host_temp_size_in_bytes),
+            "total_bytes": figures["peak_bytes"] - (0 if host_apart else host)}
