@@ -23,6 +23,7 @@ from helpers import (
     FP32,
     assert_matches_reference,
     assert_trees_close,
+    compiled_for,
     make_tx,
     reference_run,
     train_steps,
@@ -258,6 +259,21 @@ def test_bad_expert_settings_name_the_key(overrides, message):
         LlamaConfig(**overrides)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.n_experts=8", "mesh.expert=3"], "mesh.expert: 3 does not divide model.n_experts 8"),
+    (["model.n_experts=6", "mesh.expert=3"], "mesh.expert: 3 does not divide the 8 devices"),
+    (["mesh.expert=2"], "mesh.expert: 2 splits a mixture's experts, but the model is dense"),
+    (["model.n_experts=4", "model.experts_per_token=5"],
+     "model.experts_per_token: 5 exceeds model.n_experts 4"),
+])
+def test_the_cli_refuses_expert_settings_that_cannot_place(overrides, message, capsys):
+    from zjax import cli
+
+    code = cli.main(["plan", "configs/llama-tiny.yaml", "data.path=", *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"zjax: error: {message}"), err
+
+
 def test_the_plan_counts_active_parameters_and_the_experts_figures():
     """``zjax plan``: total and active parameters (the chosen and shared experts), model FLOPs
     (MFU's numerator) of the active ones, 6 N_active + 12 L H Q T per token, and with
@@ -284,7 +300,35 @@ def test_the_plan_counts_active_parameters_and_the_experts_figures():
         "n_experts": 4, "experts_per_device": 2, "expert_params": routed,
         "params_bytes": routed * 4 // 8,  # float32, over expert 2 x data 4
         "gathered_layer_bytes": routed // m.n_layers // 2 * 2,  # 2 experts, bf16
-        "all_to_all_bytes": a2a, "all_to_all_per_layer": a2a // m.n_layers}
+        "all_to_all_bytes": a2a, "all_to_all_off_device_bytes": a2a // 2,
+        "all_to_all_per_layer": a2a // m.n_layers}
     assert report.collectives["all_to_all_bytes"] == a2a
     assert not report.context_per_layer
     assert "experts: 4 (2 per device)" in table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "expert"), [("cpu", 2), ("cpu", 4), ("h100:2x4", 2),
+                                              ("v5p:2x2x2", 2)])
+def test_all_to_all_bytes_equal_the_formula_on_every_backend(name, expert):
+    """Capacity 1: each layer's forward moves 2 x tokens x k x d_model bf16 (dispatch and
+    combine), over groups of the ``expert`` axis; its recomputation and backward as much
+    again each. Dropless (on XLA:CPU) moves a worst-case buffer per destination: E times it."""
+    from zjax.planning import collective_sites, group_size
+
+    moe = ("model.n_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64",
+           f"mesh.expert={expert}", "data.batch_size=16")
+    tokens, k, d, layers = 16 * 64 // 8, 2, 128, 2  # per device; TARGET_BASE's 2 layers
+    forward = 2 * tokens * k * d * 2 * layers
+    _, compiled, report = compiled_for(name, *moe, "model.capacity_factor=1.0",
+                                       file="configs/llama-tiny.yaml")
+    assert report.experts["all_to_all_bytes"] == 3 * forward
+    assert report.experts["all_to_all_off_device_bytes"] == 3 * forward * (expert - 1) // expert
+    sites = [s for s in collective_sites(compiled.as_text(),
+                                         decomposed=name.startswith("v5p"))
+             if s.kind == "all_to_all"]
+    assert sites and {group_size(s.line) for s in sites} == {expert}
+    if name == "cpu" and expert == 2:
+        _, _, dropless = compiled_for(name, *moe, file="configs/llama-tiny.yaml")
+        counts = dropless.experts["all_to_all_bytes"] - expert * 3 * forward
+        assert 0 < counts <= 3 * 2 * layers * expert * 4 * 4  # the per-destination counts

@@ -38,8 +38,9 @@ def expert_figures(plan: ShardPlan, by_axis: dict[str, dict[str, int]], *,
       ``expert_params`` (every layer's routed-expert parameters, all experts),
       ``params_bytes`` (the expert parameters one device stores, in their stored dtype),
       ``gathered_layer_bytes`` (one layer's experts gathered on a device for use, in
-      ``zero.gather_dtype``: what ZeRO-3 brings in per layer), ``all_to_all_bytes`` (per step)
-      and ``all_to_all_per_layer``.
+      ``zero.gather_dtype``: what ZeRO-3 brings in per layer), ``all_to_all_bytes`` (tensor
+      bytes per step), ``all_to_all_off_device_bytes`` (the ``(E - 1) / E`` of them bound for
+      other devices of the ``expert`` axis) and ``all_to_all_per_layer``.
     """
     split = [leaf for leaf in plan.leaves if leaf.expert_dim is not None]
     if n_experts is None and split:
@@ -60,6 +61,7 @@ def expert_figures(plan: ShardPlan, by_axis: dict[str, dict[str, int]], *,
         "params_bytes": sum(plan.leaf_bytes(leaf, leaf.dtype, stage3) for leaf in leaves),
         "gathered_layer_bytes": gathered,
         "all_to_all_bytes": a2a,
+        "all_to_all_off_device_bytes": a2a * (plan.n_expert - 1) // plan.n_expert,
         "all_to_all_per_layer": a2a // layers if n_layers else None,
     }
 

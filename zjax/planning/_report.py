@@ -300,7 +300,8 @@ def _per_layer(coll, plan, n_layers: int | None) -> dict[str, int]:
 
 def _experts_line(e: dict[str, Any]) -> str:
     a2a = "" if not e["all_to_all_bytes"] else (
-        f"; all-to-all {_size(e['all_to_all_bytes'])} per step"
+        f"; all-to-all {_size(e['all_to_all_bytes'])} per step, "
+        f"{_size(e['all_to_all_off_device_bytes'])} off the device"
         + (f" ({_size(e['all_to_all_per_layer'])} a layer)"
            if e["all_to_all_per_layer"] else ""))
     return (f"  experts: {e['n_experts']} ({e['experts_per_device']} per device), "
