@@ -88,6 +88,28 @@ def test_sequence_parallel_size_is_the_context_axis():
         from_deepspeed({"sequence_parallel_size": 3}, n_data=8)
 
 
+def test_deepspeed_moe_section_is_the_expert_axis_and_the_experts():
+    """DeepSpeed-MoE's ``moe`` section: ``ep_size`` is ``mesh.expert`` (out of the data ranks,
+    which stay the batch's), ``num_experts`` (a count or one per layer) ``model.n_experts``."""
+    ds = {"moe": {"enabled": True, "ep_size": 2, "num_experts": [4, 4], "type": "standard",
+                  "ep_group": None}, "train_micro_batch_size_per_gpu": 1}
+    imported = from_deepspeed(ds, n_data=8)
+    config = load_config(ROOT / "configs/llama-tiny.yaml", [*imported.overrides, "data.path="])
+    assert (config.mesh.expert, config.model.n_experts, config.data.batch_size) == (2, 4, 8)
+    assert "moe.ep_group" in dict(imported.ignored)
+    assert ("moe", "not enabled") in from_deepspeed({"moe": False}, n_data=8).ignored
+    with pytest.raises(zjax.ConfigError, match=r"^deepspeed moe\.ep_size: 3 does not divide "
+                                               r"the 4 data ranks"):
+        from_deepspeed({"moe": {"ep_size": 3}, "sequence_parallel_size": 2}, n_data=8)
+    for section, match in [({"num_experts": [8, 16]}, r"moe\.num_experts: \[8, 16\]: the "
+                                                       r"experts differ by layer"),
+                           ({"type": "residual"}, r"moe\.type: 'residual' \(PR-MoE"),
+                           ({"ep_sise": 2}, r"moe\.ep_sise: unknown key \(did you mean "
+                                            r"'ep_size'\?\)")]:
+        with pytest.raises(zjax.ConfigError, match=match):
+            from_deepspeed({"moe": section}, n_data=8)
+
+
 def test_optimizer_scheduler_precision_and_hf_auto_values():
     ds = {"bf16": {"enabled": True}, "communication_data_type": "bf16",
           "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.98],

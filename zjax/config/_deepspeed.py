@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
-from typing import Any
 
 from zjax.config._ds_file import read_deepspeed
+from zjax.config._ds_moe import moe
+from zjax.config._ds_reader import Reader, auto, number, object_of
 from zjax.errors import ConfigError, did_you_mean
 
 __all__ = ["DeepSpeedImport", "from_deepspeed", "read_deepspeed"]
@@ -78,7 +77,6 @@ _ACTIVATIONS_IGNORED = {
     "synchronize_checkpoint_boundary": "the compiled step orders its own transfers",
     "profile": "`zjax plan` reports the compiled step's memory",
 }
-_NON_FINITE = re.compile(r"\s*[-+]?(NaN|Infinity|nan|inf)\b")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float32": "float32",
            "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -96,51 +94,7 @@ class DeepSpeedImport:
     ignored: tuple[tuple[str, str], ...]
 
 
-class _Reader:
-    def __init__(self):
-        self.out: dict[str, Any] = {}
-        self.ignored: list[tuple[str, str]] = []
-
-    def set(self, key: str, value: Any) -> None:
-        self.out[key] = value
-
-    def ignore(self, key: str, why: str) -> None:
-        self.ignored.append((key, why))
-
-    def unknown(self, key: str, known) -> ConfigError:
-        name = key.rsplit(".", 1)[-1]
-        return ConfigError(f"deepspeed {key}: unknown key{did_you_mean(name, known)}; zjax "
-                           "maps every DeepSpeed key it knows (see README, From DeepSpeed)")
-
-
-def _auto(r: _Reader, key: str, value: Any) -> bool:
-    if value == "auto":
-        r.ignore(key, '"auto": zjax\'s default is kept')
-        return True
-    return False
-
-
-def _number(key: str, value: Any, kind=float) -> Any:
-    """``value`` as a finite float, or (``kind=int``) an integer: 2.0 is 2, 2.5 is refused."""
-    # hjson reads NaN and Infinity as text to the end of the line: 'NaN,', 'NaN // why'
-    if isinstance(value, str) and (m := _NON_FINITE.match(value)):
-        raise ConfigError(f"deepspeed {key}: expected a finite number, got {m.group().strip()}")
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"deepspeed {key}: expected a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ConfigError(f"deepspeed {key}: expected a finite number, got {value}")
-    if kind is int and value != int(value):
-        raise ConfigError(f"deepspeed {key}: expected an integer, got {value}")
-    return kind(value)
-
-
-def _object(key: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"deepspeed {key}: expected an object, got {value!r}")
-    return value
-
-
-def _offload(r: _Reader, section: str, d: dict) -> None:
+def _offload(r: Reader, section: str, d: dict) -> None:
     zkey = f"zero.{section}"
     for key, value in d.items():
         where = f"zero_optimization.{section}.{key}"
@@ -154,7 +108,7 @@ def _offload(r: _Reader, section: str, d: dict) -> None:
         elif key == "nvme_path":
             r.set(f"{zkey}.nvme_path", None if value is None else str(value))
         elif key == "buffer_count":
-            r.set(f"{zkey}.buffer_count", _number(where, value, int))
+            r.set(f"{zkey}.buffer_count", number(where, value, int))
         elif key in _OFFLOAD_IGNORED:
             r.ignore(where, _OFFLOAD_IGNORED[key])
         else:
@@ -162,29 +116,29 @@ def _offload(r: _Reader, section: str, d: dict) -> None:
                                     *_OFFLOAD_IGNORED])
 
 
-def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
+def _zero(r: Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
     direct = {"stage": ("zero.stage", int), "sub_group_size": ("zero.sub_group_size", int),
               "stage3_param_persistence_threshold": ("zero.param_persistence_threshold", int),
               "stage3_max_live_parameters": ("zero.max_live_parameters", int)}
     for key, value in d.items():
         where = f"zero_optimization.{key}"
-        if _auto(r, where, value):
+        if auto(r, where, value):
             continue
         if key in direct:
             zkey, kind = direct[key]
-            r.set(zkey, _number(where, value, kind))
+            r.set(zkey, number(where, value, kind))
         elif key == "stage3_prefetch_bucket_size":  # DeepSpeed counts elements, zjax bytes
-            r.set("zero.prefetch_bucket_size", _number(where, value, int) * gather_bytes)
+            r.set("zero.prefetch_bucket_size", number(where, value, int) * gather_bytes)
             r.set("zero.prefetch_layers", None)  # the bucket decides the depth
         elif key in ("offload_optimizer", "offload_param"):
-            _offload(r, key, _object(where, value))
+            _offload(r, key, object_of(where, value))
         elif key in _ZERO_IGNORED:
             r.ignore(where, _ZERO_IGNORED[key])
         elif key in ("zero_hpz_partition_size", "mics_shard_size") \
-                and _number(where, value, int) in (1, -1):
+                and number(where, value, int) in (1, -1):
             r.ignore(where, "the default (no secondary partition)")
         elif key == "mics_shard_size":  # MiCS: shard within groups of this size, replicate
-            size = _number(where, value, int)
+            size = number(where, value, int)
             if size < 1 or n_data % size:
                 raise ConfigError(f"deepspeed {where}: {value!r} does not divide the {n_data} "
                                   "data ranks (devices / mesh.model)")
@@ -198,7 +152,7 @@ def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
         elif key in ("zero_quantized_weights", "zero_quantized_gradients"):  # qwZ, qgZ
             r.set(f"zero.{key.removeprefix('zero_')}", True)
         elif key == "zero_hpz_partition_size":  # hpZ: the devices of a node
-            size = _number(where, value, int)
+            size = number(where, value, int)
             if size < 1 or n_data % size:
                 raise ConfigError(f"deepspeed {where}: {value!r} does not divide the {n_data} "
                                   "data ranks (devices / mesh.model)")
@@ -208,9 +162,9 @@ def _zero(r: _Reader, d: dict, *, gather_bytes: int, n_data: int) -> None:
                                     "offload_param", *_ZERO_IGNORED])
 
 
-def _optimizer(r: _Reader, d: dict) -> None:
+def _optimizer(r: Reader, d: dict) -> None:
     kind = str(d.get("type", "")).lower()
-    params = _object("optimizer.params", d.get("params", {}) or {})
+    params = object_of("optimizer.params", d.get("params", {}) or {})
     if kind not in ("adam", "adamw"):
         raise ConfigError(f"deepspeed optimizer.type: {d.get('type')!r} is not mapped; zjax "
                           "builds Adam, AdamW or SGD (optimizer.name); use Adam or AdamW")
@@ -222,19 +176,19 @@ def _optimizer(r: _Reader, d: dict) -> None:
     r.set("optimizer.name", "adamw" if decoupled else "adam")
     for key, value in params.items():
         where = f"optimizer.params.{key}"
-        if _auto(r, where, value):
+        if auto(r, where, value):
             continue
         if key == "lr":
-            r.set("optimizer.lr", _number(where, value))
+            r.set("optimizer.lr", number(where, value))
         elif key == "betas":
             if not isinstance(value, list | tuple) or len(value) != 2:
                 raise ConfigError(f"deepspeed {where}: expected [beta1, beta2], got {value!r}")
-            r.set("optimizer.b1", _number(where, value[0]))
-            r.set("optimizer.b2", _number(where, value[1]))
+            r.set("optimizer.b1", number(where, value[0]))
+            r.set("optimizer.b2", number(where, value[1]))
         elif key == "eps":
-            r.set("optimizer.eps", _number(where, value))
+            r.set("optimizer.eps", number(where, value))
         elif key == "weight_decay":
-            r.set("optimizer.weight_decay", _number(where, value))
+            r.set("optimizer.weight_decay", number(where, value))
         elif key in ("adam_w_mode", "torch_adam", "fused", "bias_correction", "amsgrad"):
             if key == "amsgrad" and value:
                 raise ConfigError(f"deepspeed {where}: true: AMSGrad is not in zjax")
@@ -243,9 +197,9 @@ def _optimizer(r: _Reader, d: dict) -> None:
             raise r.unknown(where, ["lr", "betas", "eps", "weight_decay", "adam_w_mode"])
 
 
-def _scheduler(r: _Reader, d: dict) -> None:
+def _scheduler(r: Reader, d: dict) -> None:
     kind = d.get("type")
-    params = _object("scheduler.params", d.get("params", {}) or {})
+    params = object_of("scheduler.params", d.get("params", {}) or {})
     known = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
     if kind not in known:
         raise ConfigError(f"deepspeed scheduler.type: {kind!r} is not mapped"
@@ -257,17 +211,17 @@ def _scheduler(r: _Reader, d: dict) -> None:
                  "lr/10 at the last step")
     for key, value in params.items():
         where = f"scheduler.params.{key}"
-        if _auto(r, where, value):
+        if auto(r, where, value):
             continue
         if key == "warmup_num_steps":
-            r.set("optimizer.warmup_steps", _number(where, value, int))
+            r.set("optimizer.warmup_steps", number(where, value, int))
         elif key in ("warmup_max_lr",):
-            r.set("optimizer.lr", _number(where, value))
+            r.set("optimizer.lr", number(where, value))
         elif key == "total_num_steps":
-            r.set("train.steps", _number(where, value, int))
-        elif key in ("warmup_min_lr", "warmup_min_ratio") and _number(where, value) == 0:
+            r.set("train.steps", number(where, value, int))
+        elif key in ("warmup_min_lr", "warmup_min_ratio") and number(where, value) == 0:
             r.ignore(where, "0: zjax warms up from 0")
-        elif key == "cos_min_ratio" and _number(where, value) == 0.1:
+        elif key == "cos_min_ratio" and number(where, value) == 0.1:
             r.ignore(where, "0.1: zjax's cosine ends at lr/10")
         elif key in ("warmup_type", "last_batch_iteration"):
             r.ignore(where, "zjax warms up linearly from step 0")
@@ -279,7 +233,7 @@ def _scheduler(r: _Reader, d: dict) -> None:
                                     "warmup_min_lr", "cos_min_ratio", "warmup_type"])
 
 
-def _batch(r: _Reader, ds: dict, n_data: int) -> None:
+def _batch(r: Reader, ds: dict, n_data: int) -> None:
     """DeepSpeed's train_batch_size = micro batch per GPU x accumulation steps x data ranks;
     zjax's data.batch_size is the global batch of one optimizer step."""
     vals = {k: ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
@@ -289,7 +243,7 @@ def _batch(r: _Reader, ds: dict, n_data: int) -> None:
             r.ignore(k, '"auto": zjax\'s default is kept')
             vals[k] = None
         elif v is not None:
-            vals[k] = _number(k, v, int)
+            vals[k] = number(k, v, int)
     total, micro, gas = vals.values()
     if total is None and micro is not None:
         total = micro * (gas or 1) * n_data
@@ -308,7 +262,7 @@ def _batch(r: _Reader, ds: dict, n_data: int) -> None:
         r.set("train.grad_accum", gas)
 
 
-def _activations(r: _Reader, d: dict) -> None:
+def _activations(r: Reader, d: dict) -> None:
     """``activation_checkpointing``: ZeRO-R's partitioned and host-memory layer inputs."""
     for key, value in d.items():
         where = f"activation_checkpointing.{key}"
@@ -322,9 +276,9 @@ def _activations(r: _Reader, d: dict) -> None:
             raise r.unknown(where, [*_ACTIVATIONS, *_ACTIVATIONS_IGNORED])
 
 
-def _sequence_parallel(r: _Reader, ds: dict, n_data: int) -> int:
+def _sequence_parallel(r: Reader, ds: dict, n_data: int) -> int:
     """DeepSpeed-Ulysses' ``sequence_parallel_size`` -> ``mesh.context``; the data ranks."""
-    size = _number("sequence_parallel_size", ds.get("sequence_parallel_size", 1), int)
+    size = number("sequence_parallel_size", ds.get("sequence_parallel_size", 1), int)
     if size < 1 or n_data % size:
         raise ConfigError(f"deepspeed sequence_parallel_size: {size!r} does not divide the "
                           f"{n_data} devices (over mesh.model)")
@@ -344,8 +298,8 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
     Raises:
       ConfigError: naming the DeepSpeed key that is unknown, not supported or impossible.
     """
-    r = _Reader()
-    enabled = {k: _object(k, ds.get(k) or {}).get("enabled", False) for k in ("bf16", "fp16")}
+    r = Reader()
+    enabled = {k: object_of(k, ds.get(k) or {}).get("enabled", False) for k in ("bf16", "fp16")}
     precision = {k: v is True for k, v in enabled.items()}
     if precision["bf16"] and precision["fp16"]:
         raise ConfigError("deepspeed bf16.enabled and fp16.enabled: both true; choose one")
@@ -363,28 +317,31 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
                    "gradient_accumulation_steps", "sequence_parallel_size"):
             continue
         if key == "zero_optimization":
-            _zero(r, _object(key, value), gather_bytes=2 if gather != "float32" else 4,
+            _zero(r, object_of(key, value), gather_bytes=2 if gather != "float32" else 4,
                   n_data=n_data)
         elif key == "optimizer":
-            _optimizer(r, _object(key, value))
+            _optimizer(r, object_of(key, value))
         elif key == "scheduler":
-            _scheduler(r, _object(key, value))
+            _scheduler(r, object_of(key, value))
         elif key == "activation_checkpointing":
-            _activations(r, _object(key, value))
+            _activations(r, object_of(key, value))
+        elif key == "moe":  # DeepSpeed reads `"moe": true` as {"enabled": true}
+            moe(r, {"enabled": value} if isinstance(value, bool) else object_of(key, value),
+                n_data=n_data)
         elif key == "gradient_clipping":
-            if not _auto(r, key, value):
-                clip = _number(key, value)
+            if not auto(r, key, value):
+                clip = number(key, value)
                 r.set("optimizer.clip_norm", clip if clip > 0 else None)
         elif key == "steps_per_print":
-            if not _auto(r, key, value):
-                r.set("train.log_every", _number(key, value, int))
+            if not auto(r, key, value):
+                r.set("train.log_every", number(key, value, int))
         elif key == "communication_data_type":
             if value not in _DTYPES:
                 raise ConfigError(f"deepspeed {key}: {value!r}; expected one of "
                                   f"{', '.join(_DTYPES)}")
             r.set("zero.reduce_dtype", _DTYPES[value])
         elif key in ("amp", "elasticity", "sparse_attention") \
-                and _object(key, value or {}).get("enabled"):
+                and object_of(key, value or {}).get("enabled"):
             raise ConfigError(f"deepspeed {key}: enabled, which zjax does not have")
         elif key in _TOP_IGNORED or key in ("amp", "elasticity", "sparse_attention"):
             r.ignore(key, _TOP_IGNORED.get(key) or "not enabled")
@@ -392,7 +349,7 @@ def from_deepspeed(ds: dict, *, n_data: int) -> DeepSpeedImport:
             raise r.unknown(key, ["zero_optimization", "optimizer", "scheduler", "bf16", "fp16",
                                   "train_batch_size", "train_micro_batch_size_per_gpu",
                                   "gradient_accumulation_steps", "gradient_clipping",
-                                  "sequence_parallel_size",
+                                  "sequence_parallel_size", "moe",
                                   "steps_per_print", "activation_checkpointing",
                                   *_TOP_IGNORED])
     _batch(r, ds, n_data)
