@@ -68,3 +68,21 @@ def test_held_stderr_drops_only_the_lines_it_is_told_to(capfd):
         logger.setLevel(level)
         logger.propagate = propagate
     assert any("cudart_stub" in r.getMessage() for r in records)
+
+
+def test_the_cli_log_follows_stdout_after_its_first_stream_is_closed(capsys):
+    """An in-process CLI call under a capture leaves the "zjax" handler behind; once that capture
+    is closed, later messages go to the stdout of the moment instead of a logging traceback."""
+    import contextlib
+    import io
+
+    from zjax.cli._main import _setup_logging
+
+    first = io.StringIO()
+    with contextlib.redirect_stdout(first):
+        _setup_logging()
+        logging.getLogger("zjax.hf").info("first")
+    first.close()
+    logging.getLogger("zjax.hf").info("after the close")
+    out, err = capsys.readouterr()
+    assert "after the close" in out and "Logging error" not in err and "Traceback" not in err, err

@@ -263,11 +263,24 @@ def _plot(args) -> int:
     return 0
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to the ``sys.stdout`` of the moment, not the one of the first CLI call: a caller
+    that redirected it then (a test's capture, ``contextlib.redirect_stdout``) may have closed
+    that stream since, and logging would print a traceback for every later message."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+
 def _setup_logging() -> None:
     # our own handler: libraries imported on the way (absl, grain) may configure the root logger
     logger = logging.getLogger("zjax")
     if not any(getattr(h, "_zjax_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         rank = os.environ.get(ENV["process_id"]) or os.environ.get("SLURM_PROCID")
         handler.setFormatter(logging.Formatter(f"[process {rank}] %(message)s" if rank
                                                else "%(message)s"))
