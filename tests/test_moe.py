@@ -32,7 +32,7 @@ from models import TINY_LLAMA, llama_reference_loss, llama_trainable, token_batc
 
 import zjax
 from zjax.models import LlamaConfig
-from zjax.nn.moe import Experts, capacity, moe_ffn, route
+from zjax.nn.moe import Experts, capacity, moe_ffn, route, tiled_mlp
 
 E, K, N, D, F = 4, 2, 40, 16, 24
 
@@ -76,7 +76,7 @@ def _reference(x, router, w, *, k, renormalize, kept=None):
     return y, np.asarray(top)
 
 
-def _check(factor, renormalize):
+def _check(factor, renormalize, matmul="auto"):
     x, router, w = _inputs()
     kept = None
     if factor is not None:
@@ -87,7 +87,7 @@ def _check(factor, renormalize):
     ct = jax.random.normal(jax.random.key(9), (N, D), jnp.float32)
     got_fn = lambda *a: jnp.sum(ct * moe_ffn(a[0], a[1], Experts(*a[2:]), k=K,
                                               renormalize=renormalize,
-                                              capacity_factor=factor)[0])
+                                              capacity_factor=factor, matmul=matmul)[0])
     want_fn = lambda *a: jnp.sum(ct * _reference(a[0], a[1], Experts(*a[2:]), k=K,
                                                  renormalize=renormalize, kept=kept)[0])
     args = (x, router, *w)
@@ -98,9 +98,45 @@ def _check(factor, renormalize):
     return kept
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_dropless_equals_the_masked_reference(renormalize):
-    _check(None, renormalize)
+@pytest.mark.parametrize("renormalize,matmul", [(True, "tiled"), (False, "tiled"),
+                                                 (True, "ragged_dot")])
+def test_dropless_equals_the_masked_reference(renormalize, matmul):
+    _check(None, renormalize, matmul)
+
+
+@pytest.mark.parametrize("sizes,tile", [((5, 0, 9, 3), 8), ((0, 0, 17, 0), 8), ((1, 2, 3, 4), 256)])
+def test_tiled_grouped_matmul_equals_one_row_at_a_time(sizes, tile):
+    """Rows sorted by expert with padding rows after them, an expert with no rows, an expert
+    over several tiles: the tiled MLP's values and every gradient equal each row through its own
+    expert (each row against its own gathered weights), and the padding rows come out zero with
+    zero gradients."""
+    rows = sum(sizes) + 6
+    ks = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(ks[0], (rows, D), jnp.float32)
+    w = [jax.random.normal(k, s, jnp.float32) / 4
+         for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)], strict=True)]
+    ct = jax.random.normal(ks[4], (rows, D), jnp.float32)
+    expert = np.repeat(np.arange(E), sizes)
+
+    def want_fn(x, g, u, dn):
+        real = x[:len(expert)]
+        h = jax.nn.silu(jnp.einsum("nd,ndf->nf", real, g[expert])) * \
+            jnp.einsum("nd,ndf->nf", real, u[expert])
+        y = jnp.einsum("nf,nfd->nd", h, dn[expert])
+        return jnp.sum(ct[:len(expert)] * y), y
+
+    got_fn = lambda x, g, u, dn: (lambda y: (jnp.sum(ct * y), y))(
+        tiled_mlp(x, g, u, dn, jnp.asarray(sizes, jnp.int32), activation=jax.nn.silu,
+                  tile=tile))
+    (got, y), grads = jax.value_and_grad(got_fn, argnums=range(4), has_aux=True)(x, *w)
+    (want, y_want), grads_want = jax.value_and_grad(want_fn, argnums=range(4), has_aux=True)(
+        x, *w)
+    assert_trees_close((got, y[:len(expert)], grads[1:]), (want, y_want, grads_want[1:]), **FP32,
+                       what="values and weight grads")
+    assert_trees_close(grads[0][:len(expert)], grads_want[0][:len(expert)], **FP32, what="dx")
+    assert not np.asarray(y[len(expert):]).any() and not np.asarray(grads[0][len(expert):]).any()
+    empty = [e for e in range(E) if sizes[e] == 0]
+    assert all(not np.asarray(g[e]).any() for g in grads[1:] for e in empty)
 
 
 def test_capacity_drops_what_the_queue_rule_drops():

@@ -85,6 +85,7 @@ class MoESettings(NamedTuple):
     capacity_factor: float | None
     aux_loss_coef: float
     z_loss_coef: float
+    matmul: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,6 +176,11 @@ class LlamaConfig:
         (grouped matmuls); a number: each expert takes at most ``capacity_factor x tokens x
         top-k / n_experts`` of a device's assignments per layer, first choices first
         (GShard), the rest dropped and counted in ``moe_dropped_tokens``.
+      moe_matmul: the dropless experts' grouped matmul: ``auto`` (``ragged_dot`` on TPU,
+        ``tiled`` elsewhere), ``ragged_dot`` (``lax.ragged_dot``: native on TPU, a dense
+        expansion on XLA:CPU and XLA:GPU) or ``tiled`` (each expert's rows in whole tiles,
+        one tile's matmuls at a time: memory of one tile, at most one tile of padding per
+        expert).
     """
 
     vocab_size: int = positive(256)
@@ -219,6 +225,7 @@ class LlamaConfig:
     router_aux_loss_coef: float = non_negative(0.001)
     router_z_loss_coef: float = non_negative(0.0)
     capacity_factor: float | None = positive(None, none_means="dropless")
+    moe_matmul: str = choices("auto", "ragged_dot", "tiled", default="auto")
 
     def __post_init__(self):
         validate(self, "model")
@@ -268,7 +275,7 @@ class LlamaConfig:
             return None
         return MoESettings(self.n_experts, self.experts_per_token, self.router_renormalize,
                            self.capacity_factor, self.router_aux_loss_coef,
-                           self.router_z_loss_coef)
+                           self.router_z_loss_coef, self.moe_matmul)
 
     @property
     def expert_ff(self) -> int:

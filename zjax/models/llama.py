@@ -197,7 +197,7 @@ class LlamaBlock(nnx.Module):
                                             self.w_down[...]),
             k=moe.k, renormalize=moe.renormalize,
             capacity_factor=None if dropless else moe.capacity_factor,
-            activation=ACTIVATIONS[self.mlp_activation], mask=mask)
+            activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul)
         if hasattr(self, "shared_gate"):
             out = out + self._mlp(column_parallel_input(flat), "shared")
         return out.reshape(b, t, d), stats

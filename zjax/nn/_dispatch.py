@@ -44,7 +44,7 @@ def parallel_capacity(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
 
 
 def parallel_dropless(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
-                      activation: Callable) -> jax.Array:
+                      activation: Callable, matmul: str = "auto") -> jax.Array:
     """Every assignment computed on the device holding its expert."""
     n_tok, d = x.shape
     k = routing.experts.shape[1]
@@ -64,7 +64,8 @@ def parallel_dropless(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
     bounds = jnp.cumsum(got_sizes, axis=1)  # [sources, local]
     expert = jax.vmap(lambda b: jnp.searchsorted(b, jnp.arange(rows), side="right"))(bounds)
     by_expert = jnp.argsort(expert.reshape(-1), stable=True)  # padding (= local) last
-    ys = grouped(jnp.take(got, by_expert, axis=0), w, jnp.sum(got_sizes, axis=0), activation)
+    ys = grouped(jnp.take(got, by_expert, axis=0), w, jnp.sum(got_sizes, axis=0), activation,
+                 matmul=matmul)
     back = jnp.zeros_like(ys).at[by_expert].set(ys, unique_indices=True)
     mine = all_to_all(back, axis, 0, 0).reshape(n, rows, d)  # [destinations, rows, D]
     y = jnp.zeros((rows, d), x.dtype).at[order].set(mine[dest, slot], unique_indices=True)

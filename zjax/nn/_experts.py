@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zjax.nn._attend import trace_platform
+from zjax.nn._grouped import GROUPED_MATMULS, tiled_mlp
 from zjax.nn._routing import Routing
 
 __all__ = ["Experts", "batched", "capacity", "capacity_slots", "combine", "dropless", "grouped",
@@ -31,9 +33,22 @@ class Experts(NamedTuple):
     down: jax.Array
 
 
-def grouped(x: jax.Array, w: Experts, sizes: jax.Array, act: Callable) -> jax.Array:
-    """Rows of ``x`` sorted by expert (``sizes[e]`` rows for expert ``e``) through their
-    experts: three grouped matmuls (``lax.ragged_dot``)."""
+def grouped(x: jax.Array, w: Experts, sizes: jax.Array, act: Callable, *,
+            matmul: str = "auto") -> jax.Array:
+    """Rows of ``x`` sorted by expert (``sizes[e]`` rows for expert ``e``, then padding rows)
+    through their experts' gated MLP.
+
+    ``matmul``: ``ragged_dot`` (three ``lax.ragged_dot``: native on TPU, a dense expansion on
+    XLA:CPU and XLA:GPU), ``tiled`` (:func:`zjax.nn._grouped.tiled_mlp`: whole tiles of one
+    expert's rows, a scan), or ``auto``: ``ragged_dot`` on TPU, ``tiled`` elsewhere (the
+    platform of the mesh traced under, so a plan for a target picks the target's).
+    """
+    if matmul not in GROUPED_MATMULS:
+        raise ValueError(f"matmul: {matmul!r}; expected one of {', '.join(GROUPED_MATMULS)}")
+    if matmul == "auto":
+        matmul = "ragged_dot" if trace_platform() == "tpu" else "tiled"
+    if matmul == "tiled":
+        return tiled_mlp(x, w.gate, w.up, w.down, sizes, activation=act)
     h = act(lax.ragged_dot(x, w.gate, sizes)) * lax.ragged_dot(x, w.up, sizes)
     return lax.ragged_dot(h.astype(x.dtype), w.down, sizes)
 
@@ -44,15 +59,16 @@ def combine(y: jax.Array, weights: jax.Array, dtype) -> jax.Array:
 
 
 def dropless(x: jax.Array, routing: Routing, w: Experts, *,
-             activation: Callable = jax.nn.silu) -> jax.Array:
+             activation: Callable = jax.nn.silu, matmul: str = "auto") -> jax.Array:
     """Every assignment computed: ``[N, D]`` tokens copied ``k`` times, sorted by expert, run
-    through grouped matmuls and summed back with the routing weights."""
+    through grouped matmuls (:func:`grouped`'s ``matmul``) and summed back with the routing
+    weights."""
     n, d = x.shape
     k, n_experts = routing.experts.shape[1], w.gate.shape[0]
     flat = routing.experts.reshape(-1)  # assignment t * k + j
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    ys = grouped(jnp.take(x, order // k, axis=0), w, sizes, activation)
+    ys = grouped(jnp.take(x, order // k, axis=0), w, sizes, activation, matmul=matmul)
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)  # back in assignment order
     return combine(y.reshape(n, k, d), routing.weights, x.dtype)
 

@@ -28,18 +28,19 @@ import jax
 
 from zjax.nn._dispatch import parallel_capacity, parallel_dropless
 from zjax.nn._experts import Experts, capacity, dropless, with_capacity
+from zjax.nn._grouped import GROUPED_MATMULS, tiled_mlp
 from zjax.nn._routing import RouterStats, Routing, batch_sum, route, router_stats
 from zjax.nn.tensor_parallel import column_parallel_input, model_axis_size
 from zjax.runtime.mesh import EXPERT
 
-__all__ = ["Experts", "RouterStats", "Routing", "batch_sum", "capacity", "moe_ffn", "route",
-           "router_stats"]
+__all__ = ["GROUPED_MATMULS", "Experts", "RouterStats", "Routing", "batch_sum", "capacity",
+           "moe_ffn", "route", "router_stats", "tiled_mlp"]
 
 
 def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
             renormalize: bool = True, capacity_factor: float | None = None,
-            activation: Callable = jax.nn.silu,
-            mask: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+            activation: Callable = jax.nn.silu, mask: jax.Array | None = None,
+            matmul: str = "auto") -> tuple[jax.Array, RouterStats]:
     """The routed experts' output for tokens ``x``.
 
     Under tensor parallelism (inside a step with a ``model`` axis, each expert's hidden units
@@ -61,6 +62,10 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
         share of the assignments (:func:`capacity`).
       activation: the gated MLP's activation (SwiGLU: silu).
       mask: ``[N]`` 1 for a token, 0 for padding: which tokens the router's statistics count.
+      matmul: dropless experts' grouped matmul: ``auto``, ``ragged_dot`` or ``tiled``
+        (``ragged_dot``: three ``lax.ragged_dot``, native on TPU, a dense expansion on
+        XLA:CPU and XLA:GPU; ``tiled``: :func:`tiled_mlp`; ``auto``: ``ragged_dot`` on TPU,
+        ``tiled`` elsewhere).
 
     Returns:
       ``([N, D] output in x's dtype, this device's RouterStats)``.
@@ -78,7 +83,7 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
     kw = dict(activation=activation) if ep == 1 else dict(activation=activation, axis=EXPERT)
     if capacity_factor is None:
         run = dropless if ep == 1 else parallel_dropless
-        return run(x, split, experts, **kw), router_stats(routing, mask)
+        return run(x, split, experts, matmul=matmul, **kw), router_stats(routing, mask)
     run = with_capacity if ep == 1 else parallel_capacity
     y, dropped = run(x, split, experts, factor=capacity_factor, **kw)
     return y, router_stats(routing, mask, dropped)
