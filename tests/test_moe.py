@@ -368,3 +368,16 @@ def test_all_to_all_bytes_equal_the_formula_on_every_backend(name, expert):
         _, _, dropless = compiled_for(name, *moe, file="configs/llama-tiny.yaml")
         counts = dropless.experts["all_to_all_bytes"] - expert * 3 * forward
         assert 0 < counts <= 3 * 2 * layers * expert * 4 * 4  # the per-destination counts
+
+
+@pytest.mark.slow  # a compile for the H100 target
+def test_a_dropless_step_compiles_for_a_gpu_without_one():
+    """A device's dropless assignments sorted by expert (4096 tokens x top-2 from each of 4
+    expert-parallel devices) compile for the compile-only H100 target: XLA:GPU's CUB radix
+    sort, which sizes its scratch through the CUDA runtime, is off on GPU (the Backend's
+    ``xla_gpu_enable_cub_radix_sort``), so the plan is of the program a GPU runs."""
+    _, _, report = compiled_for(
+        "h100:8", "model.n_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64",
+        "mesh.expert=4", "data.batch_size=8", "data.seq_len=4096", "model.max_seq_len=4096",
+        file="configs/llama-tiny.yaml")
+    assert report.experts["experts_per_device"] == 1 and report.experts["all_to_all_bytes"] > 0

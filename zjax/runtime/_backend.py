@@ -112,6 +112,13 @@ _GPU_MEASURED = ("measured here: benchmarks/zero_step.py --target h100:8 --d-mod
                  "configs/{gpt-7b,llama3-8b}.yaml --target h100:8x8")
 _GPU = Backend(
     platform="gpu",
+    **_options(xla_gpu_enable_cub_radix_sort=(False, Quirk(
+        "the CUDA plugin's compiler sizes CUB radix sort's scratch through the CUDA runtime: "
+        "without a GPU (a compile-only target) a sort above its size threshold (the dropless "
+        "experts' argsort of a device's assignments) fails to compile ('Error loading CUDA "
+        "libraries'); XLA's own sort compiles alike with and without the GPU, so a plan is "
+        "of the program that runs (a sort of tens of thousands of expert ids per layer)",
+        "measured here: zjax plan configs/mixtral-8x7b.yaml --target h100:8x8"))),
     # measured together (temp, stage 3, prefetch 1; none -> bucket -> bucket and barrier):
     # d_model 1024 / 16 layers at 4k tokens per device 532.9 -> 482.6 -> 446.0 MB (bf16
     # reduce 482.5 -> 423.3 -> 395.2; GSPMD FSDP, same kernel, 451.5), at 256 tokens 267.7 ->
