@@ -381,3 +381,17 @@ def test_a_dropless_step_compiles_for_a_gpu_without_one():
         "mesh.expert=4", "data.batch_size=8", "data.seq_len=4096", "model.max_seq_len=4096",
         file="configs/llama-tiny.yaml")
     assert report.experts["experts_per_device"] == 1 and report.experts["all_to_all_bytes"] > 0
+
+
+@pytest.mark.slow  # loads libtpu's topology
+def test_a_mesh_whose_axes_split_the_torus_is_built():
+    """data 8 x expert 8 on v5p:4x4x4 matches no product of the torus's 4 x 4 x 4: the mesh is
+    still built, an axis over parts of two physical ones (jax.make_mesh alone refuses)."""
+    from zjax.runtime.config import MeshConfig
+    from zjax.runtime.mesh import make_mesh
+    from zjax.runtime.targets import target
+
+    devices = list(target("v5p:4x4x4").devices)
+    mesh = make_mesh(MeshConfig(data=-1, expert=8), devices=devices)
+    assert dict(mesh.shape) == {"data": 8, "expert": 8, "model": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

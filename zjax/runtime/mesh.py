@@ -117,8 +117,16 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
     if total != n:
         shape = " x ".join(f"{k}={v}" for k, v in sizes.items())
         raise ConfigError(f"mesh: {shape} = {total} does not equal the {n} devices")
-    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
-                         axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
+    shape, types = tuple(sizes.values()), (AxisType.Auto,) * len(sizes)
+    try:
+        return jax.make_mesh(shape, tuple(sizes), axis_types=types, devices=devices)
+    except NotImplementedError:
+        # a TPU torus whose physical axes no product of the logical sizes matches (data 8 x
+        # expert 8 on 4x4x4): an axis spans parts of two physical ones, still a valid mesh
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, tuple(sizes), axis_types=types)
 
 
 def split_nodes(mesh: Mesh, group: int) -> Mesh:
