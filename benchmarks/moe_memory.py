@@ -3,7 +3,8 @@
 The issue's measurement, extended: the forward and backward of the experts' gated MLP
 (``act(x G) * (x U) D``, 8 experts, ``--d-model`` -> ``--d-ff``, ``--tokens`` bfloat16 rows
 sorted by expert) through ``lax.ragged_dot`` (``moe_matmul: ragged_dot``)
-and through :func:`zjax.nn.moe.tiled_mlp` (``moe_matmul: tiled``), each compiled from
+and through :func:`zjax.nn.moe.tiled_mlp` (``moe_matmul: tiled``), both by
+:func:`zjax.nn.moe.grouped`, each compiled from
 ``ShapeDtypeStruct``s for one device of each target; and the bytes of the dense-equivalent
 ``[tokens, d_ff]`` hidden activation and of its dense expansion (every row against every
 expert, ``[tokens, E, d_ff]``) for scale. Nothing runs: exact and repeatable.
@@ -27,16 +28,10 @@ def _loss(matmul: str):
     import jax
     import jax.numpy as jnp
 
-    from zjax.nn.moe import Experts, tiled_mlp
+    from zjax.nn.moe import grouped
 
-    def mlp(x, gate, up, down, sizes):
-        if matmul == "tiled":
-            return tiled_mlp(x, gate, up, down, sizes, activation=jax.nn.silu)
-        h = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
-        return jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)
-
-    def loss(x, w: Experts, sizes):
-        return jnp.sum(mlp(x, *w, sizes).astype(jnp.float32))
+    def loss(x, w, sizes):
+        return jnp.sum(grouped(x, w, sizes, jax.nn.silu, matmul=matmul).astype(jnp.float32))
 
     return jax.grad(loss, argnums=(0, 1))
 

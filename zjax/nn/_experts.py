@@ -39,7 +39,7 @@ def grouped(x: jax.Array, w: Experts, sizes: jax.Array, act: Callable, *,
     through their experts' gated MLP.
 
     ``matmul``: ``ragged_dot`` (three ``lax.ragged_dot``: native on TPU, a dense expansion on
-    XLA:CPU and XLA:GPU), ``tiled`` (:func:`zjax.nn._grouped.tiled_mlp`: whole tiles of one
+    XLA:CPU and XLA:GPU), ``tiled`` (:func:`zjax.nn.moe.tiled_mlp`: whole tiles of one
     expert's rows, a scan), or ``auto``: ``ragged_dot`` on TPU, ``tiled`` elsewhere (the
     platform of the mesh traced under, so a plan for a target picks the target's).
     """

@@ -27,14 +27,14 @@ from collections.abc import Callable
 import jax
 
 from zjax.nn._dispatch import parallel_capacity, parallel_dropless
-from zjax.nn._experts import Experts, capacity, dropless, with_capacity
+from zjax.nn._experts import Experts, capacity, dropless, grouped, with_capacity
 from zjax.nn._grouped import GROUPED_MATMULS, tiled_mlp
 from zjax.nn._routing import RouterStats, Routing, batch_sum, route, router_stats
 from zjax.nn.tensor_parallel import column_parallel_input, model_axis_size
 from zjax.runtime.mesh import EXPERT
 
 __all__ = ["GROUPED_MATMULS", "Experts", "RouterStats", "Routing", "batch_sum", "capacity",
-           "moe_ffn", "route", "router_stats", "tiled_mlp"]
+           "grouped", "moe_ffn", "route", "router_stats", "tiled_mlp"]
 
 
 def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
@@ -65,7 +65,7 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
       matmul: dropless experts' grouped matmul: ``auto``, ``ragged_dot`` or ``tiled``
         (``ragged_dot``: three ``lax.ragged_dot``, native on TPU, a dense expansion on
         XLA:CPU and XLA:GPU; ``tiled``: :func:`tiled_mlp`; ``auto``: ``ragged_dot`` on TPU,
-        ``tiled`` elsewhere).
+        ``tiled`` elsewhere; :func:`grouped`).
 
     Returns:
       ``([N, D] output in x's dtype, this device's RouterStats)``.
