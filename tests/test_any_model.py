@@ -85,14 +85,16 @@ def test_a_model_without_layers_trains_whole_with_a_warning():
 
 
 def test_a_program_the_transform_cannot_rewrite_falls_back_with_the_cause(monkeypatch):
+    # only the analysis' own refusal falls back (tests/test_reliability_plan.py: a bug raises)
     from zjax.partition import transform
+    from zjax.partition._program import CannotRewrite
 
-    def broken(*args, **kwargs):
-        raise NotImplementedError("a primitive it does not know")
+    def refuses(*args, **kwargs):
+        raise CannotRewrite("a primitive it does not know")
 
-    monkeypatch.setattr(transform, "_execute", broken)
+    monkeypatch.setattr(transform, "analyse", refuses)
     zstep, init, loss = zero3_step("jax_loop")
-    with pytest.warns(GatherFallbackWarning, match="NotImplementedError: a primitive it does"):
+    with pytest.warns(GatherFallbackWarning, match="the loss holds a primitive it does not"):
         train_and_compare(zstep, init, loss, n=2)
 
 

@@ -251,7 +251,10 @@ class Checkpointer:
         """
         try:
             meta = self.manager.item_metadata(step)["state"]
-        except Exception as e:  # unreadable metadata is damage
+        except Exception as e:  # unreadable metadata is damage; anything else surfaces (a
+            # filesystem error or a bug must not move an intact checkpoint aside)
+            if not is_damage(e):
+                raise
             raise DamagedCheckpoint(f"step {step}: its metadata cannot be read "
                                     f"({type(e).__name__}: {str(e)[:200]})") from None
         if meta is None:

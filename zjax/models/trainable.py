@@ -128,7 +128,10 @@ def from_pytree(
                                       for leaf in plan.leaves],
                             prefetch=prefetch, join=plan.join_gathers,
                             bucket=plan.bucket_layer_gathers, comm=plan.comm, **keeping)
-        return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
+        # no _shape_guard: the transform gathers every leaf before the loss sees it, so a
+        # shape error here is the loss's own (traced at whole shapes) or a zjax bug; saying
+        # "a shard used without being gathered" would misname either
+        return jax.checkpoint(run, policy=REMAT_POLICY)(params, batch)
 
     return Trainable(init=init, loss=loss, logical_axes=logical_axes)
 

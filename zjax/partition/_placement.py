@@ -8,11 +8,11 @@ from collections.abc import Callable
 import numpy as np
 from jax.sharding import Mesh
 
-from zjax.errors import ArgumentError
+from zjax.errors import ArgumentError, ConfigError
 from zjax.partition.rules import Rules, axis_dim
-from zjax.runtime.mesh import EXPERT, MODEL, shard_axes
+from zjax.runtime.mesh import EXPERT, MODEL, describe_axes, shard_axes
 
-__all__ = ["Split", "choose_dim", "split_of"]
+__all__ = ["Split", "choose_dim", "nothing_to_shard", "split_of"]
 
 
 class Split:
@@ -23,6 +23,7 @@ class Split:
       expert_dim: the dimension split over ``expert`` (a mixture's experts), or None.
       data_axes: the mesh axes ZeRO shards it over (no ``expert`` for an expert leaf).
       n: the shards of a sharded leaf: the product of those axes' sizes.
+      over: those axes as the config keys that size them (``mesh.data 3 x mesh.context 2``).
     """
 
     def __init__(self, model_dim: int | None, expert_dim: int | None, mesh: Mesh):
@@ -30,6 +31,7 @@ class Split:
         self.data_axes = shard_axes(mesh, experts=expert_dim is not None)
         axes = (self.data_axes,) if isinstance(self.data_axes, str) else self.data_axes
         self.n = int(np.prod([mesh.shape[a] for a in axes]))
+        self.over = describe_axes(mesh, self.data_axes)
 
 
 def _named_dim(path, shape, names, offset, rules, axis: str, size: int) -> int | None:
@@ -64,10 +66,11 @@ def split_of(path: str, shape: tuple[int, ...], stacked: bool,
 
 
 def choose_dim(shape, *, n: int, stacked: bool, threshold: int,
-               taken: tuple[int | None, ...] = ()) -> tuple[int | None, str]:
+               taken: tuple[int | None, ...] = (), over: str = "") -> tuple[int | None, str]:
     """The dimension ZeRO shards ``n`` ways (the largest one ``n`` divides, never the stacked
     layer dimension nor one in ``taken``, which tensor or expert parallelism splits), or
-    ``(None, why it stays whole)``."""
+    ``(None, why it stays whole)``; ``over``: the mesh axes of the ``n`` shards, for that
+    reason (``mesh.data 3 x mesh.context 2``)."""
     per_layer = int(np.prod(shape[1:] if stacked else shape, dtype=np.int64))
     if n == 1:
         return None, "data axis has size 1"
@@ -82,7 +85,25 @@ def choose_dim(shape, *, n: int, stacked: bool, threshold: int,
         besides = "" if not split else \
             f" besides the model- or expert-split dimension{'s' * (len(split) > 1)} " \
             f"{', '.join(map(str, split))}"
-        return None, f"no dimension of {tuple(dims)}{besides} divisible by data={n}"
+        ways = f"{n} shards ({over})" if over else f"{n} shards"
+        return None, f"no dimension of {tuple(dims)}{besides} divisible by its {ways}"
     # largest dimension; the last one on ties (keeps contiguous shards for row-major matmuls)
     best = max(candidates, key=lambda d: (shape[d], d))
     return best, ""
+
+
+def nothing_to_shard(leaves, threshold: int) -> ConfigError:
+    """Stage 3's error when every leaf stays whole, for ``leaves`` (``LeafPlan``s with their
+    ``shape`` and ``reason``): it shows the largest leaf and its reason, and advises what
+    would shard it (a shard count dividing a dimension, or a lower persistence threshold)."""
+    undivided = [leaf for leaf in leaves if "divisible by" in leaf.reason]
+    pool = undivided or [leaf for leaf in leaves if leaf.reason.startswith("persistent")] \
+        or list(leaves)
+    big = max(pool, key=lambda leaf: int(np.prod(leaf.shape, dtype=np.int64)))
+    if undivided:
+        advice = ("choose mesh sizes whose shard count divides one of its dimensions, or use "
+                  "stage 0")
+    else:
+        advice = f"lower zero.param_persistence_threshold ({threshold}) or use stage 0"
+    return ConfigError(f"zero.stage: 3 has nothing to shard: every leaf stays whole (the "
+                       f"largest, {big.path} {tuple(big.shape)}: {big.reason}); {advice}")

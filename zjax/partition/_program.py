@@ -16,8 +16,8 @@ from typing import Any
 
 import jax.extend.core as jcore
 
-__all__ = ["Env", "LeafSpec", "Lit", "Op", "Program", "Segment", "analyse", "bind", "layer_of",
-           "needs", "scan_split"]
+__all__ = ["CannotRewrite", "Env", "LeafSpec", "Lit", "Op", "Program", "Segment", "analyse",
+           "bind", "layer_of", "needs", "scan_split"]
 
 # call primitives whose body is inlined: they group code and change nothing else (a user's
 # checkpoint is subsumed by the per-segment one)
@@ -27,6 +27,22 @@ _VIEWS = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "
                     "broadcast_in_dim", "copy", "copy_p", "reduce_precision",
                     "bitcast_convert_type"})
 _NUMBER = re.compile(r"(\d+)$")
+
+
+class CannotRewrite(Exception):
+    """The analysis met a program it does not rewrite, and says which construct.
+
+    Raised on purpose, only where the analysis reads a form of JAX's program it does not
+    know: an inlined call whose body is not a jaxpr, a ``scan`` without the parameters the
+    layer schedule reads (``jaxpr``, ``length``, ``reverse``, ``num_consts``,
+    ``num_carry``). The transform then gathers every parameter at the start of the loss
+    (correct, memory not bounded by a layer) and warns once, naming the construct; any
+    other exception is a bug and propagates.
+    """
+
+
+# what the layer schedule reads off a scan equation
+_SCAN_PARAMS = ("jaxpr", "length", "reverse", "num_consts", "num_carry")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +111,11 @@ def flatten(jaxpr, consts, ins, ops: list, ids) -> list:
         if eqn.primitive.name in _INLINE and inner is not None:
             if isinstance(inner, jcore.ClosedJaxpr):
                 outs = flatten(inner.jaxpr, inner.consts, args, ops, ids)
-            else:
+            elif isinstance(inner, jcore.Jaxpr):
                 outs = flatten(inner, [], args, ops, ids)
+            else:
+                raise CannotRewrite(f"a '{eqn.primitive.name}' call whose body is a "
+                                    f"{type(inner).__name__}, not a jaxpr")
             for v, a in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = a
@@ -171,8 +190,19 @@ def _roots(ops: list, in_keys: list, n: int) -> tuple[_Roots, list]:
 
 
 def _scheduled(op: Op, r: _Roots, leaves: Sequence[LeafSpec]) -> tuple:
-    """(xs position, leaf) pairs a scan can slice per iteration; () if it cannot."""
-    if op.eqn.primitive.name != "scan" or op.eqn.params["reverse"]:
+    """(xs position, leaf) pairs a scan can slice per iteration; () if it cannot (a reversed
+    or empty scan runs as one op, its leaves gathered whole).
+
+    Raises:
+      CannotRewrite: a scan without the parameters the schedule reads.
+    """
+    if op.eqn.primitive.name != "scan":
+        return ()
+    missing = [k for k in _SCAN_PARAMS if k not in op.eqn.params]
+    if missing:
+        raise CannotRewrite(f"a scan without the parameter{'s' * (len(missing) > 1)} "
+                            f"{', '.join(missing)} (a form of JAX's scan zjax does not read)")
+    if op.eqn.params["reverse"] or not op.eqn.params["length"]:
         return ()
     start = sum(scan_split(op))
     out = []
@@ -222,8 +252,12 @@ def analyse(closed, leaves: Sequence[LeafSpec]) -> Program:
     in_keys = [next(ids) for _ in closed.jaxpr.invars]
     outs = flatten(closed.jaxpr, closed.consts, in_keys, ops, ids)
     r, units = _roots(ops, in_keys, n)
+    # a leaf the loss returns (or a view of it) is held for the whole loss, never sliced
+    returned = {r.root[a] for a in outs if not isinstance(a, Lit) and a in r.root}
+    for leaf in returned:
+        r.uses[leaf] = r.uses.get(leaf, 0) + 1
     segments = _segments(units, r, leaves)
-    count: dict = {}
+    count: dict = {leaf: 2 for leaf in returned if leaves[leaf].dim is not None}
     for seg in segments:
         for leaf in seg.leaves:
             count[leaf] = count.get(leaf, 0) + 1

@@ -23,8 +23,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zjax.errors import ArgumentError, ConfigError
-from zjax.partition._placement import choose_dim, split_of
+from zjax.errors import ArgumentError
+from zjax.partition._placement import choose_dim, nothing_to_shard, split_of
 from zjax.partition.config import ZeroConfig, resolve_dtype
 from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules
@@ -368,19 +368,14 @@ def make_plan(
             dim, reason = choose_dim(
                 shape, n=split.n, stacked=is_stacked,
                 threshold=zero.param_persistence_threshold,
-                taken=(split.model_dim, split.expert_dim))
+                taken=(split.model_dim, split.expert_dim), over=split.over)
         leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason,
                                split.model_dim, split.data_axes, split.expert_dim))
     for axis, field in ((MODEL, "model_dim"), (EXPERT, "expert_dim")):
         _check_named(axis, field, mesh, leaves, rules)
     plan = ShardPlan(zero, mesh, tuple(leaves), treedef)
-    n = plan.n_shard
-    if zero.stage == 3 and n > 1 and len(plan.replicated) == len(leaves):
-        raise ConfigError(
-            f"zero.stage: 3 has nothing to shard: every leaf stays replicated on data={n} "
-            f"(e.g. {leaves[0].path}: {leaves[0].reason}); lower "
-            f"zero.param_persistence_threshold ({zero.param_persistence_threshold}) or use stage 0"
-        )
+    if zero.stage == 3 and plan.n_shard > 1 and len(plan.replicated) == len(leaves):
+        raise nothing_to_shard(leaves, zero.param_persistence_threshold)
     return plan
 
 
@@ -390,7 +385,7 @@ def _check_named(axis: str, field: str, mesh: Mesh, leaves: list[LeafPlan], rule
     if size > 1 and all(getattr(leaf, field) is None for leaf in leaves):
         raise ArgumentError(
             "mesh" if axis == MODEL else f"mesh.{axis}",
-            f"a {axis} axis of {size}, but the model names no parameter dimension that "
-            f"the rules split over it ({', '.join(k for k, v in rules if v == axis)}); "
-            f"annotate its weights with logical axes (see zjax.partition.rules) or use a "
-            f"{axis} axis of 1")
+            f"{'an' if axis[0] in 'aeiou' else 'a'} {axis} axis of {size}, but the model "
+            f"names no parameter dimension that the rules split over it "
+            f"({', '.join(k for k, v in rules if v == axis)}); annotate its weights with "
+            f"logical axes (see zjax.partition.rules) or set mesh.{axis}: 1")

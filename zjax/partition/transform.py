@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zjax.errors import GatherFallbackWarning, first_line
+from zjax.errors import GatherFallbackWarning
 from zjax.partition._program import (
+    CannotRewrite,
     Env,
     LeafSpec,
     Lit,
@@ -98,7 +100,10 @@ def gather_on_use(
     Returns:
       ``wrapped(shards, *args)`` (call it inside ``shard_map``; wrap it in
       ``jax.checkpoint(policy=REMAT_POLICY)`` so the shared leaves are re-gathered for the
-      backward rather than kept).
+      backward rather than kept). A program the analysis does not read
+      (:class:`~zjax.partition._program.CannotRewrite`: it names the construct) runs with
+      every leaf gathered up front, with one :class:`~zjax.errors.GatherFallbackWarning`
+      per loss and reason; any other error in the analysis or the rewrite is raised.
     """
     comms = ScheduleSpec(dims=tuple(spec.dim for spec in leaves),
                          axes=tuple(spec.axes for spec in leaves)).comms(comm)
@@ -118,23 +123,40 @@ def gather_on_use(
             jax.tree.unflatten(treedef, full), *abstract_args)
         try:
             prog = analyse(closed, leaves)
-            _warn_if_flat(prog, leaves)
-            outs = _execute(prog, flat, jax.tree.leaves(args), leaves, gather_leaf, prefetch,
-                            comm, join=join,
-                            layer_opts=dict(bucket=bucket, offload_inputs=offload_inputs,
-                                            partition_inputs=partition_inputs))
-        except Exception as e:  # a program this transform cannot rewrite: correct, unscheduled
-            warnings.warn(GatherFallbackWarning(
-                f"zjax could not schedule the model's gathers ({type(e).__name__}: "
-                f"{first_line(e)}); every parameter is gathered at the start of the loss "
-                "instead"), stacklevel=2)
+        except CannotRewrite as e:  # the one documented refusal: correct, unscheduled
+            _warn_once(fn, str(e))
             full_params = [gather_leaf(x, i) for i, x in enumerate(flat)]
             if join:
                 full_params = join_gathers(full_params, [s.dim is not None for s in leaves])
             return fn(jax.tree.unflatten(treedef, full_params), *args)
+        _warn_if_flat(prog, leaves)
+        outs = _execute(prog, flat, jax.tree.leaves(args), leaves, gather_leaf, prefetch,
+                        comm, join=join,
+                        layer_opts=dict(bucket=bucket, offload_inputs=offload_inputs,
+                                        partition_inputs=partition_inputs))
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return wrapped
+
+
+# the reasons already given per loss: a loss is traced more than once (the step, the
+# evaluation, a retrace), and one warning per reason says it
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _warn_once(fn: Callable, reason: str) -> None:
+    """Warn that ``fn``'s gathers are not scheduled, naming ``reason``, once per ``fn``."""
+    try:
+        seen = _WARNED.setdefault(fn, set())
+    except TypeError:  # not weakly referable (a builtin): warn every time
+        seen = set()
+    if reason in seen:
+        return
+    seen.add(reason)
+    warnings.warn(GatherFallbackWarning(
+        f"zjax cannot schedule the model's gathers layer by layer: the loss holds {reason}; "
+        "every parameter is gathered at the start of the loss instead (correct, but the whole "
+        "model is materialised on every device)"), stacklevel=3)
 
 
 def _gathered_aval(x, dim: int | None, size: int, gather_dtype) -> jax.ShapeDtypeStruct:
