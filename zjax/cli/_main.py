@@ -68,12 +68,16 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command",
                     help="-- then the command, e.g. -- zjax train configs/tiny.yaml")
+    from zjax.cli._plan import EXIT_CODES
+
     pn = sub.add_parser("plan", help="exact per-device memory and communication of a config's "
-                        "step, compiled ahead of time (nothing allocated); --budget autotunes")
+                        "step, compiled ahead of time (nothing allocated); --budget autotunes",
+                        epilog=EXIT_CODES)
     pn.add_argument("config", nargs="?", help="YAML or gin file (default: the tiny GPT)")
     pn.add_argument("overrides", nargs="*", help="key=value overrides")
     pn.add_argument("--devices", type=_count, default=None,
-                    help="devices on the data axis (simulated on the CPU if needed)")
+                    help="devices in the mesh (simulated on the CPU if needed); mesh.data "
+                    "-1 takes what the other mesh axes leave")
     pn.add_argument("--target", default=None,
                     help="compile for an accelerator without one: h100:8, h200:8, h100:2x8 "
                     "(hosts x GPUs), or a TPU topology (v5p:2x2x2, v5e:4x4, v6e:2x4, ...)")

@@ -1,6 +1,10 @@
 """``zjax plan``: a config's compiled step (``--target``, ``--devices``), the autotuner
 (``--budget``, ``--write``) and the longest sequence that fits (``--longest-seq``). Separate
-from :mod:`zjax.cli` to keep it small."""
+from :mod:`zjax.cli` to keep it small.
+
+One rule for the exit code (:data:`EXIT_CODES`): what does not fit exits 2, whether the
+compiler refuses the program (libtpu) or the compiled figures exceed the memory (every
+other target), with offload or without."""
 
 from __future__ import annotations
 
@@ -11,7 +15,19 @@ from pathlib import Path
 
 from zjax.errors import ConfigError
 
-__all__ = ["run_plan"]
+__all__ = ["EXIT_CODES", "run_plan"]
+
+# what a sequence that does not fit can change (the config's other settings stay as given)
+FIT_ADVICE_SHORT = ("use more devices (mesh.context splits each sequence), offload "
+                    "(zero.offload_*, zero.offload_activations) or a larger budget")
+
+EXIT_CODES = (
+    "exit codes: 0 the plan was made (and, with --target, the step fits the device memory); "
+    "2 bad input, or what was asked does not fit: a --target's step over its device memory "
+    "(the compiler refused it, or its compiled peak exceeds that memory: then the report is "
+    "printed first), --budget with no configuration that fits, --longest-seq with no length that "
+    "fits. The same with offload or without: device memory is judged, host memory (offloaded "
+    "state and activations) is reported but not judged, a target naming no host memory size.")
 
 
 def _progress(line: str) -> None:
@@ -33,36 +49,76 @@ def _check(args) -> None:
                           "memory is the budget)")
 
 
+def _check_fits(report, target: str | None) -> None:
+    """A ``--target`` plan whose compiled peak exceeds the device memory is an error (exit 2),
+    as libtpu's refusal of an oversized program is (:func:`zjax.planning.compile_report`)."""
+    from zjax.planning._plan import FIT_ADVICE
+    from zjax.planning._report import _size
+
+    if report.fits_device is False:
+        d = report.per_device
+        raise ConfigError(
+            f"--target {target}: does not fit: the step needs {_size(d['total_bytes'])} per "
+            f"device, over the {_size(d['capacity_bytes'])} of device memory; "
+            f"{FIT_ADVICE}")
+
+
 def run_plan(args, path: str | None, overrides: list[str],
              setup_devices: Callable[[int | None], None]) -> int:
     """Run ``zjax plan`` for parsed ``args`` on the config at ``path`` with ``overrides``;
-    ``setup_devices(n)`` simulates the devices once the input is known to be good."""
-    import yaml
+    ``setup_devices(n)`` simulates the devices once the input is known to be good.
 
+    Returns 0; raises ConfigError (exit 2) for bad input and for what does not fit
+    (:data:`EXIT_CODES`), after printing what was compiled."""
     from zjax.config import load_config
 
     config = load_config(path, overrides)
     _check(args)
     setup_devices(None if args.target else args.devices)
-    from zjax.planning import autotune, longest_sequence, plan
-
     budget = None if args.budget == "device" else args.budget
     if args.longest_seq:
-        result = longest_sequence(config, budget=budget, devices=args.devices,
-                                  target=args.target, step=args.seq_step, progress=_progress)
-        if args.json:
-            print(json.dumps({"seq_len": result.seq_len, "budget_bytes": result.budget_bytes,
-                              "tried": [list(t) for t in result.tried],
-                              "report": result.report and result.report.to_json()}))
-        else:
-            print(result.table())
-            if result.report is not None:
-                print(result.report.table())
-        return 0
+        return _longest(args, config, budget)
     if not args.budget:
+        from zjax.planning import plan
+
         report = plan(config, devices=args.devices, target=args.target, hosts=args.hosts)
-        print(json.dumps(report.to_json()) if args.json else report.table())
+        print(json.dumps(report.to_json()) if args.json else report.table(), flush=True)
+        _check_fits(report, args.target)
         return 0
+    return _tune(args, config, budget)
+
+
+def _longest(args, config, budget) -> int:
+    """``--longest-seq``: the table (or JSON), then exit 2 if not even the shortest fits."""
+    from zjax.planning import longest_sequence
+    from zjax.planning._report import _size
+
+    result = longest_sequence(config, budget=budget, devices=args.devices,
+                              target=args.target, step=args.seq_step, progress=_progress)
+    if args.json:
+        print(json.dumps({"seq_len": result.seq_len, "budget_bytes": result.budget_bytes,
+                          "tried": [list(t) for t in result.tried],
+                          "report": result.report and result.report.to_json()}))
+    else:
+        print(result.table())
+        if result.report is not None:
+            print(result.report.table())
+    sys.stdout.flush()
+    if not result.seq_len:
+        shortest = min((t[0] for t in result.tried), default=args.seq_step)
+        raise ConfigError(f"--longest-seq: no length tried fits the budget of "
+                          f"{_size(result.budget_bytes)} per device (not even {shortest:,} "
+                          f"tokens); {FIT_ADVICE_SHORT}")
+    return 0
+
+
+def _tune(args, config, budget) -> int:
+    """``--budget``: the search's table and its best plan (``--write``: saved); the search
+    itself raises ConfigError when nothing fits."""
+    import yaml
+
+    from zjax.planning import autotune
+
     result = autotune(config, budget=budget, devices=args.devices, target=args.target,
                       progress=_progress)
     if args.json:

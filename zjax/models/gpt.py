@@ -79,7 +79,7 @@ class Block(nnx.Module):
         m = model_axis_size()
         if self.n_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
-                                f"{self.n_heads} attention heads (n_heads), which it splits")
+                                f"{self.n_heads} attention heads (model.n_heads), which it splits")
         wq = self.wq[...]
         h = wq.shape[-1] // hd  # this device's heads
         y = column_parallel_input(self.ln1(x))

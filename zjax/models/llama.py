@@ -215,7 +215,7 @@ class LlamaBlock(nnx.Module):
         m = model_axis_size()
         if self.n_kv_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
-                                f"{self.n_kv_heads} key/value heads (n_kv_heads), which it "
+                                f"{self.n_kv_heads} key/value heads (model.n_kv_heads), which it "
                                 "splits")
         y = column_parallel_input(self.ln1(x))
         att, new_cache = self._attention(y, cache, start, context, layer)

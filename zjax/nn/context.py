@@ -181,7 +181,8 @@ def stripe(x, n: int, *, axis: int = 1):
     the striped layout: block ``i`` holds chunks ``i`` and ``2n - 1 - i`` of ``2n``."""
     if x.shape[axis] % (2 * n):
         raise ArgumentError("mesh.context", f"a sequence of {x.shape[axis]} tokens does not "
-                            f"split into 2 x {n} equal chunks (ring attention's striping)")
+                            f"split into 2 x {n} equal chunks (ring attention's striping); use "
+                            f"a sequence length (data.seq_len) divisible by {2 * n}")
     chunks = jnp.split(x, 2 * n, axis=axis)
     return jnp.concatenate([chunks[c] for c in _stripe_order(n)], axis=axis)
 
@@ -207,7 +208,7 @@ def stripe_shard(x, *, axis_name: str, axis: int = 1):
         raise ArgumentError("mesh.context", f"a context axis of {n} does not split a sequence "
                             f"of {t} tokens into 2 x {n} equal chunks (each device holds chunks "
                             f"i and {2 * n - 1} - i, balancing causal attention); use a sequence "
-                            f"length divisible by {2 * n}")
+                            f"length (data.seq_len) divisible by {2 * n}")
     chunk, i = t // (2 * n), lax.axis_index(axis_name)
     take = lambda c: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=axis)
     return jnp.concatenate([take(i), take(2 * n - 1 - i)], axis=axis)

@@ -36,6 +36,12 @@ from zjax.task.loop import resolve_loop
 __all__ = ["autotune", "compile_report", "longest_sequence", "plan", "run_cli_json"]
 
 
+# what a step that does not fit can change (the compiler's refusal and `zjax plan --target`'s
+# own check of the compiled peak say the same)
+FIT_ADVICE = ("use more devices, a smaller data.batch_size or data.seq_len, gradient "
+              "accumulation (train.grad_accum) or offload (zero.offload_*)")
+
+
 def compile_report(config: Config, devices: list, *, target: Target | None = None,
                    hosts: int | None = None) -> PlanReport:
     """Build, lower and compile ``config``'s step on ``devices``; report its figures.
@@ -59,8 +65,7 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
         raise ConfigError(
             f"{where}: does not fit: "
             f"{first_line(e).removeprefix('RESOURCE_EXHAUSTED: ').rstrip('.')}; "
-            "use more devices, a smaller data.batch_size or data.seq_len, gradient "
-            "accumulation (train.grad_accum) or offload (zero.offload_*)") from None
+            f"{FIT_ADVICE}") from None
     plan_ = zstep.plan
     activations = estimate(config.model, config.data, config.train, config.zero,
                            n_batch=plan_.n_batch, n_model=plan_.n_model,
@@ -85,8 +90,8 @@ def plan(config: Config, *, devices: int | None = None, target: str | None = Non
 
     Args:
       config: a resolved :class:`zjax.Config`.
-      devices: devices on the ``data`` axis (default: all of this process's). More than this
-        process has are simulated in a subprocess.
+      devices: devices in the mesh (default: all of this process's; ``mesh.data: -1`` takes
+        what the other axes leave). More than this process has are simulated in a subprocess.
       target: compile for an accelerator instead (:func:`zjax.runtime.targets.target` names:
         ``h100:8``, ``h200:8``, ``h100:2x8``, ``v5p:2x2x2``, ...): compile-only, in this process.
       hosts: split collective bytes into intra- and inter-host as if the devices were on this

@@ -275,11 +275,17 @@ def autotune(
     if not sizes:
         raise ConfigError(f"--budget: no model axis size in {tuple(model or ())} divides the "
                           f"{n_devices} devices")
-    local = lambda m: config.data.batch_size // max(1, n_devices // m)
+    # the rows' shards: every device but the model and context axes' (replica, data, expert)
+    rows = lambda m: max(1, n_devices // (m * config.mesh.context))
+    local = lambda m: config.data.batch_size // rows(m)
     accums = {m: [ga for ga in grad_accum if local(m) % ga == 0] for m in sizes}
     if not accums[sizes[0]]:
+        m, context = sizes[0], config.mesh.context
+        split = f"{n_devices} devices" + (f" / mesh.model {m}" if m > 1 else "") + \
+            (f" / mesh.context {context}" if context > 1 else "")
         raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
-                          f"local batch of {local(sizes[0])} (data.batch_size / devices)")
+                          f"local batch of {local(m)} (data.batch_size {config.data.batch_size} "
+                          f"over {rows(m)} shards: {split})")
     remat = remat if has_remat else (None,)
     variants = functools.partial(_variants, offloads=offloads, prefetch=prefetch, remat=remat,
                                  activations=activations)

@@ -28,6 +28,8 @@ __all__ = [
     "REPLICA",
     "MeshConfig",
     "batch_axes",
+    "describe_axes",
+    "describe_batch_split",
     "make_mesh",
     "process_batch_slice",
     "shard_axes",
@@ -114,9 +116,10 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
     sizes = {REPLICA: replica, DATA: data, EXPERT: expert, CONTEXT: context, MODEL: model}
     sizes = {k: v for k, v in sizes.items() if v > 1 or k in (DATA, MODEL)}
     total = int(np.prod(list(sizes.values())))
-    if total != n:
+    if total != n:  # every size given: name each key and value, and the way out
         shape = " x ".join(f"{k}={v}" for k, v in sizes.items())
-        raise ConfigError(f"mesh: {shape} = {total} does not equal the {n} devices")
+        raise ConfigError(f"mesh: {shape} = {total} does not equal the {n} devices; set "
+                          "mesh.data (or mesh.model) to -1 to take what the other axes leave")
     shape, types = tuple(sizes.values()), (AxisType.Auto,) * len(sizes)
     try:
         return jax.make_mesh(shape, tuple(sizes), axis_types=types, devices=devices)
@@ -127,6 +130,34 @@ def make_mesh(config: MeshConfig | None = None, *, devices=None) -> Mesh:
 
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
         return Mesh(grid, tuple(sizes), axis_types=types)
+
+
+def describe_axes(mesh: Mesh, axes: str | tuple[str, ...] | None = None) -> str:
+    """``mesh.data 4 x mesh.expert 2``: ``axes`` (default: every axis above 1, and ``data``)
+    as the config keys that size them and their sizes, for messages. ZeRO++'s ``node`` x
+    ``data`` split reads as the ``mesh.data`` it came from."""
+    names = mesh.axis_names if axes is None else (axes,) if isinstance(axes, str) else axes
+    sizes = {a: mesh.shape[a] for a in names
+             if axes is not None or mesh.shape[a] > 1 or a == DATA}
+    if NODE in sizes:  # hpZ: zero.hpz_partition_size groups of the data axis
+        sizes[DATA] = sizes.pop(NODE) * sizes.get(DATA, 1)
+    return " x ".join(f"mesh.{a} {v}" for a, v in sizes.items())
+
+
+def describe_batch_split(mesh: Mesh) -> str:
+    """The axes a global batch's rows are split over, for messages: ``data axis (8)``,
+    ``data x expert axes (mesh.data 4 x mesh.expert 2 = 8)``; where the mesh has more axes
+    (a derived ``data`` size), the whole of it too: ``data axis (3; the 6 devices are
+    mesh.data 3 x mesh.context 2)``."""
+    axes = batch_axes(mesh)
+    axes = (axes,) if isinstance(axes, str) else axes
+    names = list(dict.fromkeys(DATA if a == NODE else a for a in axes))
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    rows, whole = describe_axes(mesh, axes), describe_axes(mesh)
+    inner = str(n) if len(names) == 1 else f"{rows} = {n}"
+    if rows != whole:
+        inner += f"; the {mesh.size} devices are {whole}"
+    return f"{' x '.join(names)} {'axis' if len(names) == 1 else 'axes'} ({inner})"
 
 
 def split_nodes(mesh: Mesh, group: int) -> Mesh:

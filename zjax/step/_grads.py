@@ -29,7 +29,7 @@ from zjax.models.trainable import Trainable
 from zjax.offload import to_device
 from zjax.partition.gather import scatter_levels
 from zjax.partition.plan import ShardPlan
-from zjax.runtime.mesh import REPLICA, batch_axes, token_axes
+from zjax.runtime.mesh import REPLICA, batch_axes, describe_batch_split, token_axes
 
 __all__ = ["accumulate", "loss_parts", "metric_values", "reduce_grads", "sharded_grads",
            "sharded_loss"]
@@ -89,8 +89,8 @@ def accumulate(fn: Callable[[Any], Any], batch: Any, micro_batches: int) -> Any:
     n = jax.tree.leaves(batch)[0].shape[0]
     if n % micro_batches:
         raise ArgumentError(
-            "micro_batches", f"{micro_batches} micro-batches do not divide the local batch of "
-            f"{n} (the global batch over the data axis)")
+            "micro_batches", f"{micro_batches} micro-batches do not divide the batch of {n} "
+            "rows given")
     mbs = jax.tree.map(lambda b: b.reshape(micro_batches, n // micro_batches, *b.shape[1:]),
                        batch)
     first = jax.tree.map(lambda b: b[0], mbs)
@@ -120,6 +120,7 @@ def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
                 g = to_device(g)  # accumulated on the device: adds of host buffers do not lower
             return g, sums
 
+        _check_micro_batches(jax.tree.leaves(batch)[0].shape[0], plan, micro_batches)
         g, sums = accumulate(one, batch, micro_batches)
         if not reduce_each:
             g = reduce_grads(g, plan, reduced_in_backward=False)
@@ -129,6 +130,18 @@ def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
         return g, lax.psum(sums, token_axes(plan.mesh))
 
     return grads
+
+
+def _check_micro_batches(local: int, plan: ShardPlan, micro_batches: int) -> None:
+    """The micro-batches must divide the rows of one batch shard; the message names every
+    axis the global batch was split over (``expert`` and ``replica`` take rows too)."""
+    if local % micro_batches:
+        n = plan.n_batch
+        raise ArgumentError(
+            "micro_batches", f"{micro_batches} micro-batches do not divide the local batch of "
+            f"{local} (the global batch of {local * n} over the "
+            f"{describe_batch_split(plan.mesh)}); use a count that divides {local}, or a "
+            f"global batch that is a multiple of {n * micro_batches}")
 
 
 def sharded_grads(trainable: Trainable, plan: ShardPlan, mesh: Mesh, *,

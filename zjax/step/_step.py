@@ -26,7 +26,7 @@ from zjax.models.trainable import Trainable
 from zjax.offload import check_memory_kind, on_host
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
-from zjax.runtime.mesh import batch_axes
+from zjax.runtime.mesh import batch_axes, describe_batch_split
 from zjax.step._grads import metric_values, sharded_grads, sharded_loss
 from zjax.step._nvme import NvmeOptimizer, nvme_parts
 from zjax.step._nvme_io import NvmeStorage
@@ -98,7 +98,7 @@ class ZeroStep:
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
-        _check_batch(shape, self.plan.n_batch, self.plan.n_replica)
+        _check_batch(shape, self.plan)
 
     def put_batch(self, batch) -> jax.Array:
         """Place a global (host) batch (an array, or a mapping of them: packed documents)
@@ -119,14 +119,15 @@ def _batch_shape(batch) -> tuple:
     return np.shape(jax.tree.leaves(batch)[0])
 
 
-def _check_batch(shape, n_batch: int, replica: int = 1) -> None:
+def _check_batch(shape, plan: ShardPlan) -> None:
+    """The batch's rows must split evenly over the mesh axes that take them (``batch``
+    names all of them, with the keys that sized a derived ``data`` axis)."""
+    n_batch = plan.n_batch
     if not shape or shape[0] % n_batch:
         size = shape[0] if shape else shape
-        axes = f"replica x data axes ({replica} x {n_batch // replica})" if replica > 1 \
-            else f"data axis ({n_batch})"
         raise ArgumentError(
-            "batch", f"the global batch of {size} is not divisible by the {axes}; use a "
-            f"multiple of {n_batch}")
+            "batch", f"the global batch of {size} is not divisible by the "
+            f"{describe_batch_split(plan.mesh)}; use a multiple of {n_batch}")
 
 
 def _check_offload(plan: ShardPlan, mesh: Mesh) -> None:
@@ -199,7 +200,7 @@ def make_step(
     shardings = layout.shardings
 
     def step_fn(state: TrainState, batch):
-        _check_batch(_batch_shape(batch), plan.n_batch, plan.n_replica)
+        _check_batch(_batch_shape(batch), plan)
         grads, (loss_sum, count, extra) = grads_fn(state.params, batch)
         with host_update_errors(plan):
             updated = apply_update(tx, grads, count, loss_sum, state.opt_state,
