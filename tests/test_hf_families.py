@@ -135,19 +135,36 @@ def _changed(key: str, hf: dict):
             "moe_intermediate_size": 48, "norm_topk_prob": not hf.get("norm_topk_prob")}[key]
 
 
+# the mapped keys whose change no longer fits the weights (refused by name); every other
+# mapped key is compared, so a family whose keys were all refused could not pass unseen
+_SIZES = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "intermediate_size", "head_dim"}
+REFUSED = {**{family: _SIZES for family in FAMILIES},
+           "qwen2": _SIZES | {"tie_word_embeddings"},  # tied: untying needs an lm_head
+           "mixtral": _SIZES | {"num_local_experts"},
+           # every layer sparse: intermediate_size is inert, the experts' width is not
+           "qwen3_moe": _SIZES - {"intermediate_size"} | {"num_experts",
+                                                        "moe_intermediate_size"}}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_mapped_key_changes_the_logits_or_is_refused(tmp_path, family):
     hf = tiny_config(family)
     tensors = random_tensors(hf)
     before = zjax_logits(write_checkpoint(tmp_path / "base", hf, tensors))
     layout = layout_for_hf(hf, source="config.json")
+    compared, refused = set(), set()
     for key in layout.mapped:
         changed = {**hf, key: _changed(key, hf)}
         try:
             after = zjax_logits(write_checkpoint(tmp_path / key, changed, tensors))
         except CheckpointError:
-            continue  # the weights no longer fit: refused by name
+            refused.add(key)  # the weights no longer fit: refused by name
+            continue
         assert np.abs(after - before).max() > 1e-3, f"{family}: {key} changed nothing"
+        compared.add(key)
+    assert refused == REFUSED[family], (family, sorted(refused))
+    assert compared == set(layout.mapped) - REFUSED[family] and compared, family
 
 
 def test_an_unknown_architecture_and_quantized_weights_are_refused(tmp_path):

@@ -97,7 +97,7 @@ def test_export_keeps_the_originals_config_and_generation_config(tmp_path, small
     config = load_config(imported / "zjax.yaml", [
         "train.steps=1", "zero.stage=0", "data.seq_len=16", "data.batch_size=8",
         "train.eval_every=0", "logging.progress=false", "logging.tensorboard=false"])
-    assert config.model.max_seq_len == 2048
+    assert config.model.max_seq_len == 4096  # the config's max_position_embeddings
     zjax.train(None, config, run_dir=tmp_path / "run")
     out = export(tmp_path / "run", tmp_path / "out", dtype="bfloat16", format="hf")
     got = json.loads((out / "config.json").read_text())

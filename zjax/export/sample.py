@@ -10,6 +10,7 @@ by temperature and nucleus (top-p); temperature 0 is greedy. Inference runs on o
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,10 @@ from flax import nnx
 from zjax.checkpoint import nested
 from zjax.errors import ConfigError
 
-__all__ = ["SEED_LIMIT", "Sampler", "check_seed", "generate", "load_sampler", "pick", "utf8"]
+__all__ = ["SEED_LIMIT", "Sampler", "check_seed", "generate", "load_sampler", "pick",
+           "until_stop", "utf8"]
 
+log = logging.getLogger("zjax")
 # jax.random.key keeps a seed's low 32 bits (without jax_enable_x64): 2**32 draws what 0
 # does, -1 what 2**32 - 1 does, and past int64 it raises OverflowError
 SEED_LIMIT = 2**32
@@ -73,40 +76,63 @@ def pick(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "new", "temperature", "top_p"))
-def _generate(graphdef, params, prompt, key, *, new: int, temperature: float, top_p: float):
+def _generate(graphdef, params, prompt, key, stop, *, new: int, temperature: float,
+              top_p: float):
     model = nnx.merge(graphdef, params)
     b, t = prompt.shape
     cache = model.init_cache(b, t + new)
     logits, cache = model.decode(prompt, cache, 0)
-
-    def step(carry, key):
-        last, cache, pos = carry
-        token = pick(last, key, temperature=temperature, top_p=top_p).astype(prompt.dtype)
-        logits, cache = model.decode(token[:, None], cache, pos)
-        return (logits[:, -1], cache, pos + 1), token
-
     keys = jax.random.split(key, new)
-    _, tokens = jax.lax.scan(step, (logits[:, -1], cache, t), keys)
-    return tokens.T
+
+    def running(carry):  # tokens left, and a row that has not drawn a stop id
+        return (carry[0] < new) & ~carry[4].all()
+
+    def step(carry):
+        i, last, cache, out, done = carry
+        token = pick(last, keys[i], temperature=temperature, top_p=top_p).astype(prompt.dtype)
+        done = done | jnp.isin(token, stop)
+        logits, cache = model.decode(token[:, None], cache, t + i)
+        return i + 1, logits[:, -1], cache, out.at[:, i].set(token), done
+
+    out = jnp.full((b, new), -1, prompt.dtype)
+    start = (jnp.int32(0), logits[:, -1], cache, out, jnp.zeros((b,), bool))
+    return jax.lax.while_loop(running, step, start)[3]
 
 
 def generate(model: nnx.Module, prompt: np.ndarray, *, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, key: jax.Array) -> np.ndarray:
+             temperature: float = 1.0, top_p: float = 1.0, key: jax.Array,
+             stop: Sequence[int] = ()) -> np.ndarray:
     """``max_new_tokens`` tokens after each row of ``prompt`` ``[B, T]`` (int), ``[B, N]``.
 
     Args:
       model: a model with ``init_cache(batch, length)`` and ``decode(tokens, cache, start)``
         (:class:`zjax.models.GPT`, :class:`zjax.models.Llama`).
-      key: the RNG key of the draws.
+      key: the RNG key of the draws (token ``i`` of every row draws with the ``i``-th of
+        ``max_new_tokens`` keys split from it, stops or not).
+      stop: ids that end a row, as transformers' ``eos_token_id``: generation ends once every
+        row has drawn one; the positions after that are -1 (cut each row at its first stop id
+        with :func:`until_stop`).
     """
     limit = model.cfg.max_seq_len
     if prompt.shape[1] + max_new_tokens > limit:
         raise ConfigError(f"--max-new-tokens: a prompt of {prompt.shape[1]} tokens and "
                           f"{max_new_tokens} new ones exceed the model's max_seq_len {limit}")
     graphdef, params = nnx.split(model)
+    stop_ids = jnp.asarray(sorted({int(i) for i in stop}) or [-1], jnp.int32)
     return np.asarray(_generate(graphdef, params, jnp.asarray(prompt, jnp.int32), key,
-                                new=max_new_tokens, temperature=float(temperature),
+                                stop_ids, new=max_new_tokens, temperature=float(temperature),
                                 top_p=float(top_p)))
+
+
+def until_stop(row: Sequence[int], stop: Sequence[int] | set[int]) -> list[int]:
+    """``row`` up to (not including) its first id in ``stop``, without the -1 of positions
+    never generated."""
+    out = []
+    for token in (int(t) for t in row):
+        if token in stop or token < 0:
+            break
+        out.append(token)
+    return out
 
 
 class Sampler:
@@ -117,16 +143,31 @@ class Sampler:
       tokenizer: a ``tokenizers.Tokenizer`` or None.
       source: where it was loaded from (for messages).
       tokenizer_path: its ``tokenizer.json`` (the chat template is beside it), or None.
+      stop: the ids that end a continuation (:func:`zjax.hf.stop_ids`: the model's
+        ``eos_token_id`` and the tokenizer's ``eos_token``), as transformers stops.
+      missing: why the model has no tokenizer where it needs one (a Hugging Face model
+        without ``tokenizer.json``): text is refused with it, never read as bytes; the model
+        still generates from token ids (:func:`generate`).
     """
 
     def __init__(self, model: nnx.Module, tokenizer: Any, source: str,
-                 tokenizer_path: str | Path | None = None):
+                 tokenizer_path: str | Path | None = None, stop: Sequence[int] = (),
+                 missing: str | None = None):
         self.model, self.tokenizer, self.source = model, tokenizer, source
-        self.tokenizer_path = tokenizer_path
+        self.tokenizer_path, self.stop, self.missing = tokenizer_path, tuple(stop), missing
+
+    def _text_ok(self) -> None:
+        if self.tokenizer is None and self.missing is not None:
+            raise ConfigError(self.missing)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``. Raises ConfigError: ``text`` is not valid UTF-8."""
+        """Token ids of ``text``.
+
+        Raises:
+          ConfigError: ``text`` is not valid UTF-8, or the model has no tokenizer it needs.
+        """
         data = utf8(text)
+        self._text_ok()
         if self.tokenizer is None:
             return list(data)
         # with the tokenizer's own template (a Llama 3 tokenizer.json adds its BOS), as
@@ -134,13 +175,22 @@ class Sampler:
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str:
+        self._text_ok()
         if self.tokenizer is None:
-            return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+            return bytes(int(i) for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
         return self.tokenizer.decode([int(i) for i in ids])
+
+    def _replies(self, ids: list[int], stop: set[int], *, max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int, n: int) -> list[str]:
+        rows = generate(self.model, np.asarray([ids] * n), max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_p=top_p, key=jax.random.key(seed),
+                        stop=sorted(stop))
+        return [self.decode(until_stop(row, stop)) for row in rows]
 
     def __call__(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, n: int = 1) -> list[str]:
-        """``n`` continuations of ``prompt`` (the prompt excluded).
+        """``n`` continuations of ``prompt`` (the prompt excluded), each ending before its
+        first stop id (:attr:`stop`).
 
         Raises:
           ConfigError: ``seed`` is not in [0, 2**32), ``prompt`` is not valid UTF-8 or is
@@ -150,15 +200,14 @@ class Sampler:
         ids = self.encode(prompt)
         if not ids:
             raise ConfigError("--prompt: empty (it tokenizes to no tokens); give some text")
-        rows = generate(self.model, np.asarray([ids] * n), max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, key=jax.random.key(seed))
-        return [self.decode(row) for row in rows]
+        return self._replies(ids, set(self.stop), max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, seed=seed, n=n)
 
     def chat(self, text: str, *, max_new_tokens: int = 100, temperature: float = 1.0,
              top_p: float = 1.0, seed: int = 0, n: int = 1) -> list[str]:
         """``n`` assistant replies to ``text`` as a user turn, rendered with the tokenizer's
         chat template and its generation prompt; each reply ends before its end-of-turn
-        token.
+        token: any of :attr:`stop` or of the template's special tokens.
 
         Raises:
           ConfigError: no tokenizer or no chat template, or as :meth:`__call__`.
@@ -166,6 +215,7 @@ class Sampler:
         from zjax.data import load_chat_template
 
         check_seed(seed)
+        self._text_ok()
         if self.tokenizer_path is None:
             raise ConfigError(f"--chat: {self.source} has no tokenizer (a chat needs its "
                               "chat template)")
@@ -173,28 +223,25 @@ class Sampler:
         prompt = template.render([{"role": "user", "content": utf8(text).decode()}],
                                  add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        rows = generate(self.model, np.asarray([ids] * n), max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, key=jax.random.key(seed))
         stop = {self.tokenizer.token_to_id(t) for t in template.special_tokens.values()}
-        replies = []
-        for row in rows:
-            ends = [i for i, t in enumerate(row.tolist()) if t in stop]
-            kept = row[:ends[0]] if ends else row
-            replies.append(self.tokenizer.decode([int(i) for i in kept]))
-        return replies
+        return self._replies(ids, {*self.stop, *(i for i in stop if i is not None)},
+                             max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_p=top_p, seed=seed, n=n)
 
 
 def load_sampler(source: str | Path) -> Sampler:
     """The model and tokenizer at ``source``: a run directory (its newest intact
-    checkpoint), a ``zjax import-hf`` directory, or a Hugging Face Llama directory (as ``zjax
-    export --format hf`` writes).
+    checkpoint), a ``zjax import-hf`` directory, or a Hugging Face directory (as ``zjax
+    export --format hf`` writes). A Hugging Face model (or a run started from one) samples
+    with its ``tokenizer.json``, never byte-level, and stops at its ``eos_token_id``.
 
     Raises:
-      ConfigError / CheckpointError: ``source`` is none of these, or cannot be read.
+      ConfigError / CheckpointError: ``source`` is none of these, or cannot be read, or is a
+        Hugging Face model without a ``tokenizer.json``.
     """
     from zjax.config import load_config
     from zjax.data.tokenize import check_fits, load_tokenizer
-    from zjax.hf import HFCheckpoint, is_hf_dir
+    from zjax.hf import HFCheckpoint, is_hf_dir, stop_ids
 
     path = Path(source)
     if (path / "checkpoints").is_dir() and (path / "config.yaml").is_file():
@@ -203,6 +250,7 @@ def load_sampler(source: str | Path) -> Sampler:
         config = load_config(path / "config.yaml")
         loop, cfg, tokenizer = config.loop, config.model, config.data.tokenizer
         params = read_params(path)[1]
+        origin = _hf_origin(config.train.init_from)
     elif (path / "zjax.yaml").is_file() and (path / "params").is_dir():
         import orbax.checkpoint as ocp
 
@@ -212,23 +260,56 @@ def load_sampler(source: str | Path) -> Sampler:
 
         with item_read():
             params = ocp.StandardCheckpointer().restore((path / "params").resolve())
+        origin = _hf_origin(path)
     elif is_hf_dir(path):
         hf = HFCheckpoint(path)
         loop, cfg, params = hf.layout.loop, hf.config, nested(hf.host_leaves())
-        tokenizer = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
+        tokenizer, origin = None, path
     else:
         raise ConfigError(f"sample: {str(source)!r} is not a run directory (config.yaml, "
                           "checkpoints/), a zjax import-hf directory, or a Hugging Face "
                           "model directory (config.json, *.safetensors)")
+    missing = None
+    if tokenizer is None and origin is not None:  # a Hugging Face model: its own tokenizer
+        tokenizer, missing = _origin_tokenizer(origin, path)
     model = _model(loop, cfg, params, str(source))
-    if tokenizer is None:
-        if cfg.vocab_size < 256:
+    if tokenizer is None:  # a run trained on bytes, or a model with no tokenizer
+        if cfg.vocab_size < 256 and missing is None:
             raise ConfigError(f"sample: {source} has no tokenizer and a vocabulary of "
                               f"{cfg.vocab_size} (< 256 bytes)")
-        return Sampler(model, None, str(source))
+        return Sampler(model, None, str(source), missing=missing)
     tk = load_tokenizer(tokenizer, key="sample")
     check_fits(tk, cfg.vocab_size, tokenizer_path=tokenizer, model=f"the model of {source}")
-    return Sampler(model, tk, str(source), tokenizer)
+    return Sampler(model, tk, str(source), tokenizer, stop=stop_ids(origin, tk, tokenizer))
+
+
+def _hf_origin(init_from: str | Path | None) -> Path | None:
+    """The Hugging Face model directory (or import) a run started from, if it did."""
+    if init_from is None or not (Path(init_from) / "config.json").is_file():
+        return None
+    return Path(init_from)
+
+
+def _origin_tokenizer(origin: Path, source: Path) -> tuple[Path | None, str | None]:
+    """The ``tokenizer.json`` of the Hugging Face model ``origin`` that ``source`` is (or
+    started from), where ``source`` names none itself; or None and why text is refused.
+
+    Raises:
+      CheckpointError: ``origin`` has only a slow tokenizer (:func:`zjax.hf.model_tokenizer`).
+    """
+    from zjax.hf import model_tokenizer
+
+    found = model_tokenizer(origin, key="sample")
+    if found is None:
+        return None, (
+            f"sample: {source} is a Hugging Face model ({origin / 'config.json'}) with no "
+            f"tokenizer.json: its ids are the model's tokens, not bytes; put the model's "
+            f"tokenizer.json in {origin}" + ("" if origin == source else
+                                            " or set data.tokenizer in the run's config"))
+    if origin != source:
+        log.warning("sample: %s names no data.tokenizer; sampling with %s, the tokenizer of "
+                    "the model it started from (train.init_from)", source, found)
+    return found, None
 
 
 def _model(loop: str, cfg: Any, params: dict, source: str) -> nnx.Module:

@@ -10,7 +10,10 @@
 - :class:`HFCheckpoint`: the config and tensors of a Hugging Face directory, checked against
   each other, read leaf by leaf or straight into shards.
 - :func:`layout_for_hf` / :func:`layout_for_model`: an architecture's :class:`Layout` (its
-  ``config.json`` <-> ``model`` section mapping and tensor rules).
+  ``config.json`` <-> ``model`` section mapping and tensor rules; a key left out is
+  transformers' class default, :mod:`zjax.hf._defaults`).
+- :func:`model_tokenizer` / :func:`stop_ids`: a model's ``tokenizer.json`` (a slow tokenizer
+  alone is refused) and the ids its generation stops at.
 
 The name and layout rules are in :mod:`zjax.hf._llama` (with :mod:`zjax.hf._families`) and
 :mod:`zjax.hf._gpt2`. It imports
@@ -24,7 +27,8 @@ from zjax.hf._layout import Layout, Leaf
 from zjax.hf._layouts import layout_for_hf, layout_for_model
 from zjax.hf._load import HFCheckpoint, is_hf_dir
 from zjax.hf._safetensors import SafetensorsDir, write_safetensors
+from zjax.hf._tokenizer import model_tokenizer, stop_ids
 
 __all__ = ["DEFAULT_SHARD_BYTES", "HFCheckpoint", "Layout", "Leaf", "SafetensorsDir", "hf_writer",
            "import_hf", "initial_params", "is_hf_dir", "layout_for_hf", "layout_for_model",
-           "write_safetensors"]
+           "model_tokenizer", "stop_ids", "write_safetensors"]

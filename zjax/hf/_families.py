@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from zjax.errors import CheckpointError
-from zjax.hf._layout import Leaf
+from zjax.hf._layout import Leaf, number
 from zjax.hf._llama import ANY, LEAVES, Family, expert_leaves, family_layout
 
 __all__ = ["LLAMA", "MISTRAL", "MIXTRAL", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE"]
@@ -45,11 +45,22 @@ __all__ = ["LLAMA", "MISTRAL", "MIXTRAL", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE"]
 
 def _full_attention(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """Qwen's ``layer_types``: every layer full attention (the sliding ones are refused)."""
-    kinds = hf.get("layer_types") or []
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        return {}
+    n = number(hf, "num_hidden_layers", int, source=source)
+    if not isinstance(kinds, list) or len(kinds) != n:  # transformers' layer_type_validation
+        raise CheckpointError(f"{source}: layer_types = {kinds!r}: expected a list of one "
+                              f"kind per layer ({n}, num_hidden_layers)")
     if any(kind != "full_attention" for kind in kinds):
         raise CheckpointError(f"{source}: layer_types = {kinds!r}: zjax supports Qwen "
                               "models whose layers are all full_attention")
     return {}
+
+
+def _window(hf: dict[str, Any], source: str) -> int | None:
+    """``sliding_window`` (null: full attention)."""
+    return number(hf, "sliding_window", int, source=source, none=True)
 
 
 def _qwen_to_hf(cfg) -> dict[str, Any]:
@@ -68,7 +79,7 @@ LLAMA = family_layout(Family(
 MISTRAL = family_layout(Family(
     architecture="MistralForCausalLM", model_type="mistral", fixed={},
     mapped=("sliding_window",),
-    options=lambda hf, source: {"sliding_window": hf.get("sliding_window")},
+    options=lambda hf, source: {"sliding_window": _window(hf, source)},
     to_hf=lambda cfg: {"sliding_window": cfg.sliding_window},
     model={"sliding_window": ANY}))
 
@@ -86,11 +97,13 @@ QWEN3 = family_layout(Family(
     to_hf=_qwen_to_hf, model={"qk_norm": True}))
 
 
-def _experts(hf: dict[str, Any], count: str, width: str | None = None) -> dict[str, Any]:
+def _experts(hf: dict[str, Any], source: str, count: str, width: str | None = None
+             ) -> dict[str, Any]:
     """The mixture's options of a ``config.json`` whose expert count is ``count``."""
-    out = {"n_experts": int(hf[count]), "experts_per_token": int(hf["num_experts_per_tok"]),
-           "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
-    return out if width is None else {**out, "moe_d_ff": int(hf[width])}
+    out = {"n_experts": number(hf, count, int, source=source),
+           "experts_per_token": number(hf, "num_experts_per_tok", int, source=source),
+           "router_aux_loss_coef": number(hf, "router_aux_loss_coef", float, source=source)}
+    return out if width is None else {**out, "moe_d_ff": number(hf, width, int, source=source)}
 
 
 def _experts_to_hf(cfg, count: str) -> dict[str, Any]:
@@ -109,8 +122,8 @@ MIXTRAL = family_layout(Family(
     fixed={"router_jitter_noise": (0, 0.0, None)},
     mapped=("sliding_window", "num_local_experts", "num_experts_per_tok"),
     inert=_MOE_INERT,
-    options=lambda hf, source: {"sliding_window": hf.get("sliding_window"),
-                                **_experts(hf, "num_local_experts")},
+    options=lambda hf, source: {"sliding_window": _window(hf, source),
+                                **_experts(hf, source, "num_local_experts")},
     to_hf=lambda cfg: {"sliding_window": cfg.sliding_window, "intermediate_size": cfg.expert_ff,
                        **_experts_to_hf(cfg, "num_local_experts")},
     model={"sliding_window": ANY, **_MIXTURE}, table=lambda cfg: _MIXTRAL_LEAVES))
@@ -125,8 +138,9 @@ QWEN3_MOE = family_layout(Family(
     # every layer sparse: intermediate_size (a dense layer's width) is read back, not used
     inert=(*_QWEN_INERT, *_MOE_INERT, "intermediate_size"),
     options=lambda hf, source: {
-        "qk_norm": True, "router_renormalize": bool(hf.get("norm_topk_prob", False)),
-        **_experts(hf, "num_experts", "moe_intermediate_size"), **_full_attention(hf, source)},
+        "qk_norm": True, "router_renormalize": number(hf, "norm_topk_prob", bool, source=source),
+        **_experts(hf, source, "num_experts", "moe_intermediate_size"),
+        **_full_attention(hf, source)},
     to_hf=lambda cfg: {**_qwen_to_hf(cfg), **_experts_to_hf(cfg, "num_experts"),
                        "moe_intermediate_size": cfg.expert_ff,
                        "norm_topk_prob": cfg.router_renormalize},
@@ -157,6 +171,6 @@ PHI3 = family_layout(Family(
     fixed={"resid_pdrop": _DROPOUT, "embd_pdrop": _DROPOUT,
            "partial_rotary_factor": (1, 1.0, None)},
     mapped=("sliding_window",), inert=("original_max_position_embeddings",),
-    options=lambda hf, source: {"sliding_window": hf.get("sliding_window")},
+    options=lambda hf, source: {"sliding_window": _window(hf, source)},
     to_hf=lambda cfg: {"sliding_window": cfg.sliding_window}, model={"sliding_window": ANY},
     table=_phi3_table))

@@ -24,10 +24,11 @@ has its class's default: every second layer global (Gemma 2), or every
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from zjax.errors import CheckpointError
-from zjax.hf._layout import Leaf
+from zjax.hf._layout import Leaf, number
 from zjax.hf._llama import ANY, LEAVES, Family, family_layout
 
 __all__ = ["GEMMA", "GEMMA2", "GEMMA3"]
@@ -66,10 +67,16 @@ GEMMA = family_layout(Family(
 def _pattern(hf: dict[str, Any], source: str, every: int) -> dict[str, Any]:
     """``model.sliding_window`` and ``model.global_every`` of ``layer_types`` (or, where a
     config has none, of ``every``: its class's default, every ``every``-th layer global)."""
-    n = int(hf["num_hidden_layers"])
+    n = number(hf, "num_hidden_layers", int, source=source)
+    every = number({"sliding_window_pattern": every}, "sliding_window_pattern", int,
+                   source=source)
+    if every < 1:
+        raise CheckpointError(f"{source}: sliding_window_pattern = {every}; expected an "
+                              "integer >= 1 (every k-th layer global)")
     kinds = hf.get("layer_types") or [_SLIDING if (i + 1) % every else _FULL for i in range(n)]
-    window = hf.get("sliding_window")
-    if len(kinds) != n or not set(kinds) <= {_SLIDING, _FULL}:
+    window = number(hf, "sliding_window", int, source=source, none=True)
+    if (not isinstance(kinds, list) or len(kinds) != n
+            or not all(isinstance(k, str) for k in kinds) or not set(kinds) <= {_SLIDING, _FULL}):
         raise CheckpointError(f"{source}: layer_types = {kinds!r}: zjax reads "
                               f"{_SLIDING!r} and {_FULL!r}, one per layer ({n})")
     if _SLIDING not in kinds:
@@ -78,13 +85,13 @@ def _pattern(hf: dict[str, Any], source: str, every: int) -> dict[str, Any]:
         raise CheckpointError(f"{source}: layer_types has {_SLIDING!r} layers but "
                               "sliding_window is null")
     if _FULL not in kinds:
-        return {"sliding_window": int(window)}
+        return {"sliding_window": window}
     k = kinds.index(_FULL) + 1
     if kinds != [_SLIDING if (i + 1) % k else _FULL for i in range(n)]:
         raise CheckpointError(f"{source}: layer_types = {kinds!r} is not supported: zjax "
                               "reads every layer alike, or every k-th full_attention and the "
                               "others sliding_attention")
-    return {"sliding_window": int(window), "global_every": k}
+    return {"sliding_window": window, "global_every": k}
 
 
 def _layer_types(cfg) -> list[str]:
@@ -92,16 +99,18 @@ def _layer_types(cfg) -> list[str]:
 
 
 def _gemma2_options(hf: dict[str, Any], source: str, *, every: int = 2) -> dict[str, Any]:
-    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
-    head = hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])
-    scalar = hf.get("query_pre_attn_scalar", 256)
+    num = functools.partial(number, hf, source=source)
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    head = num("head_dim", int, none=True) or (num("hidden_size", int)
+                                               // num("num_attention_heads", int))
+    scalar = num("query_pre_attn_scalar", float)
     pattern = _pattern(hf, source, hf.get("sliding_window_pattern",
                                           hf.get("_sliding_window_pattern", every)))
-    cap = {key: None if hf.get(name) is None else float(hf[name]) for key, name in (
+    cap = {key: num(name, float, none=True) for key, name in (
         ("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping"))}
     return {"mlp_activation": _GELUS[act], "norm_plus_one": True, "embed_scale": True,
             "post_norms": True, **pattern, **cap,
-            "query_pre_attn_scalar": None if scalar == head else float(scalar)}
+            "query_pre_attn_scalar": None if scalar == head else scalar}
 
 
 def _gemma2_to_hf(cfg) -> dict[str, Any]:
@@ -140,7 +149,7 @@ GEMMA2 = family_layout(Family(
 def _gemma3_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
     out = {**_gemma2_options(hf, source, every=6), "qk_norm": True}
     if out["sliding_window"] is not None:  # the windowed layers' rotary: own base, unscaled
-        out["local_rope_theta"] = float(hf.get("rope_local_base_freq", 10000.0))
+        out["local_rope_theta"] = number(hf, "rope_local_base_freq", float, source=source)
     return out
 
 

@@ -24,10 +24,13 @@ zjax leaf                          Hugging Face tensor
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from zjax.errors import CheckpointError, ConfigError
-from zjax.hf._layout import Layout, Leaf, check_fixed
+from zjax.hf._defaults import with_defaults
+from zjax.hf._layout import Layout, Leaf, check_fixed, number
+from zjax.hf._pinned import GPT2_FREE, GPT2_PINNED
 from zjax.models import GPTConfig
 
 __all__ = ["GPT2", "gpt2_config", "hf_config", "leaves"]
@@ -62,18 +65,19 @@ def gpt2_config(hf: dict[str, Any], *, source: str, max_seq_len: int | None = No
                 ) -> GPTConfig:
     """The ``model`` section (``loop: lm``) for a GPT-2 ``config.json``. The position table
     fixes ``max_seq_len`` (``n_positions``)."""
+    hf = with_defaults(hf, "gpt2")  # an absent key: transformers' GPT2Config default
     check_fixed(hf, _FIXED, source=source)
+    num = functools.partial(number, hf, source=source)
     try:
-        d = int(hf["n_embd"])
-        return GPTConfig(vocab_size=int(hf["vocab_size"]), d_model=d,
-                         n_layers=int(hf["n_layer"]), n_heads=int(hf["n_head"]),
-                         d_ff=int(hf.get("n_inner") or 4 * d),
-                         max_seq_len=int(hf["n_positions"]), tie_embeddings=True,
-                         norm="layer", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-                         bias=True)
+        d = num("n_embd", int)
+        return GPTConfig(vocab_size=num("vocab_size", int), d_model=d,
+                         n_layers=num("n_layer", int), n_heads=num("n_head", int),
+                         d_ff=num("n_inner", int, none=True) or 4 * d,
+                         max_seq_len=num("n_positions", int), tie_embeddings=True,
+                         norm="layer", norm_eps=num("layer_norm_epsilon", float), bias=True)
     except KeyError as e:
         raise CheckpointError(f"{source}: no {e.args[0]!r}; a GPT-2 config.json has it") from None
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # GPTConfig's own check
         raise CheckpointError(f"{source}: {e}") from None
 
 
@@ -99,5 +103,6 @@ def leaves(cfg: GPTConfig) -> list[Leaf]:
 
 
 GPT2 = Layout(architecture="GPT2LMHeadModel", model_type="gpt2", loop="lm",
-              from_hf=gpt2_config, to_hf=hf_config, leaves=leaves,
+              from_hf=gpt2_config, to_hf=hf_config, leaves=leaves, free=GPT2_FREE,
+              pinned=GPT2_PINNED,
               ignored=(".attn.bias", ".attn.masked_bias"), prefix="transformer.")

@@ -29,12 +29,13 @@ from zjax.errors import CheckpointError, ConfigError
 from zjax.hf._layout import Layout
 from zjax.hf._layouts import layout_for_hf
 from zjax.hf._load import HFCheckpoint, is_hf_dir
+from zjax.hf._tokenizer import model_tokenizer
 
 __all__ = ["IDENTITY_FILES", "TOKENIZER_FILES", "import_hf", "initial_params"]
 
 log = logging.getLogger("zjax")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja")
+                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
 # the model's identity beyond its weights (token ids, generation defaults): kept by import-hf
 # and written back by export --format hf
 IDENTITY_FILES = ("config.json", "generation_config.json")
@@ -61,40 +62,51 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") ->
     out = Path(out).resolve()
     check_out(out, what="import-hf")
     work = out.with_name(f".{out.name}.zjax-import")
-    shutil.rmtree(work, ignore_errors=True)
-    try:
-        work.mkdir()
-        write_orbax_leaves(work / "params", source.host_leaves(dtype=target), what="import-hf",
-                           shown=out)
-        for name in (*IDENTITY_FILES, *TOKENIZER_FILES):
-            if (source.directory / name).is_file():
-                shutil.copyfile(source.directory / name, work / name)
-        (work / "zjax.yaml").write_text(_run_config(source, out))
-        work.rename(out)
-    except OSError as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"import-hf: cannot write {str(out)!r}: {e}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)  # what an import killed with -9 left
+    from zjax.runtime._stop import deferred, interruptible, stop_point
+
+    # SIGINT/SIGTERM under `zjax import-hf` stop it between two leaves, never inside Orbax's
+    # writer threads; the partial directory is removed on the way out (zjax.runtime._stop)
+    with deferred():
+        try:
+            work.mkdir()
+            write_orbax_leaves(work / "params", interruptible(source.host_leaves(dtype=target)),
+                               what="import-hf", shown=out)
+            for name in (*IDENTITY_FILES, *TOKENIZER_FILES):
+                if (source.directory / name).is_file():
+                    shutil.copyfile(source.directory / name, work / name)
+            (work / "zjax.yaml").write_text(_run_config(source, out))
+            stop_point()
+            work.rename(out)
+        except OSError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"import-hf: cannot write {str(out)!r}: {e}") from None
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     log.info("imported %s (%d layers) into %s", hf_dir, source.config.n_layers, out)
     return out
 
 
 def _check_tokenizer(source: HFCheckpoint) -> None:
-    """The tokenizer beside the weights must fit their vocabulary."""
+    """The tokenizer beside the weights must be a ``tokenizer.json`` (a slow one alone is
+    refused) that fits their vocabulary; a model with none is imported with a warning."""
     from zjax.data.tokenize import check_fits, load_tokenizer
 
-    path = source.directory / "tokenizer.json"
-    if path.is_file():
-        check_fits(load_tokenizer(path, key="import-hf"), source.config.vocab_size,
-                   tokenizer_path=path, model=f"the model ({source.directory / 'config.json'})")
+    path = model_tokenizer(source.directory, key="import-hf")
+    if path is None:
+        log.warning("import-hf: %s has no tokenizer.json: the import names no data.tokenizer "
+                    "(train it on token ids made with the model's tokenizer, or set "
+                    "data.tokenizer), and zjax sample refuses it", source.directory)
+        return
+    check_fits(load_tokenizer(path, key="import-hf"), source.config.vocab_size,
+               tokenizer_path=path, model=f"the model ({source.directory / 'config.json'})")
 
 
 def _run_config(source: HFCheckpoint, out: Path) -> str:
+    # max_seq_len: max_position_embeddings, the model's context (it bounds data.seq_len and
+    # sample's length; rotary positions have no table, so a long one costs no memory)
     model = dataclasses.asdict(source.config)
-    if "max_seq_len" in source.layout.free:  # it bounds the data, not the weights
-        model["max_seq_len"] = min(model["max_seq_len"], 2048)
     config: dict[str, Any] = {"loop": source.layout.loop, "model": model,
                               "train": {"init_from": str(out)}}
     from zjax.data import DataConfig
@@ -108,6 +120,9 @@ def _run_config(source: HFCheckpoint, out: Path) -> str:
         config["data"] = data
     head = (f"# zjax import-hf {source.directory}: train with `zjax train {out / 'zjax.yaml'}`"
             " (data.path, optimizer.*, zero.* as for any run)\n")
+    if "tokenizer" not in data:
+        head += ("# the model came with no tokenizer.json: its data must be token ids made "
+                 "with its tokenizer, or set data.tokenizer (text is otherwise read as bytes)\n")
     return head + yaml.safe_dump(config, sort_keys=False)
 
 
@@ -147,22 +162,28 @@ def initial_params(path: str | Path, target: Any, model: Any) -> Any:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        out = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not readable JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(out).__name__}, not an object")
+    return out
 
 
 def _check_model(layout: Layout, config: Any, directory: Path, model: Any) -> None:
-    """The run's ``model`` section must be what the weights are (all but ``layout.free``)."""
+    """The run's ``model`` section must be what the weights are in every key they pin
+    (``layout.pinned``: shapes and meaning); the others (``layout.free``: kernels, chunks,
+    the data's bound) are the run's."""
     if type(model) is not type(config):
         raise ConfigError(f"train.init_from: {directory} holds a {layout.architecture}; train "
                           f"it with loop: {layout.loop}")
     for field in dataclasses.fields(model):
         key = field.name
         want, got = getattr(config, key), getattr(model, key)
-        if key not in layout.free and want != got:
+        if key not in layout.free and want != got:  # a field in neither table is pinned
+            why = layout.pinned.get(key, "the weights fix it")
             raise ConfigError(f"model.{key}: {got!r}, but the weights in train.init_from "
-                              f"({directory}) have {want!r} (its config.json); "
+                              f"({directory}) have {want!r} (its config.json; {why}); "
                               f"set model.{key}: {want!r}")
 
 

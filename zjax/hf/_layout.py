@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,8 @@ from zjax.errors import CheckpointError
 
 log = logging.getLogger("zjax")
 
-__all__ = ["INERT", "REFUSED", "Layout", "Leaf", "check_fixed", "check_known", "hf_shape"]
+__all__ = ["INERT", "REFUSED", "Layout", "Leaf", "check_fixed", "check_known", "hf_shape",
+           "number"]
 
 # config.json keys transformers reads for any architecture that change the model zjax builds
 REFUSED = {"quantization_config": "quantized weights are not supported by zjax (import the "
@@ -118,6 +120,8 @@ class Layout:
       to_hf: ``(model config, dtype name) -> config.json dict``.
       leaves: ``model config -> [Leaf]``.
       free: model config fields the weights do not fix (they may differ from the file's).
+      pinned: the fields they fix, each with why (``zjax.hf._pinned``); with ``free``, every
+        field of the model config.
       ignored: suffixes of tensors some checkpoints hold that are not weights (buffers).
       prefix: a prefix some checkpoints leave out of every name (GPT-2's ``transformer.``).
       mapped: the ``config.json`` keys that set the model's computation (each changes it).
@@ -132,6 +136,7 @@ class Layout:
     to_hf: Callable[..., dict]
     leaves: Callable[[Any], list[Leaf]]
     free: tuple[str, ...] = ("remat",)
+    pinned: dict[str, str] = dataclasses.field(default_factory=dict)
     ignored: tuple[str, ...] = ()
     prefix: str = ""
     mapped: tuple[str, ...] = ()
@@ -167,3 +172,26 @@ def hf_shape(leaf: Leaf, shape: tuple[int, ...]) -> tuple[int, ...]:
     one = list(shape[leaf.lead:])
     one[-1] = leaf.whole(one[-1])
     return tuple(reversed(one)) if leaf.transpose else tuple(one)
+
+
+def number(hf: dict[str, Any], key: str, kind: type, *, source: str, none: bool = False):
+    """``hf[key]`` as ``kind`` (``int``, ``float`` or ``bool``), or None for a null or an
+    absent key where ``none``.
+
+    Raises:
+      KeyError: ``key`` is absent and not ``none`` (the caller names what has it).
+      CheckpointError: the value is not of that kind, naming the key and the value.
+    """
+    value = hf.get(key) if none else hf[key]
+    if value is None and none:
+        return None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = (isinstance(value, int | float) and not isinstance(value, bool)
+              and (kind is float or (math.isfinite(value) and value == int(value))))
+    if not ok:
+        what = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise CheckpointError(f"{source}: {key} = {value!r}; expected {what}"
+                              f"{' or null' if none else ''}")
+    return kind(value)

@@ -32,11 +32,14 @@ weights already permuted q and k for it), so no weight is permuted here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from zjax.errors import CheckpointError, ConfigError
-from zjax.hf._layout import Layout, Leaf, check_fixed, check_known
+from zjax.hf._defaults import with_defaults
+from zjax.hf._layout import Layout, Leaf, check_fixed, check_known, number
+from zjax.hf._pinned import LLAMA_FREE, LLAMA_PINNED
 from zjax.models import LlamaConfig
 
 __all__ = ["ANY", "LEAVES", "Family", "expert_leaves", "family_layout", "leaves", "refusal"]
@@ -70,9 +73,6 @@ OPTIONS = ("qkv_bias", "qk_norm", "sliding_window", "mlp_activation", "norm_plus
            "embed_scale", "post_norms", "global_every", "local_rope_theta", "attn_softcap",
            "final_softcap", "query_pre_attn_scalar", "n_experts", "experts_per_token",
            "n_shared_experts", "moe_d_ff", "router_renormalize")
-# settings of training, not of the weights: a run may differ from the checkpoint's
-TRAINING = ("remat", "max_seq_len", "router_aux_loss_coef", "router_z_loss_coef",
-            "capacity_factor")
 ANY = object()  # Family.model: the option may take any value
 
 
@@ -130,31 +130,35 @@ def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _config(family: Family, hf: dict[str, Any], *, source: str,
             max_seq_len: int | None = None) -> LlamaConfig:
-    """The ``model`` section for a ``config.json`` of ``family`` (as a dict).
+    """The ``model`` section for a ``config.json`` of ``family`` (as a dict), a key it
+    leaves out read at transformers' class default (:mod:`zjax.hf._defaults`).
 
     Raises:
       CheckpointError: a key zjax does not know, a value it cannot honour, or a missing key
         (naming the key, its value and what zjax supports).
     """
-    fixed = {**FIXED, **family.fixed}
+    # an inert key is not held to Llama's value (Gemma 2's hidden_act: its model reads none)
+    fixed = {k: v for k, v in {**FIXED, **family.fixed}.items() if k not in family.inert}
+    hf = with_defaults(hf, family.model_type)  # an absent key: transformers' class default
     check_known(hf, (*MAPPED, *BOUNDS, *fixed, *family.mapped, *family.inert),
                 source=source, architecture=family.architecture)
     check_fixed(hf, fixed, source=source)
     try:
-        heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim")
+        num = functools.partial(number, hf, source=source)
+        heads, width = num("num_attention_heads", int), num("hidden_size", int)
+        if heads < 1:
+            raise CheckpointError(f"{source}: num_attention_heads = {heads}; expected an "
+                                  "integer >= 1")
+        head_dim = num("head_dim", int, none=True)  # null: derived, as Mistral's model does
         return LlamaConfig(
-            vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-            n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=None if head_dim in (None, int(hf["hidden_size"]) // heads)
-            else int(head_dim),
-            d_ff=int(hf["intermediate_size"]),
-            max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            # save_pretrained leaves the key out only when it is PretrainedConfig's default
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            vocab_size=num("vocab_size", int), d_model=width,
+            n_layers=num("num_hidden_layers", int), n_heads=heads,
+            n_kv_heads=num("num_key_value_heads", int, none=True) or heads,
+            head_dim=None if head_dim in (None, width // heads) else head_dim,
+            d_ff=num("intermediate_size", int),
+            max_seq_len=int(max_seq_len or num("max_position_embeddings", int)),
+            rope_theta=num("rope_theta", float), norm_eps=num("rms_norm_eps", float),
+            tie_embeddings=num("tie_word_embeddings", bool),
             **_rope_scaling(hf, source), **family.options(hf, source))
     except KeyError as e:
         raise CheckpointError(f"{source}: no {e.args[0]!r}; a {family.architecture} "
@@ -240,7 +244,8 @@ def family_layout(family: Family) -> Layout:
         from_hf=lambda hf, *, source, max_seq_len=None: _config(
             family, hf, source=source, max_seq_len=max_seq_len),
         to_hf=lambda cfg, *, dtype: _hf_config(family, cfg, dtype=dtype),
-        leaves=lambda cfg: leaves(cfg, family.table(cfg)), free=TRAINING,
+        leaves=lambda cfg: leaves(cfg, family.table(cfg)), free=LLAMA_FREE,
+        pinned=LLAMA_PINNED,
         ignored=("rotary_emb.inv_freq",),
         mapped=tuple(k for k in (*MAPPED, *family.mapped) if k not in family.inert),
         bounds=BOUNDS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,19 @@ import jax
 import numpy as np
 
 from zjax.errors import CheckpointError
+from zjax.hf._defaults import TRANSFORMERS_VERSION, absent
 from zjax.hf._layout import Leaf, hf_shape
 from zjax.hf._layouts import layout_for_hf
 from zjax.hf._safetensors import SafetensorsDir
 
 __all__ = ["HFCheckpoint", "is_hf_dir", "model_shapes"]
+
+log = logging.getLogger("zjax")
+# config.json keys that size tensors: where one is left out, a tensor that does not fit names it
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+              "num_local_experts", "num_experts", "moe_intermediate_size", "n_embd", "n_layer",
+              "n_head", "n_inner", "n_positions")
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -75,10 +84,24 @@ class HFCheckpoint:
         except FileNotFoundError:
             raise CheckpointError(f"{self.directory}: no config.json (expected a Hugging Face "
                                   "model directory: config.json and *.safetensors)") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{config}: not JSON: {e}") from None
+        except OSError as e:
+            raise CheckpointError(f"{config}: cannot be read: {e}") from None
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{config}: holds a JSON {type(hf).__name__}, not an object "
+                                  "of config keys")
         self.layout = layout_for_hf(hf, source=str(config))
-        self.config = self.layout.from_hf(hf, source=str(config), max_seq_len=max_seq_len)
+        left_out = absent(hf, self.layout.model_type)
+        if left_out:
+            log.info("%s leaves out %s: read at transformers %s's %s defaults", config,
+                     _listed(left_out), TRANSFORMERS_VERSION, self.layout.model_type)
+        # those that size the tensors are named when the tensors do not fit them
+        self.defaulted = {k: v for k, v in left_out.items() if k in SHAPE_KEYS}
+        try:
+            self.config = self.layout.from_hf(hf, source=str(config), max_seq_len=max_seq_len)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}{self._defaults_note()}") from None
         self.tensors = SafetensorsDir(self.directory)
         prefix = self.layout.prefix
         self._short = bool(prefix) and not any(n.startswith(prefix)
@@ -99,18 +122,28 @@ class HFCheckpoint:
                 names.add(name)
                 if name not in self.tensors:
                     raise CheckpointError(f"{self.directory}: tensor {name!r} is missing "
-                                          "(config.json describes a model that has it)")
+                                          f"(config.json describes a model that has it"
+                                          f"{self._defaults_note()})")
                 if self.tensors.shape(name) != want:
                     raise CheckpointError(
                         f"{self.directory}: tensor {name!r} has shape "
-                        f"{list(self.tensors.shape(name))}; config.json implies {list(want)}")
+                        f"{list(self.tensors.shape(name))}; config.json implies {list(want)}"
+                        f"{self._defaults_note()}")
         tied = {self._file_name("lm_head.weight")} if cfg.tie_embeddings else set()
         extra = [n for n in self.tensors.names()
                  if n not in names | tied and not n.endswith(self.layout.ignored)]
         if extra:
             raise CheckpointError(
                 f"{self.directory}: {len(extra)} tensor(s) zjax's model has no place for, e.g. "
-                f"{extra[0]!r} (another architecture, or a feature zjax lacks)")
+                f"{extra[0]!r} (another architecture, or a feature zjax lacks"
+                f"{self._defaults_note()})")
+
+    def _defaults_note(self) -> str:
+        if not self.defaulted:
+            return ""
+        return (f"; it leaves out {_listed(self.defaulted)}, read at transformers "
+                f"{TRANSFORMERS_VERSION}'s {self.layout.model_type} defaults as "
+                "from_pretrained reads them: set the model's values in config.json")
 
     def read(self, leaf: Leaf, index: tuple = (), dtype=np.float32) -> np.ndarray:
         """The zjax leaf ``leaf`` (or its ``index``, a tuple of slices), cast to ``dtype``."""
@@ -177,6 +210,10 @@ class HFCheckpoint:
                 node = node.setdefault(key, {})
             node[leaf.keys[-1]] = array
         return out
+
+
+def _listed(keys: dict[str, Any]) -> str:
+    return ", ".join(f"{k} (default {v!r})" for k, v in keys.items())
 
 
 def _slice(array: np.ndarray, transpose: bool, index: tuple, dtype) -> np.ndarray:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,37 +37,70 @@ log = logging.getLogger("zjax")
 
 
 def read_header(path: Path) -> tuple[dict, dict, int]:
-    """``(tensors, metadata, data start)`` of one safetensors file, checked against its size.
+    """``(tensors, metadata, data start)`` of one safetensors file, checked against its size:
+    every tensor has a known dtype, a shape of sizes >= 0 and offsets within the file that
+    hold exactly ``prod(shape) x itemsize`` bytes.
 
     Raises:
-      CheckpointError: not a safetensors file, or one whose offsets run past its end.
+      CheckpointError: not a safetensors file, or a tensor entry that is not one (naming the
+        file and the tensor).
     """
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < n <= min(_MAX_HEADER, size - 8):
-            raise CheckpointError(f"{path}: not a safetensors file (its header size reads {n}, "
-                                  f"the file has {size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: "
-                                  f"{e})") from None
-    metadata = header.pop("__metadata__", None) or {}
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(_MAX_HEADER, size - 8):
+                raise CheckpointError(f"{path}: not a safetensors file (its header size reads "
+                                      f"{n}, the file has {size} bytes)")
+            raw = f.read(n)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read: {e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: "
+                              f"{e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is a JSON "
+                              f"{type(header).__name__}, not an object of tensors)")
+    metadata = header.pop("__metadata__", None)
     start = 8 + n
     for name, t in header.items():
-        if not isinstance(t, dict) or t.get("dtype") not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype "
-                                  f"{t.get('dtype') if isinstance(t, dict) else t!r}; expected "
-                                  f"one of {', '.join(DTYPES)}")
-        begin, end = t["data_offsets"]
-        want = int(np.prod(t["shape"], dtype=np.int64)) * DTYPES[t["dtype"]].itemsize
-        if end - begin != want or start + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} ({t['dtype']} {t['shape']}) does not "
-                                  f"fit its offsets {begin}..{end} in a file of {size} bytes "
-                                  "(truncated or damaged)")
-    return header, metadata, start
+        _check_entry(path, name, t, size - start)
+    return header, metadata if isinstance(metadata, dict) else {}, start
+
+
+def _check_entry(path: Path, name: str, t, data_bytes: int) -> None:
+    """Refuse a header entry that does not describe a tensor within the data."""
+    def bad(what: str):
+        return CheckpointError(f"{path}: tensor {name!r} {what}")
+
+    if not isinstance(t, dict):
+        raise bad(f"is {t!r}, not an entry with dtype, shape and data_offsets")
+    if t.get("dtype") not in DTYPES:
+        raise bad(f"has dtype {t.get('dtype')!r}; expected one of {', '.join(DTYPES)}")
+    shape, offsets = t.get("shape"), t.get("data_offsets")
+    if not isinstance(shape, list) or not all(_count(d) for d in shape):
+        raise bad(f"has shape {shape!r}; expected a list of sizes >= 0")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_count, offsets))
+            or offsets[0] > offsets[1]):
+        raise bad(f"has data_offsets {offsets!r}; expected [begin, end] with "
+                  "0 <= begin <= end")
+    begin, end = offsets
+    want = math.prod(shape) * DTYPES[t["dtype"]].itemsize
+    if end - begin != want:
+        raise bad(f"({t['dtype']} {shape}: {want} bytes) has data_offsets {begin}..{end}: "
+                  f"{end - begin} bytes (damaged)")
+    if end > data_bytes:
+        raise bad(f"({t['dtype']} {shape}) does not fit its offsets {begin}..{end}: the file "
+                  f"holds {data_bytes} bytes of data (truncated or damaged)")
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 class SafetensorsDir:
@@ -98,9 +132,14 @@ class SafetensorsDir:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError,
+                    TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index (expected JSON with "
                                       f"a 'weight_map'): {e}") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(f, str) and f and "/" not in f for f in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map is not an object of tensor name "
+                                      "-> file name in this directory")
             files = sorted({self.directory / f for f in weight_map.values()})
             missing = [str(f.name) for f in files if not f.is_file()]
             if missing:
