@@ -47,8 +47,9 @@ def tool_parsers(sub) -> None:
                         "(data.path)")
     tk.add_argument("inputs", nargs="+", help="record files (.jsonl[.gz|.zst], .parquet, "
                     ".arrow, datasets directories) or text files, directories or globs")
-    tk.add_argument("-o", "--output", required=True, help="a new directory (documents), or a "
-                    ".npy (text files as one token stream)")
+    tk.add_argument("-o", "--output", required=True, help="a new directory (documents and "
+                    "loss masks), or a .npy (one token stream: of text files, or of --format "
+                    "text records)")
     tk.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
     from zjax.data.config import FORMATS
 
@@ -56,6 +57,9 @@ def tool_parsers(sub) -> None:
     tk.add_argument("--text-field", default="text", help="as data.text_field")
     tk.add_argument("--messages-field", default="messages", help="as data.messages_field")
     tk.add_argument("--train-on-prompt", action="store_true", help="as data.train_on_prompt")
+    tk.add_argument("--eos-token", default=None, help="as data.eos_token: the token ending "
+                    "each text record or completion (default: tokenizer_config.json's "
+                    "eos_token; '' for none)")
     tk.add_argument("--workers", type=int, default=0, help="encoding processes (default: one "
                     "per core; 1 encodes in this process)")
     im = sub.add_parser("import-hf", help="a Hugging Face model (Llama, Mistral, Qwen2, "
@@ -80,17 +84,32 @@ def tool_parsers(sub) -> None:
 
 
 def run_tool(args) -> int:
-    """Run the tool subcommand ``args.command``."""
-    if args.command == "tokenize":
-        return tokenize(args)
-    if args.command == "import-hf":
-        from zjax.hf import import_hf
+    """Run the tool subcommand ``args.command``.
 
-        out = import_hf(args.hf_dir, args.out, dtype=args.dtype)
-        print(f"zjax import-hf: {args.hf_dir} -> {out}; train with: zjax train "
-              f"{out / 'zjax.yaml'}")
-        return 0
-    return sample(args)
+    ``tokenize`` and ``import-hf`` stop on SIGINT or SIGTERM with their partial output
+    removed and their worker processes ended, and exit 128 + the signal's number
+    (:mod:`zjax.runtime._stop`)."""
+    if args.command == "sample":
+        return sample(args)
+    from zjax.runtime import write_stderr
+    from zjax.runtime._stop import Stopped, stoppable
+
+    try:
+        with stoppable():
+            return tokenize(args) if args.command == "tokenize" else _import_hf(args)
+    except Stopped as e:
+        sys.stdout.flush()
+        write_stderr(f"zjax: {args.command} {e}; nothing was written\n")
+        return 128 + e.signum
+
+
+def _import_hf(args) -> int:
+    from zjax.hf import import_hf
+
+    out = import_hf(args.hf_dir, args.out, dtype=args.dtype)
+    print(f"zjax import-hf: {args.hf_dir} -> {out}; train with: zjax train "
+          f"{out / 'zjax.yaml'}")
+    return 0
 
 
 def sample(args) -> int:
@@ -161,10 +180,10 @@ def config_from_deepspeed(ds_path: str, path: str | None, overrides: list[str], 
 def tokenize(args) -> int:
     """``zjax tokenize``: records (or text files) into a directory of documents, or text
     files into one memory-mappable ``.npy`` stream."""
-    from zjax.data import DataConfig, text_files
-    from zjax.data.tokenize import tokenize_files, tokenize_records
+    from zjax.data import DataConfig
+    from zjax.data.tokenize import tokenize_records
 
-    stream = str(args.output).endswith(".npy")
+    stream = str(args.output).lower().endswith(".npy")
     if args.workers < 0:
         raise ConfigError(f"--workers: {args.workers}; expected an integer >= 0 (0: one per "
                           "core)")
@@ -177,24 +196,20 @@ def tokenize(args) -> int:
         bar.start()
     advance = None if bar is None else (lambda n: bar.advance(task, n))
     try:
-        if stream:
-            files = [f for item in args.inputs for f in text_files(item, key="tokenize")]
-            if bar is not None:
-                bar.update(task, total=len(files))
-            done = tokenize_files(files, args.output, tokenizer_path=args.tokenizer,
-                                  progress=advance)
-        else:
-            data = DataConfig(tokenizer=args.tokenizer, format=args.format,
-                              text_field=args.text_field, messages_field=args.messages_field,
-                              train_on_prompt=args.train_on_prompt)
-            done = tokenize_records(args.inputs, args.output, data=data, progress=advance,
-                                    workers=args.workers or os.cpu_count() or 1)
+        data = DataConfig(tokenizer=args.tokenizer, format=args.format,
+                          text_field=args.text_field, messages_field=args.messages_field,
+                          train_on_prompt=args.train_on_prompt, eos_token=args.eos_token)
+        done = tokenize_records(args.inputs, args.output, data=data, progress=advance,
+                                workers=args.workers or os.cpu_count() or 1)
     finally:
         if bar is not None:
             bar.stop()
     if stream:
-        print(f"zjax tokenize: {done['tokens']:,} tokens of {done['files']} files -> "
-              f"{args.output} ({done['dtype']}, vocabulary {done['vocab_size']:,})")
+        what = (f"{done['files']} files" if "files" in done
+                else f"{done['documents']:,} records")
+        print(f"zjax tokenize: {done['tokens']:,} tokens of {what} -> {args.output} "
+              f"({done['dtype']}, vocabulary {done['vocab_size']:,}); train with "
+              f"data.path={args.output} data.tokenizer={args.tokenizer}")
     else:
         print(f"zjax tokenize: {done['documents']:,} documents, {done['tokens']:,} tokens "
               f"({done['loss_tokens']:,} trained on) -> {args.output}; train with "

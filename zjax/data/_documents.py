@@ -10,8 +10,12 @@
   included, as ``return_assistant_tokens_mask`` marks them.
 
 ``data.train_on_prompt`` trains on every token. Without ``data.tokenizer`` text is
-byte-level (UTF-8 bytes, no BOS or EOS). Rows are encoded in groups, by the tokenizer's own
-threads (all cores).
+byte-level (UTF-8 bytes, no BOS or EOS). The EOS is ``data.eos_token``, else the
+``eos_token`` of the ``tokenizer_config.json`` beside the tokenizer; where neither names a
+token of the vocabulary, ``text`` and ``prompt_completion`` are refused (naming the tokenizer,
+what is missing and the tokens that look like an EOS) until ``data.eos_token`` says which,
+or ``""`` for none: documents are never packed without an end marker unasked. Rows are
+encoded in groups, by the tokenizer's own threads (all cores).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from zjax.data._chat import ROLES, load_chat_template, special_token, tokenizer_
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError, did_you_mean
 
-__all__ = ["Encoder", "groups", "span_mask"]
+__all__ = ["Encoder", "eos_id", "groups", "span_mask"]
 
 # rows per parallel encode call: large groups keep the tokenizer's threads busy (4096 rows of
 # 4 KB: 0.86 of encode_batch's own rate on the whole input; 256: 0.73), bounded in characters
@@ -51,13 +55,15 @@ class Encoder:
                      "messages_field": data.messages_field}
         self.tokenizer, self.eos_id, self.template = None, None, None
         self.vocab_size = 256
+        self.meta["tokenizer_id"] = None  # bytes
         if data.tokenizer is not None:
-            from zjax.data._tokenizer import id_bound, load_tokenizer
+            from zjax.data._tokenizer import id_bound, load_tokenizer, tokenizer_identity
 
             self.tokenizer = load_tokenizer(data.tokenizer)
             self.vocab_size = id_bound(self.tokenizer)
-            eos = special_token(tokenizer_config(data.tokenizer), "eos_token")
-            self.eos_id = None if eos is None else self.tokenizer.token_to_id(eos)
+            self.eos_id = eos_id(self.tokenizer, data)
+            self.meta["tokenizer_id"] = tokenizer_identity(self.tokenizer, data.tokenizer,
+                                                           eos_id=self.eos_id)
         if data.format == "chat":
             if self.tokenizer is None:
                 raise ConfigError("data.format: chat needs data.tokenizer (a tokenizer.json "
@@ -121,6 +127,49 @@ class Encoder:
             ids = np.asarray(enc.ids, np.int32)
             mask = np.ones(len(ids), np.uint8) if self.train_all else span_mask(enc, spans)
             yield ids, mask
+
+
+_EOS_LIKE = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>",
+             "<end_of_turn>", "<|end|>", "[SEP]", "<|eos|>")
+
+
+def eos_id(tokenizer, data: DataConfig) -> int | None:
+    """The id ``data``'s documents end with: ``data.eos_token``, else the tokenizer config's
+    ``eos_token`` (None: ``data.eos_token`` is ``""``, or a chat, whose template ends turns).
+
+    Raises:
+      ConfigError: the token named is not in the vocabulary, or none is named for ``text``
+        or ``prompt_completion`` (naming the tokenizer and how to set one).
+    """
+    if data.eos_token == "":
+        return None
+    if data.eos_token is not None:
+        found = tokenizer.token_to_id(data.eos_token)
+        if found is None:
+            raise ConfigError(f"data.eos_token: {data.eos_token!r} is not a token of "
+                              f"{data.tokenizer}{_eos_hint(tokenizer)}")
+        return found
+    from pathlib import Path
+
+    config = Path(data.tokenizer).parent / "tokenizer_config.json"
+    eos = special_token(tokenizer_config(data.tokenizer), "eos_token")
+    found = None if eos is None else tokenizer.token_to_id(eos)
+    if found is not None or data.format == "chat":
+        return found
+    why = (f"there is no {config}" if not config.is_file()
+           else f"{config} names no eos_token" if eos is None
+           else f"the eos_token {eos!r} of {config} is not in its vocabulary")
+    raise ConfigError(
+        f"data.tokenizer: {data.tokenizer}: {why}, so the {data.format} documents would be "
+        "packed with no end-of-document token (the model would never learn where a document "
+        "ends); set data.eos_token (zjax tokenize --eos-token) to the tokenizer's "
+        f"end-of-document token{_eos_hint(tokenizer)}, or to '' to go without")
+
+
+def _eos_hint(tokenizer) -> str:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    like = [t for t in _EOS_LIKE if t in vocab]
+    return f" (it has {', '.join(map(repr, like))})" if like else ""
 
 
 def groups(rows: Iterable[tuple[str, dict]]) -> Iterator[list[tuple[str, dict]]]:

@@ -11,16 +11,23 @@ their documents' order; the rest of it is padding: segment 0, masked.
 
 The packing is computed once (deterministic), so a window is an index: shuffling, resuming and
 slicing by process work on indices, as for a token stream.
+
+A held-out split with fewer windows than one batch is evaluated as one padded batch
+(:func:`padded_batches`): its windows, then rows whose loss mask is 0 everywhere, which add
+nothing to the loss's sum or to its token count.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from zjax.data._store import Documents
 from zjax.errors import ConfigError
 
-__all__ = ["PackedWindows", "pack"]
+__all__ = ["PackedWindows", "PaddedWindows", "pack", "padded_batches"]
 
 
 def _pieces(docs: Documents, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,3 +163,40 @@ class PackedWindows:
                "segment_ids": np.repeat(np.arange(1, hi - lo + 1), lengths),
                "positions": positions, "loss_mask": self.docs.loss_mask[index]}
         return {k: np.pad(v.astype(np.int32), (0, n - used)) for k, v in out.items()}
+
+
+class PaddedWindows:
+    """The windows of ``parts`` one after the other, then padding up to ``rows``: each
+    padding row is a dict of zeros like a window's (segment 0, loss mask 0).
+
+    Args:
+      parts: sequences of windows (dicts of int32 ``[seq_len + 1]`` arrays).
+      rows: the length, at least the windows'.
+      like: the fields of a padding row (a window's keys).
+    """
+
+    def __init__(self, parts: Sequence[Sequence[Any]], rows: int, seq_len: int,
+                 like: Sequence[str]):
+        self.parts, self.rows, self.seq_len, self.like = list(parts), rows, seq_len, like
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        i = int(i)
+        for part in self.parts:
+            if i < len(part):
+                return part[i]
+            i -= len(part)
+        return {k: np.zeros(self.seq_len + 1, np.int32) for k in self.like}
+
+
+def padded_batches(windows: PaddedWindows, *, process_index: int, process_count: int):
+    """The one global batch of ``windows`` (padded to its rows), again and again: this
+    process's rows of it, as a grain iterator (``get_state``/``set_state``)."""
+    import grain
+
+    ds = grain.MapDataset.source(windows).repeat()
+    ds = ds.slice(slice(process_index, None, process_count))
+    ds = ds.batch(windows.rows // process_count, drop_remainder=True)
+    return iter(ds.to_iter_dataset())

@@ -5,12 +5,17 @@ Groups of rows go to ``workers`` spawned processes, each with its own :class:`En
 same ``data`` section (and a single-threaded tokenizer: the processes are the parallelism);
 results come back in the rows' order, at most ``2 * workers`` groups in flight. The encoding
 of a group is the same function as in one process, so the output is the same bytes.
+
+The workers ignore SIGINT and end with this process (:func:`zjax.runtime._stop.worker_start`);
+when the encoding stops early (an error, an interrupt, the consumer closing the generator) the
+workers are terminated at once, not waited for.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import multiprocessing
 import os
 from collections.abc import Iterable, Iterator
@@ -27,7 +32,11 @@ _ENCODER: Encoder | None = None
 
 def _start(data: DataConfig) -> None:
     global _ENCODER
+    from zjax.runtime._stop import worker_start
+
+    worker_start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # this worker is one of the cores
+    logging.getLogger("zjax").setLevel(logging.ERROR)  # the parent's Encoder said it already
     _ENCODER = Encoder(data)
 
 
@@ -39,9 +48,9 @@ def encode_in_parallel(data: DataConfig, rows: Iterable[tuple[str, dict]], *,
                        workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``Encoder(data).documents(rows)``, encoded by ``workers`` processes."""
     context = multiprocessing.get_context("spawn")  # no fork of a threaded tokenizer
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
-                                                initializer=_start,
-                                                initargs=(data,)) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                  initializer=_start, initargs=(data,))
+    try:
         pending: collections.deque = collections.deque()
         for group in groups(rows):
             pending.append(pool.submit(_encode, group))
@@ -49,3 +58,20 @@ def encode_in_parallel(data: DataConfig, rows: Iterable[tuple[str, dict]], *,
                 yield from pending.popleft().result()
         while pending:
             yield from pending.popleft().result()
+    except BaseException:
+        _terminate(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """End ``pool``'s processes now (their groups in flight are dropped)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in processes:
+        p.terminate()
+    for p in processes:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -12,13 +12,22 @@ Sources (``data.path``):
   tokenize`` writes one).
 
 Text is byte-level unless ``data.tokenizer`` names a ``tokenizer.json`` (:mod:`zjax.data.tokenize`).
+Every byte of every file is read: files are joined by a newline; byte-level, one file is
+memory-mapped and several are read into one array (no copy of it held twice); with a
+tokenizer, the text is encoded in pieces of about a million characters cut at line ends (the
+tokenizer's threads encode them in parallel) and only the ids are kept. The default source,
+the standard library, is about 30 MB (read in under a second).
 """
 
 from __future__ import annotations
 
 import glob
+import io
+import itertools
+import logging
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import grain
@@ -41,15 +50,19 @@ def stdlib_files() -> list[Path]:
 
 def text_files(path: str, *, key: str = "data.path") -> list[Path]:
     """The files of a text file, a directory (all files under it) or a glob, sorted."""
+    from zjax.data._store import is_partial  # what an interrupted `zjax tokenize` left
+
     p = Path(path)
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file())
+        files = sorted(f for f in p.rglob("*")
+                       if f.is_file() and not is_partial(f.relative_to(p)))
         if not files:
             raise ConfigError(f"{key}: directory {path!r} holds no file")
         return files
     if p.is_file():
         return [p]
-    files = sorted(Path(f) for f in glob.glob(os.fspath(path), recursive=True) if Path(f).is_file())
+    files = sorted(Path(f) for f in glob.glob(os.fspath(path), recursive=True)
+                   if Path(f).is_file() and not is_partial(Path(f)))
     if not files:
         raise ConfigError(f"{key}: {path!r} does not exist and matches no file as a glob")
     return files
@@ -67,9 +80,10 @@ class Tokens:
         self.train = tokens[: len(tokens) - n_eval]
         self.eval = tokens[len(tokens) - n_eval:]
         self.source = source
-        self.vocab_size = int(tokens.max()) + 1 if len(tokens) else 0
-        if tokens.dtype == np.uint8:
+        if tokens.dtype == np.uint8:  # bytes (a memory-mapped file is not read here)
             self.vocab_size = BYTE_VOCAB
+        else:
+            self.vocab_size = int(tokens.max()) + 1 if len(tokens) else 0
 
     def split(self, name: str) -> np.ndarray:
         if name not in ("train", "eval"):
@@ -78,11 +92,12 @@ class Tokens:
 
 
 def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
-                max_bytes: int | None = 64 * 2**20, tokenizer: str | None = None) -> Tokens:
+                max_bytes: int | None = None, tokenizer: str | None = None) -> Tokens:
     """Read the token stream of ``data.path`` (see the module docstring for the sources).
 
     ``tokenizer``: a ``tokenizer.json`` that text sources are encoded with (byte-level
-    without); the stream's vocabulary is then the tokenizer's.
+    without); the stream's vocabulary is then the tokenizer's. ``max_bytes``: read only the
+    first this many bytes of the text (a sample, asked for; the default reads everything).
     """
     tokens = _load_tokens(path, eval_fraction=eval_fraction, max_bytes=max_bytes,
                           tokenizer=tokenizer)
@@ -95,44 +110,132 @@ def load_tokens(path: str | None = None, *, eval_fraction: float = 0.05,
 
 def _load_tokens(path: str | None, *, eval_fraction: float, max_bytes: int | None,
                  tokenizer: str | None) -> Tokens:
-    if path is not None and str(path).endswith(".npy") and Path(path).is_file():
-        try:
-            arr = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"data.path: cannot read token array {path!r}: {e}") from None
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ConfigError(f"data.path: {path!r} holds {arr.dtype}, expected integer tokens")
-        if arr.ndim != 1:
-            what = ("a single number (a 0-d array)" if arr.ndim == 0
-                    else f"an array of shape {arr.shape}")
-            raise ConfigError(f"data.path: {path!r} holds {what}, expected a flat (1-d) array "
-                              "of token ids")
-        if len(arr) == 0:
-            raise ConfigError(f"data.path: {path!r} is empty")
-        _check_ids(arr, str(path))
-        return Tokens(arr, eval_fraction=eval_fraction, source=str(path))
+    if path is not None and str(path).lower().endswith(".npy") and Path(path).is_file():
+        from zjax.data._store import check_npy_tokenizer
+
+        check_npy_tokenizer(path, tokenizer)  # its record names the tokenizer of its ids
+        return Tokens(_token_array(str(path)), eval_fraction=eval_fraction, source=str(path))
     files = stdlib_files() if path is None else text_files(path)
-    chunks, total = [], 0
+    if path is not None:
+        from zjax.data._plaintext import check_text_files
+
+        check_text_files(path, files, key="data.path")  # a .csv or a .jsonl.bz2 is not text
+    sizes = []
     for f in files:
         try:
-            data = f.read_bytes()
+            sizes.append(f.stat().st_size)
         except OSError as e:
-            raise ConfigError(f"data.path: cannot read {str(f)!r}: {e}") from None
-        chunks.append(data)
-        total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    if total == 0:
+            raise ConfigError(f"data.path: cannot read {str(f)!r}: {e.strerror}") from None
+    if sum(sizes) == 0:
         raise ConfigError(f"data.path: {path!r} holds no data (all files are empty)")
     source = "the Python standard library" if path is None else str(path)
     if tokenizer is not None:
         from zjax.data._tokenizer import load_tokenizer
 
-        text = b"\n".join(chunks).decode("utf-8", errors="replace")
-        ids = load_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids
-        return Tokens(np.asarray(ids, np.int32), eval_fraction=eval_fraction, source=source)
-    tokens = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
-    return Tokens(tokens, eval_fraction=eval_fraction, source=source)
+        ids = _encode(load_tokenizer(tokenizer), _text_pieces(files, max_bytes))
+        return Tokens(ids, eval_fraction=eval_fraction, source=source)
+    return Tokens(_byte_stream(files, sizes, max_bytes), eval_fraction=eval_fraction,
+                  source=source)
+
+
+def _token_array(path: str) -> np.ndarray:
+    """A ``.npy`` of token ids, memory-mapped and checked."""
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path: cannot read token array {path!r}: {e}") from None
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"data.path: {path!r} holds {arr.dtype}, expected integer tokens")
+    if arr.ndim != 1:
+        what = ("a single number (a 0-d array)" if arr.ndim == 0
+                else f"an array of shape {arr.shape}")
+        raise ConfigError(f"data.path: {path!r} holds {what}, expected a flat (1-d) array "
+                          "of token ids")
+    if len(arr) == 0:
+        raise ConfigError(f"data.path: {path!r} is empty")
+    _check_ids(arr, path)
+    return arr
+
+
+def _byte_stream(files: list[Path], sizes: list[int], max_bytes: int | None) -> np.ndarray:
+    """Every byte of ``files``, joined by newlines: one file memory-mapped, several read
+    into one array."""
+    total = sum(sizes) + len(files) - 1
+    if len(files) == 1 and max_bytes is None:
+        try:
+            return np.memmap(files[0], dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.path: cannot read {str(files[0])!r}: {e}") from None
+    out = np.empty(total if max_bytes is None else min(total, max_bytes), np.uint8)
+    at = 0
+    for f, size in zip(files, sizes, strict=True):
+        if at >= len(out):
+            break  # only with max_bytes: the sample asked for
+        if at:
+            out[at], at = ord("\n"), at + 1
+        want = min(size, len(out) - at)
+        try:
+            with open(f, "rb") as fh:
+                got = fh.readinto(memoryview(out)[at:at + want])
+        except OSError as e:
+            raise ConfigError(f"data.path: cannot read {str(f)!r}: {e.strerror}") from None
+        if got != want:
+            raise ConfigError(f"data.path: {str(f)!r} changed while it was read ({size} bytes "
+                              f"when listed, {got} read)")
+        at += want
+    return out[:at]
+
+
+_PIECE = 1 << 20  # characters of text per encode (cut at a line end), for parallel encoding
+
+
+def _text_pieces(files: list[Path], max_bytes: int | None) -> Iterator[str]:
+    """The text of ``files`` joined by newlines (undecodable bytes replaced), in pieces of
+    about ``_PIECE`` characters cut after a newline."""
+    left = max_bytes
+    for k, f in enumerate(files):
+        if left is not None and left <= 0:
+            return
+        carry = "\n" if k else ""
+        try:
+            with open(f, "rb") as fh:
+                text = io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline="")
+                while chunk := text.read(_PIECE):
+                    if left is not None:
+                        chunk, left = chunk[:left], left - len(chunk)
+                    carry += chunk
+                    cut = carry.rfind("\n") + 1
+                    if cut:
+                        yield carry[:cut]
+                        carry = carry[cut:]
+                    elif len(carry) >= 4 * _PIECE:  # no line end for a long way
+                        yield carry
+                        carry = ""
+                    if left is not None and left <= 0:
+                        break
+        except OSError as e:
+            raise ConfigError(f"data.path: cannot read {str(f)!r}: {e.strerror}") from None
+        if carry:
+            yield carry
+
+
+def _encode(tokenizer, pieces: Iterator[str]) -> np.ndarray:
+    """The ids of ``pieces``, in order, as int32 (encoded in parallel groups)."""
+    out, group = [], []
+    for piece in itertools.chain(pieces, [None]):
+        if piece is not None:
+            group.append(piece)
+        if group and (piece is None or len(group) == _GROUP):
+            for enc in tokenizer.encode_batch(group, add_special_tokens=False):
+                out.append(np.asarray(enc.ids, np.int32))
+            group = []
+    ids = np.concatenate(out) if out else np.zeros(0, np.int32)
+    if len(ids) == 0:
+        raise ConfigError("data.path: the text encodes to no token")
+    return ids
+
+
+_GROUP = 16  # pieces per encode_batch call
 
 
 def _check_ids(arr: np.ndarray, path: str) -> None:
@@ -163,12 +266,17 @@ class _Windows:
 
 def window_batches(tokens: np.ndarray, *, global_batch: int, seq_len: int, seed: int,
                    process_index: int = 0, process_count: int = 1,
-                   split: str = "train") -> grain.DatasetIterator:
+                   split: str = "train") -> grain.DatasetIterator | None:
     """A checkpointable iterator of this process's ``[global_batch / processes, seq_len + 1]``.
 
     Windows are reshuffled every epoch from ``seed``; process ``p`` takes every
     ``process_count``-th window starting at ``p``, so the processes' slices of a global batch
     are disjoint and together form it.
+
+    An ``eval`` split shorter than one batch of windows is one batch of dicts (``tokens`` and
+    ``loss_mask``): its windows (the last one partial), then padding whose loss mask is 0, so
+    it adds nothing to the loss. One with fewer than 2 tokens gives None (no evaluation) and
+    logs a warning. Only a ``train`` split too short for one batch is refused.
     """
     if global_batch % process_count:
         raise ConfigError(
@@ -176,17 +284,49 @@ def window_batches(tokens: np.ndarray, *, global_batch: int, seq_len: int, seed:
         )
     windows = _Windows(tokens, seq_len)
     if len(windows) < global_batch and split == "eval":
-        raise ConfigError(
-            f"data.eval_fraction: the eval split ({len(tokens)} tokens) holds {len(windows)} "
-            f"windows of {seq_len + 1}, fewer than one batch of {global_batch}; raise "
-            "data.eval_fraction, or set train.eval_every=0"
-        )
+        return _short_eval(tokens, seq_len=seq_len, global_batch=global_batch,
+                           process_index=process_index, process_count=process_count)
     if len(windows) < global_batch:
         raise ConfigError(
-            f"data.seq_len: the {split} split ({len(tokens)} tokens) holds {len(windows)} "
-            f"windows of {seq_len + 1}, fewer than one batch of {global_batch}"
+            f"data.batch_size: {global_batch}, but the {split} split ({len(tokens)} tokens) "
+            f"holds {len(windows)} windows of {seq_len + 1} (data.seq_len {seq_len} + 1), "
+            "fewer than one batch; lower data.batch_size or data.seq_len, or add data"
         )
     ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
     ds = ds.slice(slice(process_index, None, process_count))
     ds = ds.batch(global_batch // process_count, drop_remainder=True)
     return iter(ds.to_iter_dataset())
+
+
+class _MaskedWindows:
+    """The windows of a short stream, the last one partial, as ``tokens`` and ``loss_mask``
+    (1 on the window's tokens, 0 on the zeros that fill a partial one)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = -(-(len(tokens) - 1) // seq_len) if len(tokens) > 1 else 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        start = int(i) * self.seq_len
+        real = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
+        pad = self.seq_len + 1 - len(real)
+        return {"tokens": np.pad(real, (0, pad)),
+                "loss_mask": np.pad(np.ones(len(real), np.int32), (0, pad))}
+
+
+def _short_eval(tokens: np.ndarray, *, seq_len: int, global_batch: int, process_index: int,
+                process_count: int) -> grain.DatasetIterator | None:
+    from zjax.data._packing import PaddedWindows, padded_batches
+
+    windows = _MaskedWindows(tokens, seq_len)
+    if len(windows) == 0:
+        logging.getLogger("zjax").warning(
+            "data.eval_fraction: the eval split holds %d tokens, no window to evaluate on; "
+            "training without evaluation (raise data.eval_fraction, or set "
+            "train.eval_every=0)", len(tokens))
+        return None
+    rows = PaddedWindows([windows], global_batch, seq_len, ("tokens", "loss_mask"))
+    return padded_batches(rows, process_index=process_index, process_count=process_count)

@@ -10,6 +10,7 @@ grain's, so its ``get_state()`` / ``set_state()`` resume at the exact next batch
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from zjax.data._documents import Encoder
-from zjax.data._packing import pack
+from zjax.data._packing import PaddedWindows, pack, padded_batches
 from zjax.data._sources import is_record_file, object_rows, record_files, rows, source_kind
 from zjax.data._store import Documents, build_documents, read_store
 from zjax.data._tokenizer import id_bound, load_tokenizer
@@ -86,7 +87,10 @@ def _there(path) -> bool:
 
 
 def _store(path: str, data: DataConfig) -> Documents:
+    from zjax.data._store import check_store_tokenizer
+
     docs = read_store(path)
+    check_store_tokenizer(docs, data.tokenizer, data.eos_token)  # the ids are its ids
     for key in ("format", "train_on_prompt"):
         made = docs.meta.get(key)
         if made is not None and made != getattr(data, key):
@@ -112,6 +116,9 @@ def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
         name = type(spec).__name__ if source is not None else str(spec)
         loaded.append((build_documents(encoder.documents(found), vocab_size=encoder.vocab_size,
                                        source=name, meta=encoder.meta), weight))
+    from zjax.data._store import check_same_tokenizer
+
+    check_same_tokenizer(d for d, _ in loaded)  # never ids of two tokenizers mixed
     vocab = max(d.vocab_size for d, _ in loaded)
     if encoder is None and data.tokenizer is not None:  # tokenized directories only
         vocab = max(vocab, id_bound(load_tokenizer(data.tokenizer)))
@@ -119,32 +126,67 @@ def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
 
 
 def document_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: int,
-                     process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+                     process_index: int = 0, process_count: int = 1
+                     ) -> grain.DatasetIterator | None:
     """A checkpointable iterator of this process's ``[batch_size / processes, seq_len + 1]``
-    dicts; windows are reshuffled every epoch from ``seed``."""
+    dicts; windows are reshuffled every epoch from ``seed``.
+
+    An ``eval`` split with fewer windows than one batch gives that one batch again and again,
+    padded with rows that count for nothing (loss mask 0); one with no window at all gives
+    None (no evaluation) and logs a warning. Only a ``train`` split too small for one batch
+    is refused.
+    """
     if data.batch_size % process_count:
         raise ConfigError(f"data.batch_size: {data.batch_size} is not divisible by the "
                           f"{process_count} processes")
-    parts, weights = [], []
+    found = []  # (k, windows, weight)
     for k, (docs, weight) in enumerate(corpus.split(split, data.eval_fraction)):
+        if split == "eval":
+            windows = _eval_windows(docs, data)
+            if windows is not None:
+                found.append((k, windows, weight))
+            continue
         if len(docs) == 0:
-            raise ConfigError(_too_few(split, docs.source, "no documents", data))
+            raise ConfigError(_too_few(docs.source, "no document", data))
         windows = pack(docs, seq_len=data.seq_len, packing=data.packing)
         if len(windows) < data.batch_size:
-            raise ConfigError(_too_few(split, docs.source, f"{len(windows)} windows", data))
-        parts.append(grain.MapDataset.source(windows).shuffle(seed=seed + k).repeat())
-        weights.append(weight)
+            raise ConfigError(_too_few(docs.source, f"{len(windows)} windows", data))
+        found.append((k, windows, weight))
+    shard = dict(process_index=process_index, process_count=process_count)
+    if not found:
+        logging.getLogger("zjax").warning(
+            "data.eval_fraction: the eval split (%s of %s) holds no document to evaluate on; "
+            "training without evaluation (raise data.eval_fraction, or set "
+            "train.eval_every=0)", data.eval_fraction, corpus.source)
+        return None
+    if split == "eval" and sum(len(w) for _, w, _ in found) < data.batch_size:
+        rows = PaddedWindows([w for _, w, _ in found], data.batch_size, data.seq_len,
+                             BATCH_FIELDS)
+        return padded_batches(rows, **shard)
+    parts = [grain.MapDataset.source(w).shuffle(seed=seed + k).repeat() for k, w, _ in found]
+    weights = [weight for _, _, weight in found]
     ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
     ds = ds.slice(slice(process_index, None, process_count))
     ds = ds.batch(data.batch_size // process_count, drop_remainder=True)
     return iter(ds.to_iter_dataset())
 
 
-def _too_few(split: str, source: str, what: str, data: DataConfig) -> str:
-    fix = ("raise data.eval_fraction, or set train.eval_every=0" if split == "eval"
-           else "lower data.batch_size or data.seq_len")
-    return (f"data.path: the {split} split of {source} holds {what} of {data.seq_len + 1} "
-            f"tokens, fewer than one batch of {data.batch_size}; {fix}")
+def _eval_windows(docs: Documents, data: DataConfig):
+    """The packed windows of a source's held-out documents, or None where there is none (no
+    document, or none with a token to evaluate on)."""
+    if len(docs) == 0:
+        return None
+    try:
+        windows = pack(docs, seq_len=data.seq_len, packing=data.packing)
+    except ConfigError:  # no token under the loss masks
+        return None
+    return windows if len(windows) else None
+
+
+def _too_few(source: str, what: str, data: DataConfig) -> str:
+    return (f"data.batch_size: {data.batch_size}, but the train split of {source} holds "
+            f"{what} (data.seq_len {data.seq_len} + 1 tokens each), fewer than one batch; "
+            "lower data.batch_size or data.seq_len, or add data")
 
 
 def abstract_documents_batch(data: DataConfig) -> dict[str, jax.ShapeDtypeStruct]:

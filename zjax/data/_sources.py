@@ -6,6 +6,13 @@ records (JSON lines, optionally gzip or zstd compressed; Parquet; Arrow IPC, as
 read streaming (Parquet and Arrow by record batch, memory-mapped; JSON lines by line), so a
 source larger than memory is read in one pass. Each row comes with where it is
 (``FILE, row N``), for the errors.
+
+A damaged source is an error naming the file, never a shorter dataset: a compressed file that
+ends inside a gzip member or a zstd frame (zstandard's own stream reader returns what decoded
+as if the file ended there), an Arrow stream without its end-of-stream marker (the stream
+reader stops at the last whole batch), a Parquet page that does not decode (or whose checksum
+does not match), an Arrow batch whose buffers do not validate. A file cut exactly between two
+gzip members or zstd frames is a valid file, and cannot be told from one.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import gzip
 import io
 import json
 import os
+import re
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,13 +51,20 @@ def _expand(item: str, key: str) -> list[Path]:
     if p.is_dir():
         if (p / STORE_META).is_file() or _is_hf_dir(p):
             return [p]
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        from zjax.data._store import is_partial  # _store imports this module
+
+        # hidden files, and what an interrupted `zjax tokenize` left, are never records
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
+                       and not is_partial(f.relative_to(p)))
         if not files:
             raise ConfigError(f"{key}: directory {item!r} holds no file")
         return files
     if p.is_file():
         return [p]
-    found = sorted(Path(f) for f in glob.glob(os.fspath(item), recursive=True))
+    from zjax.data._store import is_partial
+
+    found = sorted(Path(f) for f in glob.glob(os.fspath(item), recursive=True)
+                   if not is_partial(Path(f)))
     if not found:
         raise ConfigError(f"{key}: {item!r} does not exist and matches no file as a glob")
     return found
@@ -103,19 +119,71 @@ def rows(files: Sequence[Path], columns: Sequence[str]) -> Iterator[tuple[str, d
             yield from _arrow(f, columns)
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a zstd file, frame after frame.
+
+    Raises ``EOFError`` where the file ends inside a frame (zstandard's ``stream_reader``
+    returns the bytes that decoded and then end-of-file, as if the data ended there) and
+    ``OSError`` on bytes that are not zstd."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw, self._error, self._new = raw, zstandard.ZstdError, \
+            zstandard.ZstdDecompressor().decompressobj
+        self._frame, self._inside = self._new(), False
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._at == len(self._out):
+            chunk = self._raw.read(1 << 16)
+            if not chunk:
+                if self._inside:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            self._out, self._at = self._decode(chunk), 0
+        n = min(len(b), len(self._out) - self._at)
+        b[:n] = self._out[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def _decode(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            try:
+                out.append(self._frame.decompress(data))
+            except self._error as e:
+                raise OSError(f"not zstd data ({e})") from None
+            self._inside = not self._frame.eof
+            data = b""
+            if self._frame.eof:  # the next frame starts in what is left
+                data, self._frame = self._frame.unused_data, self._new()
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
 def _opened(path: Path) -> io.TextIOBase:
     name = path.name.lower()
     raw = open(path, "rb")  # noqa: SIM115 - closed by the wrapper
     if name.endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw)
     elif name.endswith(".zst"):
-        import zstandard
-
-        raw = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        raw = io.BufferedReader(_ZstdFrames(raw))
     return io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
 
 
+# a lone surrogate can only come from a JSON escape (the line itself is valid UTF-8)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _jsonl(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
+    n = 0
     try:
         with _opened(path) as lines:
             for n, line in enumerate(lines, 1):
@@ -127,9 +195,39 @@ def _jsonl(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"{where}: not JSON ({e.msg} at column {e.colno}); each "
                                       "line of a .jsonl file is one JSON object") from None
-                yield where, _pick(row, columns, where)
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise ConfigError(f"data.path: cannot read {str(path)!r}: {e}") from None
+                except RecursionError:
+                    raise ConfigError(f"{where}: JSON nested too deeply to read") from None
+                row = _pick(row, columns, where)
+                if _SURROGATE_ESCAPE.search(line):
+                    check_text(row, columns, where)
+                yield where, row
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:
+        damage = "" if getattr(e, "errno", None) else "; the file is damaged or truncated"
+        raise ConfigError(f"data.path: cannot read {str(path)!r} (after row {n}): "
+                          f"{_why(e)}{damage}") from None
+
+
+def check_text(row: dict, columns: Sequence[str], where: str) -> None:
+    """Refuse a string in ``row[columns]`` (at any depth) that is not valid Unicode text: a
+    lone surrogate (``"\\ud800"`` in JSON) has no UTF-8 encoding, so no tokenizer reads it."""
+
+    def walk(value, at: str) -> None:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{where}: {at} holds a lone surrogate "
+                                  f"({value[e.start]!r} at character {e.start}), which is not "
+                                  "text (no UTF-8 encoding); fix or drop the row") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{at}[{k!r}]")
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(v, f"{at}[{i}]")
+
+    for c in columns:
+        walk(row[c], f"field {c!r}")
 
 
 def _pick(row: Any, columns: Sequence[str], where: str) -> dict:
@@ -137,7 +235,9 @@ def _pick(row: Any, columns: Sequence[str], where: str) -> dict:
         raise ConfigError(f"{where}: expected a JSON object with {_names(columns)}, got "
                           f"{type(row).__name__}")
     for c in columns:
-        if row.get(c) is None:
+        if c in row and row[c] is None:
+            raise ConfigError(f"{where}: field {c!r} is null, expected a value")
+        if c not in row:
             have = ", ".join(map(repr, sorted(row))) or "none"
             raise ConfigError(f"{where}: no field {c!r} (fields: {have})")
     return row
@@ -147,14 +247,28 @@ def _names(columns: Sequence[str]) -> str:
     return " and ".join(repr(c) for c in columns)
 
 
-def _table_rows(batches, schema_names, columns, path: Path) -> Iterator[tuple[str, dict]]:
+def _table_rows(batches, schema_names, columns, path: Path, *, validate: bool = False
+                ) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+
     missing = [c for c in columns if c not in schema_names]
     if missing:
         raise ConfigError(f"{path}: no column {missing[0]!r} (columns: "
                           f"{', '.join(map(repr, schema_names))})")
     n = 0
-    for batch in batches:
-        for row in batch.select(list(columns)).to_pylist():
+    batches = iter(batches)
+    while True:
+        try:  # a page or batch that does not decode is damage, not the end of the data
+            batch = next(batches, None)
+            if batch is not None and validate:  # memory-mapped buffers, never checked
+                batch.validate(full=True)
+            picked = None if batch is None else batch.select(list(columns)).to_pylist()
+        except (OSError, pa.ArrowException, UnicodeDecodeError, EOFError) as e:
+            raise ConfigError(f"data.path: cannot read {str(path)!r} (after row {n}): "
+                              f"{_why(e)}; the file is damaged or truncated") from None
+        if picked is None:
+            return
+        for row in picked:
             n += 1
             yield f"{path}, row {n}", _pick(row, columns, f"{path}, row {n}")
 
@@ -164,13 +278,31 @@ def _parquet(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path, memory_map=True)
+        pf = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
-        raise ConfigError(f"data.path: cannot read {str(path)!r} as Parquet: {e}") from None
+        raise ConfigError(f"data.path: cannot read {str(path)!r} as Parquet: "
+                          f"{_why(e)}") from None
     names = pf.schema_arrow.names
     have = [c for c in columns if c in names]
     yield from _table_rows(pf.iter_batches(batch_size=_BATCH, columns=have or None),
                            names, columns, path)
+
+
+def _magic(path: Path) -> bool:
+    """Whether ``path`` starts as an Arrow file (not a stream) does."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(6) == b"ARROW1"
+    except OSError:
+        return False
+
+
+def _why(e: BaseException) -> str:
+    """``e``'s first line, without its full stop (the library's words, in ours)."""
+    return (str(e).splitlines()[0].rstrip(". ") if str(e).strip() else type(e).__name__)
+
+
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow stream's end-of-stream marker
 
 
 def _arrow(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
@@ -186,16 +318,28 @@ def _arrow(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         else:
             batches = iter(reader)
+            if source.size() < len(_EOS) or source.read_at(len(_EOS), source.size()
+                                                           - len(_EOS)) != _EOS:
+                raise ConfigError(f"data.path: {str(path)!r}: the Arrow stream does not end "
+                                  "with its end-of-stream marker: the file is truncated (or "
+                                  "its writer was never closed)")
     except (OSError, pa.ArrowException) as e:
-        raise ConfigError(f"data.path: cannot read {str(path)!r} as Arrow: {e}") from None
-    yield from _table_rows(batches, reader.schema.names, columns, path)
+        why = " (an Arrow file without its footer: truncated?)" if _magic(path) else ""
+        raise ConfigError(f"data.path: cannot read {str(path)!r} as Arrow{why}: "
+                          f"{_why(e)}") from None
+    yield from _table_rows(batches, reader.schema.names, columns, path, validate=True)
 
 
 def _dataset_dir(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
     """A ``datasets.save_to_disk`` directory: its ``state.json`` lists the Arrow files; of a
     ``DatasetDict``, the ``train`` split."""
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            splits = [str(s) for s in splits]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"data.path: {str(path)!r}: dataset_dict.json is not a "
+                              f"datasets DatasetDict's ({type(e).__name__}: {e})") from None
         if "train" not in splits:
             raise ConfigError(f"data.path: {str(path)!r} is a DatasetDict without a 'train' "
                               f"split (splits: {', '.join(splits)}); name the split's "
@@ -222,4 +366,6 @@ def object_rows(source: Any, columns: Sequence[str]) -> Iterator[tuple[str, dict
                           "a grain data source or a list of records") from None
     for i in range(n):
         where = f"{name} row {i}"
-        yield where, _pick(source[i], columns, where)
+        row = _pick(source[i], columns, where)
+        check_text(row, columns, where)
+        yield where, row

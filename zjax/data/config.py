@@ -30,7 +30,8 @@ class DataConfig:
         ``{path: weight}`` mixes its sources in those proportions. Empty for the ``.py``
         files of Python's standard library.
       eval_fraction: the tail of the data held out for evaluation (documents, or tokens of a
-        stream).
+        stream). A tail shorter than one batch is evaluated as one batch padded with rows
+        that count for nothing; one with no window at all means no evaluation (a warning).
       tokenizer: a Hugging Face ``tokenizer.json``: text is tokenized with it as it is read
         (instead of byte-level), and ``model.vocab_size`` must cover its vocabulary; its
         ``tokenizer_config.json`` (beside it) gives the end-of-sequence token and the chat
@@ -46,6 +47,11 @@ class DataConfig:
         each document its own window, the rest padded (and masked).
       train_on_prompt: train on every token; by default a ``chat`` record trains only on
         its assistant turns and a ``prompt_completion`` record only on its completion.
+      eos_token: the token that ends each ``text`` record and each completion (a token of
+        ``data.tokenizer``); unset: the ``eos_token`` of its ``tokenizer_config.json``. A
+        tokenizer without one (no config, or its ``eos_token`` is not in the vocabulary) is
+        refused for these formats until this is set: to a token, or to ``""`` for documents
+        with no end marker (packed documents are still kept apart by their segment ids).
     """
 
     batch_size: int = positive(16)
@@ -58,6 +64,7 @@ class DataConfig:
     messages_field: str = "messages"
     packing: bool = True
     train_on_prompt: bool = False
+    eos_token: str | None = None
 
     def __post_init__(self):
         validate(self, "data")

@@ -53,8 +53,11 @@ class Loop(Protocol):
         ...
 
     def data(self, data: DataConfig, *, split: str, seed: int, process_index: int,
-             process_count: int) -> Iterator[np.ndarray]:
-        """This process's slice of each global batch; ``get_state``/``set_state`` if it can."""
+             process_count: int) -> Iterator[np.ndarray] | None:
+        """This process's slice of each global batch; ``get_state``/``set_state`` if it can.
+
+        For ``split="eval"``, None means there is nothing to evaluate on: the run goes on
+        without evaluation (say why in a warning)."""
         ...
 
 
@@ -106,7 +109,9 @@ class LanguageModel:
         return jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), np.int32)
 
     def data(self, data: DataConfig, *, split: str, seed: int, process_index: int = 0,
-             process_count: int = 1) -> Iterator[Any]:
+             process_count: int = 1) -> Iterator[Any] | None:
+        """This process's batches of ``split``: a short eval split is one padded batch,
+        masked; an empty one is None (no evaluation, one warning)."""
         shard = dict(split=split, seed=seed, process_index=process_index,
                      process_count=process_count)
         tokens = self.tokens(data)

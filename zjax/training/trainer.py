@@ -238,6 +238,7 @@ def _data(loop: Loop, config: Config, zstep: ZeroStep):
     index, count = process_batch_slice(zstep.plan.mesh)
     shard = dict(process_index=index, process_count=count, seed=config.train.seed)
     train_data = loop.data(config.data, split="train", **shard)
+    # None: nothing held out to evaluate on (the loop has warned); the run goes on without
     eval_data = loop.data(config.data, split="eval", **shard) if config.train.eval_every \
         else None
 
