@@ -59,15 +59,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="multi-process: HOST:PORT of process 0 (else ZJAX_COORDINATOR)")
     t.add_argument("--num-processes", type=int, default=None, help="multi-process: P")
     t.add_argument("--process-id", type=int, default=None, help="multi-process: this one's id")
-    la = sub.add_parser("launch", help="run a command as P local processes of one "
-                        "jax.distributed job (testing multi-process on one machine)")
-    la.add_argument("-n", "--processes", type=_count, required=True,
-                    help="number of processes")
-    la.add_argument("--devices-per-process", type=_count, default=None,
-                    help="simulated CPU devices in each process")
-    la.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
-    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command",
-                    help="-- then the command, e.g. -- zjax train configs/tiny.yaml")
+    _launch_parser(sub)
     from zjax.cli._plan import EXIT_CODES
 
     pn = sub.add_parser("plan", help="exact per-device memory and communication of a config's "
@@ -105,6 +97,18 @@ def _parser() -> argparse.ArgumentParser:
 
     tool_parsers(sub)
     return p
+
+
+def _launch_parser(sub) -> None:
+    la = sub.add_parser("launch", help="run a command as P local processes of one "
+                        "jax.distributed job (testing multi-process on one machine)")
+    la.add_argument("-n", "--processes", type=_count, required=True,
+                    help="number of processes")
+    la.add_argument("--devices-per-process", type=_count, default=None,
+                    help="simulated CPU devices in each process")
+    la.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command",
+                    help="-- then the command, e.g. -- zjax train configs/tiny.yaml")
 
 
 def _export_parser(sub) -> None:

@@ -52,8 +52,8 @@ def _check(args) -> None:
 def _check_fits(report, target: str | None) -> None:
     """A ``--target`` plan whose compiled peak exceeds the device memory is an error (exit 2),
     as libtpu's refusal of an oversized program is (:func:`zjax.planning.compile_report`)."""
-    from zjax.planning._plan import FIT_ADVICE
-    from zjax.planning._report import _size
+    from zjax.planning import FIT_ADVICE
+    from zjax.planning import format_bytes as _size
 
     if report.fits_device is False:
         d = report.per_device
@@ -90,8 +90,8 @@ def run_plan(args, path: str | None, overrides: list[str],
 
 def _longest(args, config, budget) -> int:
     """``--longest-seq``: the table (or JSON), then exit 2 if not even the shortest fits."""
+    from zjax.planning import format_bytes as _size
     from zjax.planning import longest_sequence
-    from zjax.planning._report import _size
 
     result = longest_sequence(config, budget=budget, devices=args.devices,
                               target=args.target, step=args.seq_step, progress=_progress)

@@ -88,11 +88,11 @@ def run_tool(args) -> int:
 
     ``tokenize`` and ``import-hf`` stop on SIGINT or SIGTERM with their partial output
     removed and their worker processes ended, and exit 128 + the signal's number
-    (:mod:`zjax.runtime._stop`)."""
+    (:mod:`zjax.runtime.stop`)."""
     if args.command == "sample":
         return sample(args)
     from zjax.runtime import write_stderr
-    from zjax.runtime._stop import Stopped, stoppable
+    from zjax.runtime.stop import Stopped, stoppable
 
     try:
         with stoppable():

@@ -6,7 +6,7 @@ same ``data`` section (and a single-threaded tokenizer: the processes are the pa
 results come back in the rows' order, at most ``2 * workers`` groups in flight. The encoding
 of a group is the same function as in one process, so the output is the same bytes.
 
-The workers ignore SIGINT and end with this process (:func:`zjax.runtime._stop.worker_start`);
+The workers ignore SIGINT and end with this process (:func:`zjax.runtime.stop.worker_start`);
 when the encoding stops early (an error, an interrupt, the consumer closing the generator) the
 workers are terminated at once, not waited for.
 """
@@ -32,7 +32,7 @@ _ENCODER: Encoder | None = None
 
 def _start(data: DataConfig) -> None:
     global _ENCODER
-    from zjax.runtime._stop import worker_start
+    from zjax.runtime.stop import worker_start
 
     worker_start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # this worker is one of the cores

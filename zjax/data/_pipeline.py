@@ -50,7 +50,7 @@ def stdlib_files() -> list[Path]:
 
 def text_files(path: str, *, key: str = "data.path") -> list[Path]:
     """The files of a text file, a directory (all files under it) or a glob, sorted."""
-    from zjax.data._store import is_partial  # what an interrupted `zjax tokenize` left
+    from zjax.data._sources import is_partial  # what an interrupted `zjax tokenize` left
 
     p = Path(path)
     if p.is_dir():

@@ -30,12 +30,22 @@ from typing import Any
 
 from zjax.errors import ConfigError
 
-__all__ = ["STORE_META", "is_record_file", "object_rows", "record_files", "rows", "source_kind"]
+__all__ = ["STORE_META", "is_partial", "is_record_file", "object_rows", "record_files", "rows",
+           "source_kind"]
 
 STORE_META = "zjax-tokens.json"  # marks a zjax tokenize directory
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson")
 _RECORDS = (*_JSONL, ".parquet", ".arrow")
 _BATCH = 1024  # Parquet and Arrow rows decoded at a time
+# the hidden outputs an unfinished `zjax tokenize` / `import-hf` builds in (_store.partial_path)
+_PARTIAL = re.compile(r"\..+\.partial-\d+-.+")
+
+
+def is_partial(path: Path) -> bool:
+    """Whether ``path`` is in a partial output (``_store.partial_path``'s names), which no
+    source may read."""
+    return any(_PARTIAL.fullmatch(part) for part in path.parts)
+
 
 
 def is_record_file(path: Path) -> bool:
@@ -51,8 +61,6 @@ def _expand(item: str, key: str) -> list[Path]:
     if p.is_dir():
         if (p / STORE_META).is_file() or _is_hf_dir(p):
             return [p]
-        from zjax.data._store import is_partial  # _store imports this module
-
         # hidden files, and what an interrupted `zjax tokenize` left, are never records
         files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
                        and not is_partial(f.relative_to(p)))
@@ -61,8 +69,6 @@ def _expand(item: str, key: str) -> list[Path]:
         return files
     if p.is_file():
         return [p]
-    from zjax.data._store import is_partial
-
     found = sorted(Path(f) for f in glob.glob(os.fspath(item), recursive=True)
                    if not is_partial(Path(f)))
     if not found:

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from zjax.data._sources import STORE_META
+from zjax.data._sources import STORE_META, is_partial
 from zjax.errors import ConfigError
-from zjax.runtime._stop import deferred
+from zjax.runtime.stop import deferred
 
 __all__ = ["Documents", "build_documents", "check_npy_tokenizer", "check_same_tokenizer",
            "check_store_tokenizer", "fill_from", "is_partial", "new_output", "npy_meta_path",
@@ -177,13 +177,6 @@ def _umask_mode(path: Path, *, directory: bool) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~mask)
 
 
-_PARTIAL = re.compile(r"\..+\.partial-\d+-.+")
-
-
-def is_partial(path: Path) -> bool:
-    """Whether ``path`` is in a partial output (:func:`partial_path`'s names), which no
-    source may read."""
-    return any(_PARTIAL.fullmatch(part) for part in path.parts)
 
 
 def _remove(path: Path) -> None:

@@ -63,10 +63,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") ->
     check_out(out, what="import-hf")
     work = out.with_name(f".{out.name}.zjax-import")
     shutil.rmtree(work, ignore_errors=True)  # what an import killed with -9 left
-    from zjax.runtime._stop import deferred, interruptible, stop_point
+    from zjax.runtime.stop import deferred, interruptible, stop_point
 
     # SIGINT/SIGTERM under `zjax import-hf` stop it between two leaves, never inside Orbax's
-    # writer threads; the partial directory is removed on the way out (zjax.runtime._stop)
+    # writer threads; the partial directory is removed on the way out (zjax.runtime.stop)
     with deferred():
         try:
             work.mkdir()

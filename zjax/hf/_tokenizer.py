@@ -67,7 +67,7 @@ def stop_ids(model_dir: str | Path | None, tokenizer: Any = None,
         if path.is_file():
             ids += _eos_ids(path)
     if tokenizer is not None and tokenizer_path is not None:
-        from zjax.data._chat import special_token, tokenizer_config
+        from zjax.data import special_token, tokenizer_config
 
         eos = special_token(tokenizer_config(tokenizer_path), "eos_token")
         token = None if eos is None else tokenizer.token_to_id(eos)

@@ -29,12 +29,21 @@ from zjax.planning._hlo import (
 from zjax.planning._hlo_text import axes_of, group_size, link_of
 from zjax.planning._longest import LongestResult
 from zjax.planning._memory import compiled_memory, formula
-from zjax.planning._plan import autotune, compile_report, longest_sequence, plan, run_cli_json
+from zjax.planning._plan import (
+    FIT_ADVICE,
+    autotune,
+    compile_report,
+    longest_sequence,
+    plan,
+    run_cli_json,
+)
 from zjax.planning._report import PlanReport, report
+from zjax.planning._report import _size as format_bytes
 from zjax.planning._search import Candidate, TuneResult, parse_bytes
 from zjax.planning._search import autotune as search
 
 __all__ = [
+    "FIT_ADVICE",
     "Candidate",
     "CollectiveBytes",
     "CollectiveSite",
@@ -48,6 +57,7 @@ __all__ = [
     "collective_sites",
     "compile_report",
     "compiled_memory",
+    "format_bytes",
     "formula",
     "group_size",
     "link_of",
