@@ -47,7 +47,6 @@ def is_partial(path: Path) -> bool:
     return any(_PARTIAL.fullmatch(part) for part in path.parts)
 
 
-
 def is_record_file(path: Path) -> bool:
     return path.name.lower().endswith(_RECORDS)
 

@@ -177,8 +177,6 @@ def _umask_mode(path: Path, *, directory: bool) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~mask)
 
 
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
