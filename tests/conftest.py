@@ -1,27 +1,52 @@
-"""Test setup: 8 simulated CPU devices, set before jax creates its backends, and one
-compilation cache for the whole run."""
+"""Test setup: 8 simulated CPU devices, set before jax creates its backends, and a
+compilation cache kept between runs."""
 
-import atexit
+import json
 import os
-import shutil
-import tempfile
+from importlib.metadata import version
+from pathlib import Path
 
 import pytest
+
+CACHE_LIMIT_BYTES = 4 << 30
+
+
+def _last_use(f: Path) -> float:
+    st = f.stat()  # a read updates the access time (at least daily, under relatime)
+    return max(st.st_atime, st.st_mtime)
+
+
+def _persistent_cache_dir() -> str:
+    """``<user cache dir>/zjax/jit-cache-jax-X-jaxlib-Y``: kept between runs, per version,
+    trimmed to :data:`CACHE_LIMIT_BYTES` (the least recently used entries go first)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    path = Path(base) / "zjax" / f"jit-cache-jax-{version('jax')}-jaxlib-{version('jaxlib')}"
+    if "PYTEST_XDIST_WORKER" not in os.environ and path.is_dir():  # once, before any worker
+        entries = sorted((_last_use(f), f.stat().st_size, f) for f in path.iterdir()
+                         if f.is_file())
+        total = sum(size for _, size, _ in entries)
+        for _, size, f in entries:
+            if total <= CACHE_LIMIT_BYTES:
+                break
+            f.unlink(missing_ok=True)
+            total -= size
+    return str(path)
+
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compile-only TPU targets in both pytest workers and their subprocesses (no TPU here)
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-# JAX's persistent compilation cache, shared by both pytest workers and every subprocess a
-# test starts (through the environment): many tests compile the same step (the tiny GPT's,
-# trained by the CLI again and again), and the cache turns each repeat into a read. The key
-# is the HLO without its metadata, the options and the devices, so a hit is the program a
-# compile would give. The pytest process that loads this first makes the directory (the
-# workers inherit it) and removes it at exit; a directory set by the caller is kept.
+# JAX's persistent compilation cache, shared by both pytest workers, every subprocess a test
+# starts (through the environment) and every later run on this machine: many tests compile the
+# same step, and a second run's compiles become reads (docs/testing.md: cold and warm times).
+# The key is the HLO without its metadata, the options and the devices, so a hit is the
+# program a compile would give. One directory per jax/jaxlib version under the user's cache
+# directory (XDG_CACHE_HOME, else ~/.cache), trimmed to 4 GiB at the start of a run (not
+# jax_compilation_cache_max_size: its eviction fails on any entry written without it); a
+# JAX_COMPILATION_CACHE_DIR set by the caller wins, untouched.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache = tempfile.mkdtemp(prefix="zjax-test-jit-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _persistent_cache_dir()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 # XLA:CPU's LLVM at -O1: the tests' steps compile faster and run about as fast (serially,
@@ -34,7 +59,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=1").strip()
 
-from zjax.runtime import quiet_plugins
+from zjax.runtime import quiet_plugins  # noqa: E402 (after the environment above)
 
 quiet_plugins()  # imports jax, its plugins' start-up lines held back; backends start later
 
@@ -56,3 +81,30 @@ def cli_logging():
     yield
     logger.handlers[:], logger.propagate = saved[0], saved[1]
     logger.setLevel(saved[2])
+
+
+@pytest.fixture(scope="session")
+def gpt_reference():
+    """Five token batches and the tiny GPT's single-device optax run on them (params, optimizer
+    state, losses): the reference that test_equivalence, test_hpz and test_hsdp compare
+    sharded training with, computed once per worker. Read only."""
+    from helpers import make_tx, reference_run
+    from models import gpt_reference_loss, gpt_trainable, token_batches
+
+    batches = token_batches(5)
+    return batches, reference_run(gpt_trainable().init, gpt_reference_loss(), make_tx(), batches)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest files first, so that the two workers (``--dist loadfile
+    --no-loadscope-reorder``) end together: the last files handed out are short ones. A file
+    weighs the measured seconds of its selected tests (``tests/test_seconds.json``, written by
+    ``tests/census.py``; a test not measured yet counts as the median). The order within a
+    file is kept (a stable sort of a list grouped by file)."""
+    table = Path(__file__).with_name("test_seconds.json")
+    seconds = json.loads(table.read_text()) if table.is_file() else {}
+    default = sorted(seconds.values())[len(seconds) // 2] if seconds else 0.0
+    weight: dict[Path, float] = {}
+    for item in items:
+        weight[item.path] = weight.get(item.path, 0.0) + seconds.get(item.nodeid, default)
+    items.sort(key=lambda item: -weight[item.path])

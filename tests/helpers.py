@@ -1,5 +1,7 @@
-"""Shared test helpers: the one tree-compare, a single-device optax reference, and the one way
-to run the ``zjax`` CLI in a subprocess.
+"""Shared test helpers: the one tree-compare, a single-device optax reference, and the two ways
+to run the ``zjax`` CLI: in this process (:func:`zjax_main`, the default: no interpreter start,
+no jax import, no device start-up, compiles shared with the test) and in a subprocess
+(:func:`run_zjax`, :func:`start_zjax`: only where the process boundary is what a test tests).
 
 Tolerances (documented once, used everywhere):
 - ``FP32``: sharded fp32 runs vs the single-device reference. Reductions happen in another
@@ -157,18 +159,62 @@ def latest_checkpoint(run_dir: Path, overrides=(), *, step: int | None = None,
 def cli_env(**changes: str | None) -> dict[str, str]:
     """The environment of a fresh shell for a zjax subprocess, plus ``changes``.
 
-    No ``XLA_FLAGS`` or ``JAX_PLATFORMS`` (the CLI simulates its own devices, as for a user)
-    and no ``ZJAX_*`` (``zjax launch``'s variables); what conftest set for every process (the
-    compilation cache, ``ALLOW_MULTIPLE_LIBTPU_LOAD``) stays. A change of None removes the key.
+    No simulated device count in ``XLA_FLAGS`` and no ``JAX_PLATFORMS`` (the CLI simulates
+    its own devices, as for a user) and no ``ZJAX_*`` (``zjax launch``'s variables); the rest
+    of what conftest set for every process stays: XLA:CPU's optimisation level (a child
+    compiles the programs the tests compile, so the compilation cache, also kept, serves both)
+    and ``ALLOW_MULTIPLE_LIBTPU_LOAD``. A change of None removes the key.
     """
+    import re
+
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith("ZJAX_")}
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", "")).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
     for key, value in changes.items():
         if value is None:
             env.pop(key, None)
         else:
             env[key] = value
     return env
+
+
+def zjax_main(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run ``zjax ARGS`` in this process, as :func:`run_zjax` would in a subprocess.
+
+    ``zjax.cli.main`` with stdout and stderr captured (its log lines, printed results and
+    ``zjax: error:`` lines), ``SystemExit`` (argparse's exit 2) taken as the exit code, the
+    working directory and the zjax logger restored after. The devices are this process's (8
+    simulated, from conftest). What only a subprocess shows, it cannot: interpreter start-up
+    noise, signals, exit codes the interpreter sets, C-level writes to file descriptors 1 and 2.
+    """
+    import contextlib
+    import io
+    import logging
+
+    from zjax import cli
+
+    logger = logging.getLogger("zjax")
+    saved = logger.handlers[:], logger.propagate, logger.level
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+    finally:
+        os.chdir(previous)
+        logger.handlers[:], logger.propagate = saved[0], saved[1]
+        logger.setLevel(saved[2])
+    return subprocess.CompletedProcess(["zjax", *map(str, args)], code, out.getvalue(),
+                                       err.getvalue())
 
 
 def zjax_cmd(*args: str) -> list[str]:
