@@ -34,7 +34,13 @@ from zjax.planning import collective_bytes, unordered_collectives
 SCANNED = {"jax_scan", "linen_scan", "eqx_scan"}
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+def _quick(names, keep) -> list:
+    """``names`` as parameters, all but ``keep`` outside the quick loop (``-m "not slow"``)."""
+    return [pytest.param(n, marks=() if n in keep else pytest.mark.slow) for n in names]
+
+
+# the quick loop keeps one model per framework (jax, linen, equinox), all scanned
+@pytest.mark.parametrize("name", _quick(sorted(MODELS), SCANNED))
 def test_stage3_equals_single_device_optax(name):
     train_and_compare(*zero3_step(name, prefetch_layers=1))
 
@@ -54,7 +60,7 @@ def test_with_gradient_accumulation_and_offload():
         device="host"), offload_param=OffloadConfig(device="host")))
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", _quick(sorted(MODELS), {"jax_scan", "linen_loop"}))
 def test_every_weight_is_gathered_twice_and_reduced_once(name):
     """bf16 gathers, fp32 reduce; a scan at prefetch k gathers k layers more (the drain)."""
     n_layers, k = 4, 1

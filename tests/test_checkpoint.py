@@ -14,7 +14,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, cli_env, latest_checkpoint, start_zjax
+from helpers import ROOT, cli_env, latest_checkpoint, start_zjax, zjax_main
+
+import zjax
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
 
@@ -22,12 +24,15 @@ FAST = ["model.n_layers=2", "data.seq_len=32", "train.log_every=5", "train.eval_
         "logging.tensorboard=false"]
 
 
-def _cli(*args, wait=True):
-    proc = start_zjax("train", "configs/tiny.yaml", *FAST, *args)
-    if wait:
-        out, err = proc.communicate(timeout=600)
-        return proc.returncode, out, err
-    return proc
+def _cli(*args):
+    """``zjax train`` of the tiny GPT in this process: ``(exit code, stdout, stderr)``."""
+    r = zjax_main("train", "configs/tiny.yaml", *FAST, *args)
+    return r.returncode, r.stdout, r.stderr
+
+
+def _start(*args):
+    """``zjax train`` of the tiny GPT in a process of its own (to be signalled)."""
+    return start_zjax("train", "configs/tiny.yaml", *FAST, *args)
 
 
 def _wait_for_checkpoint(run_dir: Path, step: int, proc, timeout=300):
@@ -59,8 +64,9 @@ def straight(tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_run_resumes_bit_for_bit(straight, tmp_path, sig):
+    # subprocess: the run that is killed (SIGKILL) or preempted (SIGTERM); it resumes here
     run = tmp_path / "run"
-    proc = _cli("train.steps=40", "checkpoint.every=5", "--run-dir", str(run), wait=False)
+    proc = _start("train.steps=40", "checkpoint.every=5", "--run-dir", str(run))
     _wait_for_checkpoint(run, 10, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
@@ -117,6 +123,21 @@ def test_restore_on_other_device_counts_and_stages(straight, tmp_path, devices, 
     straight_dir, step, final = straight
     src = tmp_path / "run"
     shutil.copytree(straight_dir, src)  # continuing training must not touch the fixture's run
+    if devices == 8:  # this process's devices: RESTORE's checks, here
+        assert len(jax.devices()) == devices
+        restored, got = latest_checkpoint(src, [*FAST, *overrides])
+        leaves, expected = jax.tree.leaves(got), jax.tree.leaves(final)
+        assert len(leaves) == len(expected)
+        for leaf, want in zip(leaves, expected, strict=True):
+            np.testing.assert_array_equal(leaf, want)
+        # training continues from the restored state on this mesh
+        cfg = zjax.load_config(ROOT / "configs/tiny.yaml", [
+            *FAST, *overrides, f"train.steps={restored + 2}", "train.log_every=1"])
+        result = zjax.train("lm", cfg, run_dir=src)
+        assert [r["step"] for r in result.history] == [restored + 1, restored + 2]
+        assert restored == step
+        return
+    # subprocess: another device count than this process's 8
     npz = tmp_path / "expected.npz"
     np.savez(npz, **{f"a{i}": x for i, x in enumerate(jax.tree.leaves(final))})
     script = RESTORE.format(root=str(ROOT), n=devices, run=str(src), overrides=overrides,

@@ -1,7 +1,8 @@
 """Bad CLI input is one line, ``zjax: error: ...``, exit 2; export reads a run and changes nothing.
 
-Covers issue 14's export, plot, launch, plan and ``--devices`` bullets. Subprocesses only where
-the exit code and stderr are the point; the rest runs in-process.
+Covers issue 14's export, plot, launch, plan and ``--devices`` bullets. In-process (``zjax_main``,
+``cli.main``) but for two subprocesses: a fresh interpreter's exit status, and a refusal that must
+come before a fresh process starts its devices.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import ROOT, cli_env, run_zjax
+from helpers import ROOT, cli_env, run_zjax, zjax_main
 
 import zjax
 from zjax import cli
@@ -37,11 +38,14 @@ RUN = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.n_heads=2
        "checkpoint.asynchronous=false", "zero.stage=0"]
 
 
-def _zjax(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
-    # run from other directories too: zjax comes from the checkout, not the cwd
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return run_zjax(*args, cwd=cwd, timeout=timeout,
-                    env=cli_env(JAX_PLATFORMS="cpu", PYTHONPATH=path))
+def _zjax(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``zjax ARGS`` in this process, from ``cwd``."""
+    return zjax_main(*args, cwd=cwd)
+
+
+def _zjax_process(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``zjax ARGS`` in a fresh interpreter (a fresh shell's environment, on the CPU)."""
+    return run_zjax(*args, timeout=timeout, env=cli_env(JAX_PLATFORMS="cpu"))
 
 
 def _one_error_line(r: subprocess.CompletedProcess, *needles: str) -> str:
@@ -220,14 +224,18 @@ def test_launch_bounds_the_process_count(capsys, cli_logging):
 
 
 def test_plan_devices_beyond_simulation_limit():
+    # subprocess: the refusal must come before a fresh process starts its devices (100000
+    # would take minutes); in this process the 8 devices are up before the CLI runs
     start = time.monotonic()
-    _one_error_line(_zjax("plan", "--devices", "100000"), "--devices: 100000", "4096",
+    _one_error_line(_zjax_process("plan", "--devices", "100000"), "--devices: 100000", "4096",
                     "--target")
     assert time.monotonic() - start < 60
 
 
 def test_train_devices_0_exits_2():
-    _one_error_line(_zjax("train", "--devices", "0"), "--devices: must be >= 1, got 0")
+    # subprocess: `python -m zjax` end to end: the interpreter's exit status 2 and a stderr
+    # of the one line in a fresh process (the cases above and below run in-process)
+    _one_error_line(_zjax_process("train", "--devices", "0"), "--devices: must be >= 1, got 0")
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

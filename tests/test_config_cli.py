@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import ROOT, run_zjax
+from helpers import ROOT, zjax_main
 from models import gpt_trainable
 
 import zjax
@@ -98,8 +98,8 @@ def test_small_configs_train_a_few_steps(name):
     assert len(history) == 1 and np.isfinite(history[0]["loss"])
 
 
-def _cli(*args, timeout=600):
-    return run_zjax(*args, timeout=timeout)
+def _cli(*args):
+    return zjax_main(*args)
 
 
 def test_cli_bad_input_exits_2_without_traceback(tmp_path):

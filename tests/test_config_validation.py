@@ -13,7 +13,7 @@ import time
 import gin
 import numpy as np
 import pytest
-from helpers import ROOT, run_zjax
+from helpers import ROOT, zjax_main
 
 from zjax.checkpoint import CheckpointConfig
 from zjax.config import Config, OptimizerConfig, as_config, load_config
@@ -262,7 +262,7 @@ def test_a_mapping_is_a_config():
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     (tmp_path / "bomb.yaml").write_text(BOMB)
     for args in ([str(tmp_path / "bomb.yaml")], ["loop=subprocess:Popen"]):
-        r = run_zjax("config", "show", *args, timeout=300)
+        r = zjax_main("config", "show", *args)
         lines = [x for x in r.stderr.splitlines() if x.startswith("zjax")]
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert len(lines) == 1 and lines[0].startswith("zjax: error: ") and len(lines[0]) < 1000

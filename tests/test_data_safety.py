@@ -17,12 +17,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, children, cli_env, zjax_cmd
+from helpers import ROOT, children, cli_env, zjax_cmd, zjax_main
 
 import zjax
 from zjax.errors import NonFiniteError
 
-pytestmark = pytest.mark.slow  # trains in subprocesses
+pytestmark = pytest.mark.slow  # trains, and stops runs in subprocesses
 
 FAST = ["model.n_layers=2", "data.seq_len=32", "train.eval_every=0", "logging.tensorboard=false",
         "logging.progress=false"]
@@ -32,8 +32,9 @@ def _train_cmd(run: Path, *overrides: str) -> list[str]:
     return zjax_cmd("train", "configs/tiny.yaml", *FAST, *overrides, "--run-dir", str(run))
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+def _train(run: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``zjax train`` of the tiny GPT to its end, in this process."""
+    return zjax_main("train", "configs/tiny.yaml", *FAST, *overrides, "--run-dir", str(run))
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -63,8 +64,8 @@ def _listing(path: Path) -> dict[str, bytes]:
 def base(tmp_path_factory) -> Path:
     """A finished 10-step run with checkpoints at 5 and 10."""
     run = tmp_path_factory.mktemp("safety") / "run"
-    r = _run(_train_cmd(run, "train.steps=10", "train.log_every=5", "checkpoint.every=5",
-                        "checkpoint.keep=2"))
+    r = _train(run, "train.steps=10", "train.log_every=5", "checkpoint.every=5",
+               "checkpoint.keep=2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert _steps(run) == [5, 10]
     return run
@@ -77,12 +78,13 @@ def _copy(base: Path, tmp_path: Path) -> Path:
 
 
 def test_sigterm_saves_the_step_it_stops_at_and_a_second_trainer_is_refused(tmp_path):
+    # subprocess: the trainer that holds the run directory and is stopped by SIGTERM
     run, log = tmp_path / "run", tmp_path / "log"
     proc = _start(_train_cmd(run, "train.steps=200", "train.log_every=1",
                              "checkpoint.every=1000"), log)
     try:
         _wait_for(log, r"step +3 \|", proc)
-        second = _run(_train_cmd(run, "train.steps=200"))  # the same run directory
+        second = _train(run, "train.steps=200")  # the same run directory, from here
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"is in use by another trainer (pid {proc.pid}" in second.stderr
         assert "Traceback" not in second.stderr
@@ -97,13 +99,13 @@ def test_sigterm_saves_the_step_it_stops_at_and_a_second_trainer_is_refused(tmp_
     assert m and m.group(1) == m.group(2), text[-2000:]
     stop = int(m.group(1))
     assert _steps(run) == [stop]  # only the stop's own checkpoint: every=1000 saved none
-    r = _run(_train_cmd(run, f"train.steps={stop + 2}", "train.log_every=1",
-                        "checkpoint.every=1000"))
+    r = _train(run, f"train.steps={stop + 2}", "train.log_every=1", "checkpoint.every=1000")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from the checkpoint at step {stop}" in r.stdout
 
 
 def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
+    # subprocess: `zjax launch`'s two jax.distributed processes, one of them sent SIGTERM
     run, log = tmp_path / "run", tmp_path / "log"
     cmd = zjax_cmd("launch", "-n", "2", "--devices-per-process", "4",
                    "--", *_train_cmd(run, "train.steps=200", "train.log_every=1",
@@ -124,8 +126,8 @@ def test_two_processes_stop_at_the_same_step_when_one_gets_sigterm(tmp_path):
 
 def test_nonfinite_steps_are_never_saved_and_finite_checkpoints_survive(base, tmp_path):
     run = _copy(base, tmp_path)
-    r = _run(_train_cmd(run, "train.steps=30", "train.log_every=5", "checkpoint.every=5",
-                        "checkpoint.keep=2", "optimizer.lr=1e30"))
+    r = _train(run, "train.steps=30", "train.log_every=5", "checkpoint.every=5",
+               "checkpoint.keep=2", "optimizer.lr=1e30")
     assert r.returncode == 1, r.stderr[-3000:]
     assert re.search(r"zjax: error: train.on_nonfinite: stop: step 1[12] is not finite",
                      r.stderr), r.stderr[-2000:]
@@ -142,7 +144,7 @@ def test_another_optimizer_or_model_is_an_error_and_nothing_moves(base, tmp_path
                                                                    needle):
     run = _copy(base, tmp_path)
     before = _listing(run)
-    r = _run(_train_cmd(run, "train.steps=20", override))
+    r = _train(run, "train.steps=20", override)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = [x for x in r.stderr.splitlines() if x.startswith("zjax:")]
     assert len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
@@ -183,7 +185,7 @@ def test_flipped_bytes_and_an_altered_iterator_state_are_damage(base, tmp_path):
     meta = run / "checkpoints" / "5" / "data" / "metadata"
     state = json.loads(meta.read_text())
     meta.write_text(json.dumps({"train": {"garbage": True}, "eval": state.get("eval")}))
-    r = _run(_train_cmd(run, "train.steps=12", "train.log_every=1"))
+    r = _train(run, "train.steps=12", "train.log_every=1")
     assert r.returncode == 0, r.stderr[-3000:]
     log = r.stdout + r.stderr
     assert re.search(r"checkpoint at step 10 .* is damaged \(DamagedCheckpoint: step 10: "
@@ -221,6 +223,7 @@ def test_python_api_stops_on_a_nan_loss_and_skips_when_asked(tmp_path):
 
 
 def test_ctrl_c_before_training_exits_130_cleanly(tmp_path):
+    # subprocess: SIGINT while the process imports (its exit code 130 is os._exit's)
     run, log = tmp_path / "run", tmp_path / "log"
     proc = _start(_train_cmd(run, "train.steps=200"), log)
     time.sleep(1.0)  # importing (compiling starts seconds later on any machine)
@@ -234,7 +237,7 @@ def test_ctrl_c_before_training_exits_130_cleanly(tmp_path):
 
 def test_a_finished_run_says_so_before_compiling(base, tmp_path):
     run = _copy(base, tmp_path)
-    r = _run(_train_cmd(run, "train.steps=10"))
+    r = _train(run, "train.steps=10")
     assert r.returncode == 2
     assert "already at step 10; set train.steps above it" in r.stderr
     assert "compiled step" not in r.stdout  # nothing compiled before the answer
@@ -244,8 +247,8 @@ def test_export_refuses_altered_values_and_exports_the_intact_checkpoint(base, t
     run = _copy(base, tmp_path)
     _swap_in_state_of(run / "checkpoints" / "10", run / "checkpoints" / "5")
     before = _listing(run)
-    r = _run(zjax_cmd("export", str(run), str(tmp_path / "out.safetensors"),
-                      "--format", "safetensors", "--dtype", "float32"))
+    r = zjax_main("export", str(run), str(tmp_path / "out.safetensors"),
+                  "--format", "safetensors", "--dtype", "float32")
     assert r.returncode == 0, r.stderr[-3000:]
     log = r.stdout + r.stderr
     assert re.search(r"checkpoint at step 10 .*damaged.*checksum mismatch", log), log[-3000:]

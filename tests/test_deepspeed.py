@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from helpers import ROOT, run_zjax
+from helpers import ROOT, zjax_main
 
 import zjax
 from zjax.config import load_config
@@ -168,17 +168,17 @@ def test_nvme_offload_maps_its_keys_and_needs_a_path():
 def test_cli_converts_and_refuses_with_exit_2(tmp_path):
     (tmp_path / "ds.json").write_text(ARTICLE)
     out = tmp_path / "zjax.yaml"
-    r = run_zjax("config", "from-deepspeed", str(tmp_path / "ds.json"), "configs/tiny.yaml",
-                 "-o", str(out))
+    r = zjax_main("config", "from-deepspeed", str(tmp_path / "ds.json"), "configs/tiny.yaml",
+                  "-o", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stage3_max_reuse_distance: ignored: " in r.stderr and r.stdout == ""
     assert load_config(out).zero.prefetch_bucket_size == 4 * 10**7
-    r = run_zjax("config", "from-deepspeed", str(tmp_path / "ds.json"))  # YAML on stdout
+    r = zjax_main("config", "from-deepspeed", str(tmp_path / "ds.json"))  # YAML on stdout
     assert load_config(None, []).to_dict().keys() == __import__("yaml").safe_load(
         r.stdout).keys()
     (tmp_path / "bad.json").write_text(json.dumps({"zero_optimization": {"stage": 3,
                                                                          "overlap_com": True}}))
-    r = run_zjax("config", "from-deepspeed", str(tmp_path / "bad.json"))
+    r = zjax_main("config", "from-deepspeed", str(tmp_path / "bad.json"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "deepspeed zero_optimization.overlap_com: unknown key (did you mean " \
            "'overlap_comm'?)" in r.stderr
@@ -319,8 +319,8 @@ def test_cli_refuses_a_duplicated_key_in_one_line_and_writes_nothing(tmp_path):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2, // two\n'
                                       '                       "stage": 3}}')
     out = tmp_path / "zjax.yaml"
-    r = run_zjax("config", "from-deepspeed", str(tmp_path / "ds.json"), "configs/tiny.yaml",
-                 "-o", str(out))
+    r = zjax_main("config", "from-deepspeed", str(tmp_path / "ds.json"), "configs/tiny.yaml",
+                  "-o", str(out))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     lines = [x for x in r.stderr.strip().splitlines() if x.startswith("zjax")]
     assert len(lines) == 1 and r.stderr.strip().endswith(lines[0]), r.stderr[-2000:]
@@ -334,9 +334,9 @@ def test_train_with_the_articles_sample(tmp_path):
     """`zjax train --deepspeed`: ZeRO-3 with both offloads, as the article configures it."""
     (tmp_path / "ds.json").write_text(ARTICLE)
     # the article's persistence threshold (1e5) keeps every leaf of the tiny GPT whole
-    r = run_zjax("train", "--deepspeed", str(tmp_path / "ds.json"), "configs/tiny.yaml",
-                 "zero.param_persistence_threshold=4096", "train.steps=10",
-                 "train.log_every=5", "train.eval_every=0", "--run-dir", str(tmp_path / "run"))
+    r = zjax_main("train", "--deepspeed", str(tmp_path / "ds.json"), "configs/tiny.yaml",
+                  "zero.param_persistence_threshold=4096", "train.steps=10",
+                  "train.log_every=5", "train.eval_every=0", "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr[-3000:]
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert saved.zero.offload_param.device == "host"

@@ -24,6 +24,7 @@ from helpers import (
     cli_env,
     latest_checkpoint,
     zjax_cmd,
+    zjax_main,
 )
 
 pytestmark = pytest.mark.slow  # compiles or trains at length: outside the fast loop
@@ -50,16 +51,20 @@ def _restore(run_dir: Path, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 5 steps as 1 process x 8 devices and as 2 processes x 4 devices."""
+    """The same 5 steps as 1 process x 8 devices (this one) and as 2 processes x 4 devices
+    (`zjax launch`: jax.distributed needs processes of their own)."""
     tmp = tmp_path_factory.mktemp("dist")
-    one = _run([*TRAIN, "--devices", "8", "--run-dir", str(tmp / "one")])
+    one = zjax_main("train", "configs/tiny.yaml", *FAST, "--devices", "8",
+                    "--run-dir", str(tmp / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
+    # subprocess: 2 processes of one jax.distributed job (`zjax launch`)
     two = _run(_launch(2, 4, *TRAIN, "--run-dir", str(tmp / "two")))
     assert two.returncode == 0, two.stderr[-3000:]
     return tmp, one, two
 
 
 def test_two_processes_train_like_one(runs):
+    # subprocess: the fixture's 2 x 4 run (jax.distributed), read here
     tmp, _, two = runs
     # only process 0 reports; both processes tag their lines with their index
     assert "[process 0] step     5" in two.stdout and "[process 1] step" not in two.stdout
@@ -86,10 +91,11 @@ READ_ON_2 = textwrap.dedent("""
 
 
 def test_checkpoints_cross_process_counts(runs, tmp_path):
+    # subprocess: a reader with 2 devices, and a 2 x 4 `zjax launch` resuming a 1 x 8 run
     tmp, _, _ = runs
     want = _restore(tmp / "two", 5)  # written by 2 x 4, restored on 1 x 8
-    env = cli_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-                    "JAX_PLATFORMS": "cpu"}
+    env = cli_env(JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
     r = subprocess.run([sys.executable, "-c", READ_ON_2, str(tmp / "two"), str(tmp_path / "a"),
                         " ".join(FAST)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -109,6 +115,7 @@ def test_checkpoints_cross_process_counts(runs, tmp_path):
 
 
 def test_launch_ends_the_job_when_a_child_dies():
+    # subprocess: `zjax launch` and its children, one of them killed with SIGKILL
     proc = subprocess.Popen(_launch(2, 4, *TRAIN, "train.steps=100000"), cwd=ROOT, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -133,6 +140,7 @@ def test_launch_ends_the_job_when_a_child_dies():
 
 
 def test_unreachable_coordinator_is_a_clear_error():
+    # subprocess: jax.distributed.initialize cannot be undone in this process
     t0 = time.monotonic()
     env = cli_env() | {"ZJAX_COORDINATOR": "127.0.0.1:9", "ZJAX_NUM_PROCESSES": "2",
                     "ZJAX_PROCESS_ID": "1"}
@@ -152,6 +160,7 @@ def test_model_axis_across_processes_trains_like_one(runs):
     model replicas, by up to 10%; zjax now reduce-scatters as all-reduces there.
     """
     tmp = runs[0]
+    # subprocess: 4 processes of one jax.distributed job (`zjax launch`)
     four = _run(_launch(4, 2, *TRAIN, "mesh.data=2", "mesh.model=4", "--run-dir",
                         str(tmp / "four")))
     assert four.returncode == 0, four.stderr[-3000:]
@@ -169,6 +178,7 @@ def test_hpz_with_a_node_per_process_trains_like_one(runs):
     stage 3 on 1 x 8, and the run's plan (link classes from the processes) has the
     backward's gathers inside a process: only the forward's quarter-size gathers cross."""
     tmp = runs[0]
+    # subprocess: 2 processes of one jax.distributed job (`zjax launch`)
     two = _run(_launch(2, 4, *TRAIN, "zero.hpz_partition_size=4", "--run-dir",
                        str(tmp / "hpz")))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -186,6 +196,7 @@ def test_nvme_optimizer_across_processes_trains_like_one(runs, tmp_path):
     tmp = runs[0]
     nv = tmp_path / "nvme"
     nv.mkdir()
+    # subprocess: 2 processes of one jax.distributed job (`zjax launch`)
     two = _run(_launch(2, 4, *TRAIN, "zero.offload_optimizer.device=nvme",
                        f"zero.offload_optimizer.nvme_path={nv}", "zero.sub_group_size=4096",
                        "--run-dir", str(tmp / "nvme")))

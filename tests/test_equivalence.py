@@ -19,14 +19,6 @@ from models import gpt_reference_loss, gpt_trainable, linen_trainable, token_bat
 
 import zjax
 
-
-@pytest.fixture(scope="module")
-def gpt_reference():
-    batches = token_batches(5)
-    trainable = gpt_trainable()
-    return batches, reference_run(trainable.init, gpt_reference_loss(), make_tx(), batches)
-
-
 CASES = [(s, 1, t) for s in (0, 1, 2) for t in (0, 100)] + [
     (3, p, t) for p in (0, 1, 2) for t in (0, 100)
 ]

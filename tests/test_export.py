@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import cli_env, run_zjax
+from helpers import cli_env, zjax_main
 
 import zjax
 from zjax.config import load_config
@@ -56,6 +56,7 @@ def run(tmp_path_factory):
 
 def _read_outside_zjax(path: Path, tmp_path: Path) -> dict:
     npz = tmp_path / "read.npz"
+    # subprocess: a process that never imported zjax, with jax's one default device
     r = subprocess.run([sys.executable, "-c", READER, str(path), str(npz)],
                        env=cli_env(JAX_PLATFORMS="cpu"),
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -122,5 +123,5 @@ def test_export_refuses_bad_input(run, tmp_path):
         export(run_dir, tmp_path / "taken")
     with pytest.raises(zjax.ConfigError, match="--dtype: unknown dtype 'int8'"):
         export(run_dir, tmp_path / "y", dtype="int8")
-    r = run_zjax("export", str(tmp_path / "nope"), str(tmp_path / "z"), timeout=300)
+    r = zjax_main("export", str(tmp_path / "nope"), str(tmp_path / "z"))
     assert r.returncode == 2 and "holds no checkpoint" in r.stderr and "Traceback" not in r.stderr

@@ -67,6 +67,7 @@ def test_exports_racing_a_keep_1_run_never_call_a_checkpoint_damaged(tmp_path, c
     run: it always succeeds), ``zjax sample``'s read (no output directory: read in place), and
     an export where hard links do not work (another filesystem: read in place). A read in
     place whose checkpoint is rotated away reads the run's newest again."""
+    # subprocess: the run trains in a process of its own while this one exports (see _race)
     run = tmp_path / "run"
     pinned_outs, steps = [], []
 
@@ -100,6 +101,7 @@ def test_exports_racing_a_keep_1_run_never_call_a_checkpoint_damaged(tmp_path, c
 def test_a_killed_readers_pin_is_removed_by_the_next(tmp_path):
     """A pin left by a dead process (it holds a deleted checkpoint's files) is removed; one
     of a live process is not."""
+    # subprocess: only to get the id of a process that has ended
     import os
     import socket
     import subprocess

@@ -147,7 +147,10 @@ REFUSED = {**{family: _SIZES for family in FAMILIES},
                                                         "moe_intermediate_size"}}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# the quick loop keeps a dense, a tied and a mixture-of-experts family
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=() if f in ("llama", "qwen2", "mixtral") else pytest.mark.slow)
+    for f in sorted(FAMILIES)])
 def test_each_mapped_key_changes_the_logits_or_is_refused(tmp_path, family):
     hf = tiny_config(family)
     tensors = random_tensors(hf)

@@ -18,10 +18,9 @@ from helpers import (
     assert_matches_reference,
     latest_checkpoint,
     make_tx,
-    reference_run,
     train_steps,
 )
-from models import gpt_reference_loss, gpt_trainable, token_batches
+from models import gpt_trainable
 
 import zjax
 from zjax.config import load_config
@@ -36,18 +35,11 @@ def _zero(**kw) -> zjax.ZeroConfig:
     return zjax.ZeroConfig(**{**base, **kw})
 
 
-@pytest.fixture(scope="module")
-def reference():
-    batches = token_batches(5)
-    return batches, reference_run(gpt_trainable().init, gpt_reference_loss(), make_tx(),
-                                  batches)
-
-
 @pytest.mark.parametrize(("k", "prefetch", "model", "micro"), [
     (4, 1, 1, 1), (2, 0, 1, 2), (2, 1, 2, 1), (4, 2, 1, 1)])
-def test_hpz_matches_single_device(reference, k, prefetch, model, micro):
+def test_hpz_matches_single_device(gpt_reference, k, prefetch, model, micro):
     """fp32 gathers: hpZ is the same arithmetic as stage 3, only the collectives differ."""
-    batches, expected = reference
+    batches, expected = gpt_reference
     mesh = zjax.make_mesh(zjax.MeshConfig(model=model))
     zstep, state, losses = train_steps(
         gpt_trainable(), _zero(hpz_partition_size=k, prefetch_layers=prefetch), batches,

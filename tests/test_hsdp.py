@@ -17,10 +17,9 @@ from helpers import (
     assert_matches_reference,
     latest_checkpoint,
     make_tx,
-    reference_run,
     train_steps,
 )
-from models import gpt_reference_loss, gpt_trainable, token_batches
+from models import gpt_trainable
 
 import zjax
 from zjax.config import load_config
@@ -38,17 +37,10 @@ def _zero(stage: int) -> zjax.ZeroConfig:
                            gather_dtype="float32", reduce_dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def reference():
-    batches = token_batches(5)
-    return batches, reference_run(gpt_trainable().init, gpt_reference_loss(), make_tx(),
-                                  batches)
-
-
 @pytest.mark.parametrize(("stage", "replica", "data", "model", "micro"), [
     (3, 2, 4, 1, 1), (3, 4, 2, 1, 2), (2, 2, 4, 1, 1), (1, 2, 4, 1, 1), (3, 2, 2, 2, 1)])
-def test_hybrid_sharding_matches_single_device(reference, stage, replica, data, model, micro):
-    batches, expected = reference
+def test_hybrid_sharding_matches_single_device(gpt_reference, stage, replica, data, model, micro):
+    batches, expected = gpt_reference
     zstep, state, losses = train_steps(gpt_trainable(), _zero(stage), batches,
                                        mesh=_mesh(replica, data, model), micro_batches=micro)
     assert_matches_reference(losses, state, expected)
@@ -59,11 +51,11 @@ def test_hybrid_sharding_matches_single_device(reference, stage, replica, data, 
             assert x.addressable_shards[0].data.shape[leaf.dim] == leaf.shape[leaf.dim] // data
 
 
-def test_hybrid_sharding_with_offload_matches_single_device(reference):
+def test_hybrid_sharding_with_offload_matches_single_device(gpt_reference):
     """Replica 2 x data 4 with the optimizer state and the params in host memory."""
     from zjax.offload import OffloadConfig, OptimizerOffloadConfig
 
-    batches, expected = reference
+    batches, expected = gpt_reference
     zero = dataclasses.replace(_zero(3), offload_optimizer=OptimizerOffloadConfig(device="host"),
                                offload_param=OffloadConfig(device="host"))
     _, state, losses = train_steps(gpt_trainable(), zero, batches, mesh=_mesh(2, 4))

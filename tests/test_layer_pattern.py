@@ -27,12 +27,13 @@ def scanned() -> list[float]:
     return _losses(["zero.stage=0"])
 
 
-@pytest.mark.parametrize("loop", [
+@pytest.mark.parametrize("loop", [  # the quick loop keeps stage 3's loop
     ["zero.stage=3"],
-    ["zero.stage=3", "model.attention=blockwise"],
-    ["zero.stage=3", "zero.offload_activations=true"],
-    ["zero.stage=2", "zero.offload_activations=true"],
-    ["zero.stage=2", "zero.partition_activations=true", "mesh.model=2", "mesh.data=4"]])
+    *(pytest.param(loop, marks=pytest.mark.slow) for loop in (
+        ["zero.stage=3", "model.attention=blockwise"],
+        ["zero.stage=3", "zero.offload_activations=true"],
+        ["zero.stage=2", "zero.offload_activations=true"],
+        ["zero.stage=2", "zero.partition_activations=true", "mesh.model=2", "mesh.data=4"]))])
 def test_every_layer_loop_trains_the_pattern_as_the_plain_scan(scanned, loop):
     np.testing.assert_allclose(_losses(loop), scanned, rtol=1e-6)
 

@@ -137,8 +137,8 @@ def reference():
 
 
 @pytest.mark.parametrize(("stage", "prefetch", "data", "model"), [
-    pytest.param(3, 1, 8, 1),
-    pytest.param(3, 1, 4, 2),
+    pytest.param(3, 1, 8, 1, marks=pytest.mark.slow),
+    pytest.param(3, 1, 4, 2),  # the quick loop's case: ZeRO-3 with a model axis
     *(pytest.param(s, p, 8, 1, marks=pytest.mark.slow) for s, p in
       [(0, 0), (1, 0), (2, 0), (3, 0), (3, 2)]),
 ])

@@ -93,6 +93,7 @@ def test_kill9_mid_stream_resumes_bit_for_bit(tmp_path, caplog):
     assert [p.name for p in (tmp_path / "straight" / "checkpoints").iterdir()
             if p.name.isdigit()] == ["8"]
     run = tmp_path / "killed"
+    # subprocess: the run killed with SIGKILL mid-stream (the other two train here)
     proc = start_zjax("train", "configs/tiny.yaml", *args, *nvme_overrides(killed_nv, 4096),
                       "--run-dir", str(run))
     deadline = time.monotonic() + 300

@@ -15,7 +15,7 @@ from helpers import (
     assert_trees_close,
     make_tx,
     nvme_overrides,
-    run_zjax,
+    zjax_main,
 )
 
 import zjax
@@ -56,13 +56,13 @@ def _assert_state_close(actual, expected, *, bf16: bool):
         assert np.abs(a - e).max() <= 0.05 * np.abs(e).max(), (a, e)
 
 
-SLOW = pytest.mark.slow  # the fast loop keeps stage 3 and stage 2
+SLOW = pytest.mark.slow  # the fast loop keeps stage 3
 
 
 @pytest.mark.parametrize("overrides", [
     pytest.param(["zero.stage=3", "zero.gather_dtype=float32"], id="stage3"),
     pytest.param(["zero.stage=3"], id="stage3-bf16", marks=SLOW),  # bfloat16 working shards
-    pytest.param(["zero.stage=2", "zero.gather_dtype=float32"], id="stage2"),
+    pytest.param(["zero.stage=2", "zero.gather_dtype=float32"], id="stage2", marks=SLOW),
     pytest.param(["zero.stage=3", "zero.gather_dtype=float32", "train.grad_accum=2",
                   "zero.offload_param.device=host"], id="grad-accum-param-offload-host",
                  marks=SLOW),
@@ -176,8 +176,8 @@ def test_bad_nvme_input_is_refused_before_the_first_step(tmp_path, monkeypatch):
 
 
 def test_cli_exits_2_naming_the_path(tmp_path):
-    proc = run_zjax("train", "configs/tiny.yaml", *SMALL, *nvme_overrides(tmp_path / "nope"),
-                    "--run-dir", str(tmp_path / "run"))
+    proc = zjax_main("train", "configs/tiny.yaml", *SMALL, *nvme_overrides(tmp_path / "nope"),
+                     "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "zero.offload_optimizer.nvme_path:" in proc.stderr and "nope" in proc.stderr
     assert "Traceback" not in proc.stderr

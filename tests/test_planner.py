@@ -8,7 +8,7 @@ import json
 
 import jax
 import pytest
-from helpers import run_zjax
+from helpers import run_zjax, zjax_main
 
 import zjax
 from zjax.planning import collective_bytes, compile_report, formula
@@ -107,15 +107,21 @@ def test_budget_picks_the_least_communicating_config_that_fits():
 
 
 def _cli(*args):
+    return zjax_main("plan", *args)
+
+
+def _cli_process(*args):
     return run_zjax("plan", *args)
 
 
 def test_plan_cli_budget_writes_a_config_that_loads(tmp_path):
+    # subprocess: the two --devices 2 runs need a process of 2 simulated devices (this one's 8
+    # are fixed; in-process, --devices would rewrite this process's XLA_FLAGS and jax config)
     out = tmp_path / "chosen.yaml"
     # 2 devices: model axis sizes 1 and 2 only (the search space itself is tested in-process);
     # a batch of 2: one micro-batch count at model 1 (each candidate tried costs a compile)
-    r = _cli("configs/tiny.yaml", *SMALL, "data.batch_size=2", "--devices", "2",
-             "--budget", "64MiB", "--write", str(out), "--json")
+    r = _cli_process("configs/tiny.yaml", *SMALL, "data.batch_size=2", "--devices", "2",
+                     "--budget", "64MiB", "--write", str(out), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(r.stdout)
     assert data["best"]["n_devices"] == 2 and data["best"]["per_device"]["total_bytes"] \
@@ -124,8 +130,8 @@ def test_plan_cli_budget_writes_a_config_that_loads(tmp_path):
     assert len(data["rows"]) >= 2
     # the same model and batch: its leanest candidates, compiled first, are the search's
     # above (read from the compilation cache, not compiled again)
-    r = _cli("configs/tiny.yaml", *SMALL, "data.batch_size=2", "--devices", "2",
-             "--budget", "1KiB")
+    r = _cli_process("configs/tiny.yaml", *SMALL, "data.batch_size=2", "--devices", "2",
+                     "--budget", "1KiB")
     assert r.returncode == 2 and "fits no configuration; the smallest needs" in r.stderr
     assert "Traceback" not in r.stderr
     r = _cli("configs/tiny.yaml", "--budget", "lots")

@@ -32,6 +32,7 @@ def _plugins_installed_and_no_accelerator():
 
 @pytest.mark.slow  # a training run in a fresh process: about 20 s
 def test_train_prints_no_plugin_start_up_lines():
+    # subprocess: the plugins' start-up lines come at a fresh interpreter's jax import
     r = run_zjax("train", "configs/tiny.yaml", "train.steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "done: loss" in r.stdout
@@ -40,6 +41,7 @@ def test_train_prints_no_plugin_start_up_lines():
 
 @pytest.mark.slow  # a fresh process: the quick loop's time stays as it was
 def test_config_show_prints_no_plugin_start_up_lines():
+    # subprocess: the plugins' start-up lines come at a fresh interpreter's jax import
     r = run_zjax("config", "show", "configs/tiny.yaml")
     assert r.returncode == 0 and r.stdout.startswith("loop: lm"), r.stderr[-3000:]
     assert r.stderr == ""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, cli_env, start_zjax
+from helpers import ROOT, cli_env, start_zjax, zjax_main
 from sft_data import sft_example
 
 from zjax import cli
@@ -262,6 +262,7 @@ def test_an_unwritable_output_is_one_line_naming_it(tok, tmp_path, capsys, cli_l
 
 @pytest.mark.parametrize("out", ["o", "o.npy"])
 def test_a_full_disk_is_one_line_and_leaves_nothing(tok, tmp_path, out):
+    # subprocess: the file-size limit (and SIGXFSZ ignored) is a process's, and its workers'
     # a process whose files may not grow past 64 KiB: its writes fail as on a full disk
     import resource
 
@@ -324,6 +325,7 @@ def _assert_stopped(proc: subprocess.Popen, sig: int, workers: list[int], parent
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_tokenize_leaves_no_output_and_no_worker(tok, tmp_path, sig):
+    # subprocess: the tokenize interrupted by a signal (the rerun: here)
     src = tmp_path / "big.jsonl"
     line = json.dumps({"text": " ".join(TEXTS[:4])}) + "\n"
     src.write_text(line * 60000)
@@ -341,8 +343,7 @@ def test_an_interrupted_tokenize_leaves_no_output_and_no_worker(tok, tmp_path, s
     proc.send_signal(sig)
     _assert_stopped(proc, sig, workers, out.parent, out)
     src.write_text(line * 50)  # and a rerun works
-    r = subprocess.run(proc.args, cwd=ROOT, env=cli_env(), capture_output=True, text=True,
-                       timeout=120)
+    r = zjax_main(*args)
     assert r.returncode == 0 and len(read_store(out)) == 50, r.stderr[-2000:]
 
 
@@ -370,6 +371,7 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_import_hf_leaves_nothing_and_a_rerun_works(tmp_path, sig):
+    # subprocess: the import-hf interrupted by a signal (the rerun: here)
     hf = tmp_path / "hf"
     sft_example.write_base(hf, TEXTS)
     out = tmp_path / "out" / "imported"
@@ -383,8 +385,7 @@ def test_an_interrupted_import_hf_leaves_nothing_and_a_rerun_works(tmp_path, sig
     workers = _descendants(proc.pid)
     proc.send_signal(sig)
     _assert_stopped(proc, sig, workers, out.parent, out)
-    r = subprocess.run([sys.executable, "-m", "zjax", "import-hf", str(hf), str(out)],
-                       cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    r = zjax_main("import-hf", str(hf), str(out))
     assert r.returncode == 0 and (out / "zjax.yaml").is_file(), r.stderr[-2000:]
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import run_zjax
+from helpers import zjax_main
 from hf_models import hf_model, write_hf
 
 import zjax
@@ -24,7 +24,8 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [  # the quick loop keeps the GPT's cache
+    "gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_cached_decoding_gives_the_full_forward_logits(name):
     cls, cfg = MODELS[name]
     model = cls(cfg, rngs=nnx.Rngs(0))
@@ -75,14 +76,14 @@ def test_cli_samples_a_run_and_refuses_bad_input(tmp_path):
     zjax.train("lm", {"train": {"steps": 2, "eval_every": 0}, "logging": {"progress": False},
                       "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
                       "data": {"seq_len": 16, "batch_size": 8}}, run_dir=run)
-    r = run_zjax("sample", str(run), "--prompt", "def ", "--max-new-tokens", "8", "-n", "2")
+    r = zjax_main("sample", str(run), "--prompt", "def ", "--max-new-tokens", "8", "-n", "2")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("--- sample") == 2 and "\ndef " in r.stdout
     for args, message in [(["--top-p", "0"], "--top-p: 0.0; expected a number in (0, 1]"),
                           (["--max-new-tokens", "300"], "exceed the model's max_seq_len")]:
-        r = run_zjax("sample", str(run), "--prompt", "x", *args)
+        r = zjax_main("sample", str(run), "--prompt", "x", *args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
-    r = run_zjax("sample", str(tmp_path), "--prompt", "x")
+    r = zjax_main("sample", str(tmp_path), "--prompt", "x")
     assert r.returncode == 2 and "is not a run directory" in r.stderr
 
 

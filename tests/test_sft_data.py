@@ -213,10 +213,10 @@ def test_bad_records_are_one_line_naming_file_row_and_field(chat, tmp_path, caps
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
-@pytest.mark.slow  # two CLI processes (the in-process cases above are the fast loop's)
+@pytest.mark.slow  # two CLI runs (the cases above are the fast loop's)
 def test_a_chat_without_a_template_and_a_bad_row_stop_training_before_it_starts(chat,
                                                                                  tmp_path):
-    from helpers import run_zjax
+    from helpers import zjax_main
 
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -224,12 +224,12 @@ def test_a_chat_without_a_template_and_a_bad_row_stop_training_before_it_starts(
     (tmp_path / "d.jsonl").write_text(CHAT + "\n")
     common = ["train", "configs/sft-llama.yaml", f"data.path={tmp_path / 'd.jsonl'}",
               "train.init_from=null", "--run-dir", str(tmp_path / "run")]
-    r = run_zjax(*common, f"data.tokenizer={bare / 'tokenizer.json'}")
+    r = zjax_main(*common, f"data.tokenizer={bare / 'tokenizer.json'}")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "data.format: chat needs a chat template" in r.stderr
     assert "Traceback" not in r.stderr
     (tmp_path / "d.jsonl").write_text(CHAT + "\n" + "[1, 2]\n")
-    r = run_zjax(*common, f"data.tokenizer={chat[0]}")
+    r = zjax_main(*common, f"data.tokenizer={chat[0]}")
     assert r.returncode == 2 and "row 2: expected a JSON object" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import latest_checkpoint, start_zjax
+from helpers import latest_checkpoint, start_zjax, zjax_main
 from sft_data import chat_dir, write_sources
 
 pytestmark = pytest.mark.slow  # trains three runs per source
@@ -34,12 +34,13 @@ def sources(tmp_path_factory):
 
 
 def _run(args, run_dir, wait=True):
-    proc = start_zjax("train", CONFIG, *FAST, *args, "--run-dir", str(run_dir))
+    """``zjax train`` to its end in this process (its stdout), or (``wait=False``) started in
+    a process of its own, to be killed."""
     if not wait:
-        return proc
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    return out
+        return start_zjax("train", CONFIG, *FAST, *args, "--run-dir", str(run_dir))
+    r = zjax_main("train", CONFIG, *FAST, *args, "--run-dir", str(run_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
 
 
 @pytest.mark.parametrize("kind", ["parquet", "chat"])
@@ -47,6 +48,7 @@ def test_kill_9_and_resume_is_bitwise_the_straight_run(sources, tmp_path, kind):
     overrides, tokenizer = sources
     args = [*overrides[kind], f"data.tokenizer={tokenizer}"]
     _run(args, tmp_path / "straight")
+    # subprocess: the run killed with SIGKILL mid-epoch (the straight and resumed runs: here)
     proc = _run(args, tmp_path / "killed", wait=False)
     deadline = time.monotonic() + 300
     while not (tmp_path / "killed" / "checkpoints" / "8").is_dir():

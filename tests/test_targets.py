@@ -7,14 +7,13 @@ the target's compile-only devices, and the figures are the real compiler's.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, TARGET_BASE, cli_env, compiled_for, run_zjax, sharded_params
+from helpers import ROOT, TARGET_BASE, cli_env, compiled_for, run_zjax, sharded_params, zjax_main
 
 import zjax
 from zjax.planning import collective_bytes, compiled_memory
@@ -262,20 +261,15 @@ def test_offload_the_compiler_cannot_take_is_refused_beforehand(name, overrides,
         _compiled(name, "zero.stage=3", *overrides)
 
 
-def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``zjax ARGS`` in this process's environment (the test's simulated CPU) or ``env``."""
-    return run_zjax(*args, env=dict(os.environ) if env is None else env)
-
-
 @pytest.mark.slow
 def test_plan_cli_with_a_target_and_a_bad_one():
-    r = _cli("plan", "configs/tiny.yaml", "--target", GPU, "model.n_layers=2", "--json")
+    r = zjax_main("plan", "configs/tiny.yaml", "--target", GPU, "model.n_layers=2", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["setting"]["target"] == GPU and out["device_kind"] == "NVIDIA H100 80GB HBM3"
     assert out["per_device"]["capacity_bytes"] == 84942979072 and out["fits_device"] is True
     assert out["overlap"]["all_gather"] >= 0.9
-    bad = _cli("plan", "--target", "v9z:2x2")
+    bad = zjax_main("plan", "--target", "v9z:2x2")
     assert bad.returncode == 2 and "zjax: error: --target: 'v9z:2x2'" in bad.stderr
     assert "Traceback" not in bad.stderr
 
@@ -294,9 +288,10 @@ def test_a_step_over_the_chip_memory_does_not_fit():
 
 @pytest.mark.slow
 def test_cli_simulates_cpu_devices_with_the_compiler_plugins_installed():
+    # subprocess: a fresh shell's environment is what is tested (jax started by the CLI)
     # a fresh shell: no XLA_FLAGS, no JAX_PLATFORMS; the CUDA plugin and libtpu are installed
-    env = cli_env(PJRT_NPROC=None)
-    r = _cli("plan", "configs/tiny.yaml", "model.n_layers=2", "--json", env=env)
+    env = cli_env(PJRT_NPROC=None, XLA_FLAGS=None)
+    r = run_zjax("plan", "configs/tiny.yaml", "model.n_layers=2", "--json", env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["n_devices"] == 8 and out["device_kind"] == "cpu"
@@ -344,6 +339,7 @@ _FRESH = ("import os, sys\n"
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess:
+    # subprocess: libtpu's start-up lines on fd 2 come only in a process that first loads it
     return subprocess.run([sys.executable, "-c", _FRESH + code], cwd=ROOT,
                           env=cli_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                           timeout=120)

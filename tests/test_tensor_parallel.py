@@ -19,7 +19,7 @@ from helpers import (
     assert_trees_close,
     make_tx,
     reference_run,
-    run_zjax,
+    zjax_main,
 )
 from models import gpt_reference_loss, gpt_trainable, token_batches
 
@@ -244,7 +244,7 @@ def test_checkpoints_move_between_mesh_shapes_bitwise(reference, tmp_path):
 
 
 def _plan_cli(*args):
-    return run_zjax("plan", "configs/tiny.yaml", "model.n_layers=2", "data.seq_len=32", *args)
+    return zjax_main("plan", "configs/tiny.yaml", "model.n_layers=2", "data.seq_len=32", *args)
 
 
 def test_plan_cli_on_a_2d_mesh():

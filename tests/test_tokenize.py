@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import ROOT, run_zjax
+from helpers import ROOT, zjax_main
 
 import zjax
 from zjax.config import load_config
@@ -34,7 +34,7 @@ def test_tokenize_writes_the_ids_of_every_file_in_order(bpe, tmp_path):
 
     path, files = bpe
     out = tmp_path / "tokens.npy"
-    r = run_zjax("tokenize", *map(str, files[:12]), "-o", str(out), "--tokenizer", str(path))
+    r = zjax_main("tokenize", *map(str, files[:12]), "-o", str(out), "--tokenizer", str(path))
     assert r.returncode == 0, r.stderr[-2000:]
     tok = Tokenizer.from_file(str(path))
     want = np.concatenate([tok.encode(f.read_text(encoding="utf-8", errors="replace"),
@@ -48,9 +48,9 @@ def test_tokenize_writes_the_ids_of_every_file_in_order(bpe, tmp_path):
     first = len(tok.encode(files[0].read_text(), add_special_tokens=False).ids)
     assert tok.decode(got[:first].tolist()) == files[0].read_text()
     # never replaced; a missing tokenizer names the flag; exit 2 without a traceback
-    again = run_zjax("tokenize", str(files[0]), "-o", str(out), "--tokenizer", str(path))
-    missing = run_zjax("tokenize", str(files[0]), "-o", str(tmp_path / "b.npy"),
-                       "--tokenizer", str(tmp_path / "nope.json"))
+    again = zjax_main("tokenize", str(files[0]), "-o", str(out), "--tokenizer", str(path))
+    missing = zjax_main("tokenize", str(files[0]), "-o", str(tmp_path / "b.npy"),
+                        "--tokenizer", str(tmp_path / "nope.json"))
     for bad, needle in ((again, "already exists"), (missing, "--tokenizer: ")):
         assert bad.returncode == 2 and needle in bad.stderr and "Traceback" not in bad.stderr
 
@@ -74,7 +74,7 @@ def test_data_tokenizer_encodes_text_and_sets_the_vocabulary(bpe, tmp_path):
 def test_train_on_tokenized_data(bpe, tmp_path):
     path, files = bpe
     out = tmp_path / "tokens.npy"
-    r = run_zjax("tokenize", *map(str, files), "-o", str(out), "--tokenizer", str(path))
+    r = zjax_main("tokenize", *map(str, files), "-o", str(out), "--tokenizer", str(path))
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = load_config(ROOT / "configs/tiny.yaml", [
         f"data.path={out}", f"data.tokenizer={path}", "model.vocab_size=512",
