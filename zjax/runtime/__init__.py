@@ -1,6 +1,7 @@
 """Where the process meets devices: the mesh and CPU device simulation, joining a
-``jax.distributed`` job and ``zjax launch``, compile-only accelerator targets, and one
-record per XLA backend of its compiler options and workarounds.
+``jax.distributed`` job and ``zjax launch``, compile-only accelerator targets (their compiles
+kept beside JAX's cache), and one record per XLA backend of its compiler options and
+workarounds.
 
 It owns the ``mesh`` section (``zjax.runtime.config``) and the process environment that
 decides devices (``XLA_FLAGS``, ``JAX_PLATFORMS``, the distributed variables). It imports only
@@ -17,6 +18,7 @@ from zjax.runtime.config import MeshConfig
 
 _LAZY = {
     "Backend": "zjax.runtime._backend",
+    "CompiledFigures": "zjax.runtime._target_cache",
     "CONTEXT": "zjax.runtime.mesh",
     "EXPERT": "zjax.runtime.mesh",
     "DATA": "zjax.runtime.mesh",
@@ -32,6 +34,7 @@ _LAZY = {
     "backend": "zjax.runtime._backend",
     "backend_of": "zjax.runtime._backend",
     "batch_axes": "zjax.runtime.mesh",
+    "compile_for_target": "zjax.runtime._target_cache",
     "detect": "zjax.runtime.distributed",
     "initialize": "zjax.runtime.distributed",
     "launch": "zjax.runtime.launch",
@@ -59,6 +62,7 @@ __all__ = [
     "REPLICA",
     "TPU_HBM_BYTES",
     "Backend",
+    "CompiledFigures",
     "MeshConfig",
     "ProcessSpec",
     "Quirk",
@@ -66,6 +70,7 @@ __all__ = [
     "backend",
     "backend_of",
     "batch_axes",
+    "compile_for_target",
     "detect",
     "held_stderr",
     "initialize",
@@ -89,6 +94,7 @@ __getattr__ = exports(__name__, _LAZY)
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.runtime._backend import Backend, Quirk, backend, backend_of
     from zjax.runtime._plugins import held_stderr, quiet_plugins, write_stderr
+    from zjax.runtime._target_cache import CompiledFigures, compile_for_target
     from zjax.runtime.distributed import ENV, ProcessSpec, detect, initialize
     from zjax.runtime.launch import launch
     from zjax.runtime.mesh import (

@@ -1,0 +1,111 @@
+"""Compiles for compile-only targets kept on disk (``zjax.runtime.compile_for_target``): a
+second compile of the same step is read back with the compiler's own figures, and anything
+that changes the compile (the program, the compiler flags, the devices) misses; a damaged
+entry is compiled again, never read."""
+
+from __future__ import annotations
+
+import gzip
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TARGET_BASE
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zjax
+from zjax.runtime import compile_for_target
+from zjax.runtime.targets import target
+
+GPU = "h100:8"
+STATS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+         "temp_size_in_bytes", "host_temp_size_in_bytes")
+
+
+def _lowered(width: int = 256):
+    """A small sharded program for the 8 H100s: rows over ``data``, a matmul, an all-reduce
+    (the train step's own compile is the last test's)."""
+    mesh = Mesh(np.array(target(GPU).devices), ("data",))
+    x = jax.ShapeDtypeStruct((128, width), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((width, width), jnp.float32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0)).lower(x, w)
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """The step compiled by the compiler, and its figures."""
+    compiled = _lowered().compile()
+    return compiled.memory_analysis(), compiled.as_text()
+
+
+def _program(text: str) -> str:
+    """The HLO without where it was compiled from (the source file and stack-frame tables
+    and the instructions' ``stack_frame_id``), which differs from one call site to another."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("%") or
+                 line.startswith("ENTRY"))
+    return re.sub(r" stack_frame_id=\d+", "", "\n".join([lines[0], *lines[start:]]))
+
+
+def _same(got, fresh) -> None:
+    mem, text = fresh
+    for k in STATS:
+        assert getattr(got.memory_analysis(), k) == getattr(mem, k), k
+    assert _program(got.as_text()) == _program(text)
+
+
+def test_a_second_compile_is_read_back_with_the_compilers_figures(tmp_path, fresh):
+    devices = list(target(GPU).devices)
+    first = compile_for_target(_lowered(), devices, cache_dir=tmp_path)
+    again = compile_for_target(_lowered(), devices, cache_dir=tmp_path)
+    assert (first.cached, again.cached) == (False, True)
+    assert len(list(tmp_path.glob("*.json.gz"))) == 1
+    _same(first, fresh)
+    _same(again, fresh)
+
+
+def test_what_changes_the_compile_misses(tmp_path, monkeypatch):
+    devices = list(target(GPU).devices)
+    compile_for_target(_lowered(), devices, cache_dir=tmp_path)
+    other = compile_for_target(_lowered(width=128), devices, cache_dir=tmp_path)
+    assert not other.cached  # another program
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
+    assert not compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
+    monkeypatch.undo()
+    assert compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
+    assert len(list(tmp_path.glob("*.json.gz"))) == 3
+
+
+def test_a_damaged_entry_is_compiled_again_and_replaced(tmp_path, fresh):
+    devices = list(target(GPU).devices)
+    compile_for_target(_lowered(), devices, cache_dir=tmp_path)
+    (entry,) = tmp_path.glob("*.json.gz")
+    entry.write_bytes(entry.read_bytes()[:100])  # cut short, as a full disk leaves it
+    got = compile_for_target(_lowered(), devices, cache_dir=tmp_path)
+    assert not got.cached
+    _same(got, fresh)
+    gzip.decompress(entry.read_bytes())  # whole again
+    assert compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
+
+
+@pytest.fixture
+def jax_cache_dir(tmp_path):
+    """JAX's compilation cache directory set to ``tmp_path`` for one test (JAX's own cache
+    object, made at the first compile, keeps the run's directory)."""
+    saved = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    yield tmp_path
+    jax.config.update("jax_compilation_cache_dir", saved)
+
+
+def test_plan_on_a_target_keeps_its_compile_beside_jaxs_cache(monkeypatch, jax_cache_dir):
+    """``zjax.plan(target=...)`` reads the kept compile: the same report, no compile."""
+    config = zjax.load_config("configs/tiny.yaml", list(TARGET_BASE))
+    first = zjax.plan(config, target=GPU).to_json()
+    assert len(list((jax_cache_dir / "zjax-targets").glob("*.json.gz"))) == 1
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda *a, **k: pytest.fail("compiled again"))
+    assert zjax.plan(config, target=GPU).to_json() == first
