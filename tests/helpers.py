@@ -248,6 +248,19 @@ def nvme_overrides(path: Path, sub: int = 1000) -> list[str]:
 TARGET_BASE = ("model.n_layers=2", "data.seq_len=64", "zero.param_persistence_threshold=0")
 
 
+def compile_on(lowered, devices=None):
+    """``lowered.compile()``; for a target's compile-only ``devices`` (in the mesh's order),
+    :func:`zjax.runtime.compile_for_target` as ``zjax plan --target`` does: the compiler's
+    memory figures and HLO text, kept beside JAX's cache so that a warm run reads them
+    instead of compiling again (jax cannot reload a target's executable)."""
+    devices = None if devices is None else list(devices)
+    if devices is None or devices[0].platform == "cpu":
+        return lowered.compile()
+    from zjax.runtime import compile_for_target
+
+    return compile_for_target(lowered, devices)
+
+
 @functools.cache
 def compiled_for(name: str, *overrides: str, file: str = "configs/tiny.yaml"):
     """(zstep, compiled, report) of the tiny GPT's (or ``file``'s) step compiled for target
@@ -258,7 +271,8 @@ def compiled_for(name: str, *overrides: str, file: str = "configs/tiny.yaml"):
 
     config = zjax.load_config(file, [*TARGET_BASE, *overrides])
     zstep = zjax.build_step(config, None if name == "cpu" else target(name))
-    compiled = zstep.lower(zjax.abstract_batch(config)).compile()
+    compiled = compile_on(zstep.lower(zjax.abstract_batch(config)),
+                          None if name == "cpu" else target(name).devices)
     from zjax.task import flops_shape
 
     return zstep, compiled, report(zstep, compiled,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from any_models import MODELS, compiled_step, psi_bytes, zero3_step
+from helpers import compile_on
 
 
 @pytest.mark.slow
@@ -56,7 +57,7 @@ def test_on_accelerator_compilers_flat_and_two_gathers(tgt, name):
                                zero=ZeroConfig(stage=3, param_persistence_threshold=0,
                                                gather_dtype="bfloat16",
                                                reduce_dtype="bfloat16", prefetch_layers=1))
-        compiled = zstep.lower(batch).compile()
+        compiled = compile_on(zstep.lower(batch), mesh.devices.flat)
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
         coll = collective_bytes(compiled.as_text(),
                                 decomposed=backend(mesh.devices.flat[0].platform)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compile_on
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -176,7 +177,7 @@ def _lowered_on(name: str, t: int, **opts):
 
     fn = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
                        in_specs=(P("data"),) * 4, out_specs=(P("data"),) * 3, check_vma=False)
-    return jax.jit(fn).lower(q, kv, kv, seg).compile()
+    return compile_on(jax.jit(fn).lower(q, kv, kv, seg), mesh.devices.flat)
 
 
 @pytest.mark.parametrize("name,marker", [("h100:8", "__gpu$xla.gpu.triton"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import TARGET_BASE, compiled_for, sharded_params
+from helpers import TARGET_BASE, compile_on, compiled_for, sharded_params
 
 import zjax
 from zjax.runtime import _backend
@@ -29,7 +29,8 @@ def test_one_bucket_per_layer_tied_to_the_vjp_saves_a_layer_on_h100(monkeypatch)
     monkeypatch.setitem(_backend._BACKENDS, "gpu", dataclasses.replace(
         backend("gpu"), bucket_layer_gathers=None, prefetch_before_vjp=None))
     config = zjax.load_config("configs/tiny.yaml", [*TARGET_BASE, *WIDE])
-    plain = zjax.build_step(config, target(GPU)).lower(zjax.abstract_batch(config)).compile()
+    plain = compile_on(zjax.build_step(config, target(GPU)).lower(zjax.abstract_batch(config)),
+                       target(GPU).devices)
     saved = (plain.memory_analysis().temp_size_in_bytes
              - kept.memory_analysis().temp_size_in_bytes)
     layer = sharded_params(zstep, layer=True) * 2

@@ -7,7 +7,7 @@ Memory figures are ``memory_analysis()`` of the step compiled from ``ShapeDtypeS
 
 import numpy as np
 import pytest
-from helpers import config_losses
+from helpers import compile_on, config_losses
 
 import zjax
 from zjax.runtime.targets import target
@@ -22,8 +22,10 @@ TOKENS = 16384
 
 def _compiled(file: str, name: str, overrides: list[str]):
     config = zjax.load_config(file, overrides)
-    zstep = zjax.build_step(config, None if name == "cpu" else target(name))
-    return config, zstep, zstep.lower(zjax.abstract_batch(config)).compile()
+    where = None if name == "cpu" else target(name)
+    zstep = zjax.build_step(config, where)
+    return config, zstep, compile_on(zstep.lower(zjax.abstract_batch(config)),
+                                     where and where.devices)
 
 
 @pytest.mark.slow

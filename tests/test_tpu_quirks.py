@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import TARGET_BASE, compiled_for, sharded_params
+from helpers import TARGET_BASE, compile_on, compiled_for, sharded_params
 
 import zjax
 from zjax.runtime import _backend
@@ -28,7 +28,8 @@ def _temp_without(quirk: str, *overrides: str, monkeypatch) -> int:
     monkeypatch.setitem(_backend._BACKENDS, "tpu",
                         dataclasses.replace(backend("tpu"), **{quirk: None}))
     config = zjax.load_config("configs/tiny.yaml", [*TARGET_BASE, *overrides])
-    compiled = zjax.build_step(config, target(TPU)).lower(zjax.abstract_batch(config)).compile()
+    compiled = compile_on(zjax.build_step(config, target(TPU)).lower(zjax.abstract_batch(config)),
+                          target(TPU).devices)
     return compiled.memory_analysis().temp_size_in_bytes
 
 
