@@ -41,7 +41,7 @@ def model():
     return hf_model()
 
 
-@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 3])  # quick: 3
 def test_imported_llama_has_transformers_logits(tmp_path, model, shards):
     directory = write_hf(tmp_path / "hf", model, shards=shards)
     source = HFCheckpoint(directory)
@@ -244,6 +244,7 @@ def test_cli_import_hf_errors_exit_2_and_write_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # quick loop: 7 s
 def test_export_hf_refuses_a_gpt_without_gpt2s_layout(tmp_path):
     run = tmp_path / "run"
     zjax.train("lm", {"train": {"steps": 1, "eval_every": 0}, "logging": {"progress": False},

@@ -61,6 +61,7 @@ def _flax(cls_name: str, hf: dict, tensors: dict):
     return model
 
 
+@pytest.mark.slow  # quick loop: 11 s
 def test_the_reference_is_transformers_flax_llama_mistral_and_gemma():
     """The reference's Llama block and sliding window against transformers' own Flax models.
     Flax Mistral's mask (``triu(k=-window)``) lets a query see ``window + 1`` positions where

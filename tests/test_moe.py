@@ -267,6 +267,7 @@ def test_checkpoints_move_between_expert_parallel_sizes_bitwise(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow  # quick loop: 11 s
 def test_capacity_counts_each_devices_dropped_assignments():
     cfg = dataclasses.replace(MOE, n_shared_experts=0, capacity_factor=0.5)
     batch = token_batches(1)[0]
@@ -313,6 +314,7 @@ def test_the_cli_refuses_expert_settings_that_cannot_place(overrides, message, c
     assert code == 2 and len(err) == 1 and err[0].startswith(f"zjax: error: {message}"), err
 
 
+@pytest.mark.slow  # quick loop: 12 s
 def test_the_plan_counts_active_parameters_and_the_experts_figures():
     """``zjax plan``: total and active parameters (the chosen and shared experts), model FLOPs
     (MFU's numerator) of the active ones, 6 N_active + 12 L H Q T per token, and with

@@ -198,6 +198,7 @@ def test_a_target_step_over_the_memory_exits_2_with_or_without_offload(plan_cli,
         assert rc == code and '"fits_device": ' in out
 
 
+@pytest.mark.slow  # quick loop: 6 s
 def test_a_real_h100_compile_over_the_memory_exits_2(plan_cli):
     """The GPU compiler compiles a step over 80 GB (libtpu would refuse it): 2 either way."""
     rc, out, err = plan_cli("--target", "h100:8", "data.batch_size=2097152")

@@ -39,6 +39,7 @@ def test_cached_decoding_gives_the_full_forward_logits(name):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), model(tokens), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # quick loop: 12 s (it keeps the cached decoder's equality)
 def test_greedy_generation_is_transformers(tmp_path):
     hf = hf_model()
     sampler = load_sampler(write_hf(tmp_path / "hf", hf))
@@ -71,6 +72,7 @@ def test_too_long_a_generation_is_refused():
                  key=jax.random.key(0))
 
 
+@pytest.mark.slow  # quick loop: 6 s (it keeps the cached decoder's equality)
 def test_cli_samples_a_run_and_refuses_bad_input(tmp_path):
     run = tmp_path / "run"
     zjax.train("lm", {"train": {"steps": 2, "eval_every": 0}, "logging": {"progress": False},
