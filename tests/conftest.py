@@ -22,8 +22,8 @@ def _persistent_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     path = Path(base) / "zjax" / f"jit-cache-jax-{version('jax')}-jaxlib-{version('jaxlib')}"
     if "PYTEST_XDIST_WORKER" not in os.environ and path.is_dir():  # once, before any worker
-        entries = sorted((_last_use(f), f.stat().st_size, f) for f in path.iterdir()
-                         if f.is_file())
+        entries = sorted((_last_use(f), f.stat().st_size, f) for f in path.rglob("*")
+                         if f.is_file())  # with zjax-targets/ (the targets' compiles)
         total = sum(size for _, size, _ in entries)
         for _, size, f in entries:
             if total <= CACHE_LIMIT_BYTES:

@@ -89,6 +89,12 @@ def test_a_damaged_entry_is_compiled_again_and_replaced(tmp_path, fresh):
     _same(got, fresh)
     gzip.decompress(entry.read_bytes())  # whole again
     assert compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(64)  # zeros inside the compressed data
+    entry.write_bytes(bytes(data))
+    got = compile_for_target(_lowered(), devices, cache_dir=tmp_path)
+    assert not got.cached
+    _same(got, fresh)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zlib
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -111,23 +112,25 @@ def _read(path: Path) -> CompiledFigures | None:
                                cached=True)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, EOFError):  # damaged: compile again
-        return None
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zlib.error):  # damaged
+        return None  # compiled again, and replaced
 
 
 def _write(path: Path, figures: CompiledFigures) -> None:
     """Atomically (a reader sees a whole entry or none); a cache that cannot be written is
     skipped, as JAX's own is."""
+    data = gzip.compress(json.dumps({"stats": figures._stats, "hlo": figures._text}).encode(),
+                         compresslevel=6)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = gzip.compress(json.dumps({"stats": figures._stats, "hlo": figures._text})
-                             .encode(), compresslevel=6)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def compile_for_target(lowered: jax.stages.Lowered, devices: list, *,
