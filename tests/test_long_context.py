@@ -25,7 +25,7 @@ def _compiled(file: str, name: str, overrides: list[str]):
     where = None if name == "cpu" else target(name)
     zstep = zjax.build_step(config, where)
     return config, zstep, compile_on(zstep.lower(zjax.abstract_batch(config)),
-                                     where and where.devices)
+                                     None if where is None else where.devices)
 
 
 @pytest.mark.slow
