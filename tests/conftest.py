@@ -3,7 +3,7 @@ compilation cache kept between runs."""
 
 import json
 import os
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,13 @@ def _persistent_cache_dir() -> str:
     """``<user cache dir>/zjax/jit-cache-jax-X-jaxlib-Y``: kept between runs, per version,
     trimmed to :data:`CACHE_LIMIT_BYTES` (the least recently used entries go first)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    path = Path(base) / "zjax" / f"jit-cache-jax-{version('jax')}-jaxlib-{version('jaxlib')}"
+    try:
+        versions = f"jax-{version('jax')}-jaxlib-{version('jaxlib')}"
+    except PackageNotFoundError:  # pytest from outside the project's environment
+        raise pytest.UsageError("jax is not installed in this Python: run the tests as the "
+                                "README says (pip install -e '.[test]' in a virtual "
+                                "environment, then python -m pytest -q)") from None
+    path = Path(base) / "zjax" / f"jit-cache-{versions}"
     if "PYTEST_XDIST_WORKER" not in os.environ and path.is_dir():  # once, before any worker
         entries = sorted((_last_use(f), f.stat().st_size, f) for f in path.rglob("*")
                          if f.is_file())  # with zjax-targets/ (the targets' compiles)

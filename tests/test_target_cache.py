@@ -1,7 +1,6 @@
 """Compiles for compile-only targets kept on disk (``zjax.runtime.compile_for_target``): a
-second compile of the same step is read back with the compiler's own figures, and anything
-that changes the compile (the program, the compiler flags, the devices) misses; a damaged
-entry is compiled again, never read."""
+second compile of the same step is read back with the compiler's own figures, another
+program or other compiler flags miss, and a damaged entry is compiled again, never read."""
 
 from __future__ import annotations
 

@@ -110,10 +110,8 @@ def _read(path: Path) -> CompiledFigures | None:
         entry = json.loads(gzip.decompress(path.read_bytes()))
         return CompiledFigures({k: int(entry["stats"][k]) for k in _STATS}, entry["hlo"],
                                cached=True)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, EOFError, zlib.error):  # damaged
-        return None  # compiled again, and replaced
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zlib.error):
+        return None  # missing or damaged: compiled again, and replaced
 
 
 def _write(path: Path, figures: CompiledFigures) -> None:
