@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import compile_on
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -263,7 +264,7 @@ def compiled_step(zstep, batch=16, seq=8):
                                 sharding=NamedSharding(zjax.make_mesh(), P("data")))
     with warnings.catch_warnings():
         warnings.simplefilter("error", GatherFallbackWarning)  # every model here is layered
-        return zstep.lower(spec).compile()
+        return compile_on(zstep.lower(spec))
 
 
 def psi_bytes(init, itemsize: int) -> int:

@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices, set before jax creates its backends, and a
 compilation cache kept between runs."""
 
+import gc
 import json
 import os
 from importlib.metadata import PackageNotFoundError, version
@@ -75,6 +76,13 @@ from zjax.runtime import quiet_plugins  # noqa: E402 (after the environment abov
 quiet_plugins()  # imports jax, its plugins' start-up lines held back; backends start later
 
 from zjax.runtime.mesh import simulate_cpu_devices  # noqa: E402
+
+# Python's cyclic collector: tracing makes millions of short-lived objects, and each full
+# collection walks the whole heap (jax, flax, the test modules). The modules imported so far
+# are moved out of its reach and collections run a tenth as often: about 2% less CPU time on
+# test_equivalence + test_hsdp + test_packing, cold (136 -> 132 s and 135 -> 132 s).
+gc.freeze()
+gc.set_threshold(20_000, 50, 100)
 
 # XLA_FLAGS' device count and PJRT_NPROC (room for collectives in flight), inherited by the
 # subprocesses tests start.

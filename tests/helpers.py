@@ -249,16 +249,15 @@ TARGET_BASE = ("model.n_layers=2", "data.seq_len=64", "zero.param_persistence_th
 
 
 def compile_on(lowered, devices=None):
-    """``lowered.compile()``; for a target's compile-only ``devices`` (in the mesh's order),
-    :func:`zjax.runtime.compile_for_target` as ``zjax plan --target`` does: the compiler's
-    memory figures and HLO text, kept beside JAX's cache so that a warm run reads them
-    instead of compiling again (jax cannot reload a target's executable)."""
-    devices = None if devices is None else list(devices)
-    if devices is None or devices[0].platform == "cpu":
-        return lowered.compile()
-    from zjax.runtime import compile_for_target
+    """``lowered`` compiled to read its figures (memory, scheduled HLO), as ``zjax plan``
+    does (:func:`zjax.runtime.compile_for_figures`): on this process's CPU devices
+    (``devices`` None or CPU) without LLVM optimisation, for a target's compile-only
+    ``devices`` (in the mesh's order) kept beside JAX's cache, so that a warm run reads them
+    instead of compiling again (jax cannot reload a target's executable). Never run it."""
+    from zjax.runtime import compile_for_figures
 
-    return compile_for_target(lowered, devices)
+    devices = jax.devices() if devices is None else list(devices)
+    return compile_for_figures(lowered, devices, compile_only=devices[0].platform != "cpu")
 
 
 @functools.cache

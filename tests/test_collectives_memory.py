@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compile_on
 
 import zjax
 from zjax.models import GPT, GPTConfig, lm_loss
@@ -30,7 +31,7 @@ def compiled_step(n_layers: int, prefetch: int = 1, gather: str = "bfloat16",
                            prefetch_layers=prefetch)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     zstep = zjax.make_step(trainable, tx, zero=zero, mesh=zjax.make_mesh())
-    return zstep, zstep.lower(BATCH).compile()
+    return zstep, compile_on(zstep.lower(BATCH))
 
 
 @pytest.mark.parametrize(("gather", "reduce"), [("bfloat16", "float32"), ("float32", "float32")])
@@ -89,8 +90,8 @@ def test_lower_stage_collectives_follow_the_zero_table(stage):
 
     zero = zjax.ZeroConfig(stage=stage, gather_dtype="bfloat16", param_persistence_threshold=100)
     zstep = zjax.make_step(gpt_trainable(), optax.adamw(1e-3), zero=zero, mesh=zjax.make_mesh())
-    cb = collective_bytes(zstep.lower(jax.ShapeDtypeStruct((16, 17), jnp.int32))
-                          .compile().as_text())
+    cb = collective_bytes(compile_on(zstep.lower(jax.ShapeDtypeStruct((16, 17), jnp.int32)))
+                          .as_text())
     total = sum(leaf.size for leaf in zstep.plan.leaves)
     psi = sum(leaf.size for leaf in zstep.plan.leaves if leaf.dim is not None)
     scalars = 256
@@ -112,7 +113,7 @@ def test_init_never_materialises_the_whole_model_on_one_device():
     trainable = zjax.from_nnx(lambda rngs: GPT(cfg, rngs=rngs), lm_loss)
     zstep = zjax.make_step(trainable, optax.adamw(1e-3), zero=zjax.ZeroConfig(stage=3),
                            mesh=zjax.make_mesh())
-    mem = zstep.init.lower(jax.random.key(0)).compile().memory_analysis()
+    mem = compile_on(zstep.init.lower(jax.random.key(0))).memory_analysis()
     full_params = sum(leaf.size * 4 for leaf in zstep.plan.leaves)
     assert mem.temp_size_in_bytes < full_params / 4
     assert mem.output_size_in_bytes < 3 * full_params / 8 * 1.05  # params + mu + nu, sharded

@@ -48,6 +48,20 @@ def test_sources(tmp_path):
     assert len(load_tokens(str(tmp_path / "docs" / "*.txt")).train) > 500
 
 
+def test_the_default_text_is_read_once_per_process_and_cannot_be_written():
+    """Every run of a process (a training and its evaluation, a test session's many runs)
+    shares one read-only copy of the standard library's bytes: all of them, in file order."""
+    first, again = load_tokens(eval_fraction=0.1), load_tokens(eval_fraction=0.2)
+    assert np.shares_memory(first.train, again.train)
+    with pytest.raises(ValueError, match="read-only"):
+        first.train[0] = 0
+    files = stdlib_files()
+    assert len(first.train) + len(first.eval) == sum(f.stat().st_size for f in files) \
+        + len(files) - 1
+    head = files[0].read_bytes()[:1000]
+    assert bytes(first.train[:len(head)]) == head
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda p: str(p / "missing"), "does not exist"),
     (lambda p: (p / "empty").mkdir() or str(p / "empty"), "holds no file"),

@@ -15,6 +15,7 @@ from helpers import (
     ROOT,
     adam_moments,
     assert_matches_reference,
+    compile_on,
     latest_checkpoint,
     make_tx,
     train_steps,
@@ -68,7 +69,7 @@ def test_replica_all_reduce_moves_the_shards_only():
     mesh = _mesh(2, 4)
     zstep = zjax.make_step(gpt_trainable(), make_tx(), zero=_zero(3), mesh=mesh)
     batch = jax.ShapeDtypeStruct((16, 17), np.int32)
-    coll = collective_bytes(zstep.lower(batch).compile().as_text(), mesh_axes=dict(mesh.shape))
+    coll = collective_bytes(compile_on(zstep.lower(batch)).as_text(), mesh_axes=dict(mesh.shape))
     sharded = sum(leaf.size for leaf in zstep.plan.leaves if leaf.dim is not None)
     replicated = sum(leaf.size for leaf in zstep.plan.leaves if leaf.dim is None)
     for axis, kinds in coll.by_axis.items():

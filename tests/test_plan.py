@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compile_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import gpt_trainable
@@ -92,7 +93,7 @@ def test_shards_and_bytes_match_compiled_step(stage):
         assert x.addressable_shards[0].data.size == expect, leaf.path
     # plan bytes == compiled argument bytes (state + batch)
     batch = jax.ShapeDtypeStruct((16, 17), jnp.int32)
-    compiled = zstep.lower(batch).compile()
+    compiled = compile_on(zstep.lower(batch))
     state_bytes = nbytes(zstep.abstract_state)
     batch_bytes = 16 // n * 17 * 4
     assert compiled.memory_analysis().argument_size_in_bytes == state_bytes + batch_bytes

@@ -8,7 +8,7 @@ import json
 
 import jax
 import pytest
-from helpers import run_zjax, zjax_main
+from helpers import compile_on, run_zjax, zjax_main
 
 import zjax
 from zjax.planning import collective_bytes, compile_report, formula
@@ -44,7 +44,7 @@ def test_plan_reports_the_compiled_step(stage):
     # the same step built by hand: the collective bytes are those the engine's HLO holds
     zstep = zjax.build_step(config)
     batch = jax.ShapeDtypeStruct((16, 33), jax.numpy.int32)
-    compiled = zstep.lower(batch).compile()
+    compiled = compile_on(zstep.lower(batch))
     coll = collective_bytes(compiled.as_text())
     assert report.collectives == {"all_gather_bytes": coll.all_gather,
                                   "reduce_scatter_bytes": coll.reduce_scatter,

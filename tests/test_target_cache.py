@@ -1,6 +1,8 @@
-"""Compiles for compile-only targets kept on disk (``zjax.runtime.compile_for_target``): a
-second compile of the same step is read back with the compiler's own figures, another
-program or other compiler flags miss, and a damaged entry is compiled again, never read."""
+"""Compiles read for their figures only (``zjax.runtime.compile_for_figures``). A compile-only
+target's is kept on disk (``compile_for_target``): a second compile of the same step is read
+back with the compiler's own figures, another program or other compiler flags miss, and a
+damaged entry is compiled again, never read. XLA:CPU's is built without LLVM optimisation and
+has the figures of the compile that training runs."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zjax
-from zjax.runtime import compile_for_target
+from zjax.runtime import compile_for_figures, compile_for_target
 from zjax.runtime.targets import target
 
 GPU = "h100:8"
@@ -46,7 +48,7 @@ def _program(text: str) -> str:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("%") or
                  line.startswith("ENTRY"))
-    return re.sub(r" stack_frame_id=\d+", "", "\n".join([lines[0], *lines[start:]]))
+    return re.sub(r"stack_frame_id=\d+", "", "\n".join([lines[0], *lines[start:]]))
 
 
 def _same(got, fresh) -> None:
@@ -114,3 +116,18 @@ def test_plan_on_a_target_keeps_its_compile_beside_jaxs_cache(monkeypatch, jax_c
     monkeypatch.setattr(jax.stages.Lowered, "compile",
                         lambda *a, **k: pytest.fail("compiled again"))
     assert zjax.plan(config, target=GPU).to_json() == first
+
+
+def test_a_cpu_compile_for_figures_has_the_figures_of_the_compile_that_runs(monkeypatch):
+    """The tiny GPT's ZeRO-3 step (prefetch, bf16 gathers) on the 8 CPU devices, compiled at
+    LLVM -O0: every memory figure and the scheduled HLO are those of ``lowered.compile()``,
+    which training runs."""
+    config = zjax.load_config("configs/tiny.yaml", [*TARGET_BASE, "model.n_layers=2"])
+    lowered = zjax.build_step(config).lower(zjax.abstract_batch(config))
+    options, compile_ = [], jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, compiler_options=None:
+                        options.append(compiler_options) or compile_(self, compiler_options))
+    figures = compile_for_figures(lowered, jax.devices())
+    assert options == [{"xla_backend_optimization_level": 0}]
+    compiled = lowered.compile()
+    _same(figures, (compiled.memory_analysis(), compiled.as_text()))

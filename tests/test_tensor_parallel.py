@@ -17,6 +17,7 @@ from helpers import (
     adam_moments,
     assert_matches_reference,
     assert_trees_close,
+    compile_on,
     make_tx,
     reference_run,
     zjax_main,
@@ -137,7 +138,7 @@ def test_4x2_bytes_and_collectives_by_axis():
     parallelism all-reduces only activations over model."""
     zstep = _zstep(4, 2, prefetch=0)
     plan = zstep.plan
-    compiled = zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32)).compile()
+    compiled = compile_on(zstep.lower(jax.ShapeDtypeStruct((16, 17), np.int32)))
     a = zstep.abstract_state
     for leaf, x in zip(plan.leaves, jax.tree.leaves(a.params), strict=True):
         per_device = np.prod(x.sharding.shard_shape(x.shape)) * 4

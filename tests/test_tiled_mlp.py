@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_trees_close
+from helpers import assert_trees_close, compile_on
 
 import zjax
 from zjax.models import GPT, GPTConfig, Llama, LlamaConfig, lm_loss
@@ -70,7 +70,7 @@ def _temp(*overrides):
         "model.max_seq_len=4096", "data.batch_size=8", "model.attention=blockwise",
         *overrides])
     zstep = zjax.build_step(config)
-    return zstep.lower(zjax.abstract_batch(config)).compile().memory_analysis()\
+    return compile_on(zstep.lower(zjax.abstract_batch(config))).memory_analysis()\
         .temp_size_in_bytes
 
 

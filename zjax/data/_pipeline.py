@@ -16,11 +16,13 @@ Every byte of every file is read: files are joined by a newline; byte-level, one
 memory-mapped and several are read into one array (no copy of it held twice); with a
 tokenizer, the text is encoded in pieces of about a million characters cut at line ends (the
 tokenizer's threads encode them in parallel) and only the ids are kept. The default source,
-the standard library, is about 30 MB (read in under a second).
+the standard library, is about 30 MB (read in under a second, once per process, and
+kept read-only).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import io
 import itertools
@@ -40,6 +42,7 @@ __all__ = ["BYTE_VOCAB", "DataConfig", "Tokens", "load_tokens", "stdlib_files", 
            "window_batches"]
 
 BYTE_VOCAB = 256
+STDLIB = "the Python standard library"  # the default source's name in messages
 
 
 def stdlib_files() -> list[Path]:
@@ -115,11 +118,25 @@ def _load_tokens(path: str | None, *, eval_fraction: float, max_bytes: int | Non
 
         check_npy_tokenizer(path, tokenizer)  # its record names the tokenizer of its ids
         return Tokens(_token_array(str(path)), eval_fraction=eval_fraction, source=str(path))
+    if path is None and tokenizer is None:  # the default, byte-level
+        return Tokens(_stdlib_bytes(max_bytes), eval_fraction=eval_fraction, source=STDLIB)
     files = stdlib_files() if path is None else text_files(path)
     if path is not None:
         from zjax.data._plaintext import check_text_files
 
         check_text_files(path, files, key="data.path")  # a .csv or a .jsonl.bz2 is not text
+    sizes = _sizes(files, path)
+    source = STDLIB if path is None else str(path)
+    if tokenizer is not None:
+        from zjax.data._tokenizer import load_tokenizer
+
+        ids = _encode(load_tokenizer(tokenizer), _text_pieces(files, max_bytes))
+        return Tokens(ids, eval_fraction=eval_fraction, source=source)
+    return Tokens(_byte_stream(files, sizes, max_bytes), eval_fraction=eval_fraction,
+                  source=source)
+
+
+def _sizes(files: list[Path], path: str | None) -> list[int]:
     sizes = []
     for f in files:
         try:
@@ -128,14 +145,17 @@ def _load_tokens(path: str | None, *, eval_fraction: float, max_bytes: int | Non
             raise ConfigError(f"data.path: cannot read {str(f)!r}: {e.strerror}") from None
     if sum(sizes) == 0:
         raise ConfigError(f"data.path: {path!r} holds no data (all files are empty)")
-    source = "the Python standard library" if path is None else str(path)
-    if tokenizer is not None:
-        from zjax.data._tokenizer import load_tokenizer
+    return sizes
 
-        ids = _encode(load_tokenizer(tokenizer), _text_pieces(files, max_bytes))
-        return Tokens(ids, eval_fraction=eval_fraction, source=source)
-    return Tokens(_byte_stream(files, sizes, max_bytes), eval_fraction=eval_fraction,
-                  source=source)
+
+@functools.lru_cache(maxsize=2)
+def _stdlib_bytes(max_bytes: int | None) -> np.ndarray:
+    """The standard library's bytes, read once per process (about 30 MB, kept: a run reads
+    them for its training and its evaluation, a test process for many runs), read-only."""
+    files = stdlib_files()
+    out = _byte_stream(files, _sizes(files, None), max_bytes)
+    out.flags.writeable = False
+    return out
 
 
 def _token_array(path: str) -> np.ndarray:

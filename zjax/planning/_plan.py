@@ -29,7 +29,7 @@ from zjax.planning._longest import longest_sequence as _longest
 from zjax.planning._report import PlanReport, report
 from zjax.planning._search import TuneResult, parse_bytes
 from zjax.planning._search import autotune as _autotune
-from zjax.runtime import compile_for_target
+from zjax.runtime import compile_for_figures
 from zjax.runtime.targets import Target, target
 from zjax.task import abstract_batch, build_step, config_keys, flops_shape
 from zjax.task.loop import resolve_loop
@@ -55,9 +55,8 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
         zstep = build_step(config, devices, loop=loop)
         batch = abstract_batch(config, loop=loop)
         lowered = zstep.lower(batch)
-    try:  # a target's compile is kept beside JAX's cache (jax cannot reload it)
-        compiled = (compile_for_target(lowered, devices) if target is not None
-                    else lowered.compile())
+    try:  # a target's compile is kept beside JAX's cache; XLA:CPU's is built unoptimised
+        compiled = compile_for_figures(lowered, devices, compile_only=target is not None)
     except jax.errors.JaxRuntimeError as e:
         if not str(e).startswith("RESOURCE_EXHAUSTED"):
             raise

@@ -34,6 +34,7 @@ _LAZY = {
     "backend": "zjax.runtime._backend",
     "backend_of": "zjax.runtime._backend",
     "batch_axes": "zjax.runtime.mesh",
+    "compile_for_figures": "zjax.runtime._figures",
     "compile_for_target": "zjax.runtime._target_cache",
     "detect": "zjax.runtime.distributed",
     "initialize": "zjax.runtime.distributed",
@@ -70,6 +71,7 @@ __all__ = [
     "backend",
     "backend_of",
     "batch_axes",
+    "compile_for_figures",
     "compile_for_target",
     "detect",
     "held_stderr",
@@ -93,6 +95,7 @@ __getattr__ = exports(__name__, _LAZY)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.runtime._backend import Backend, Quirk, backend, backend_of
+    from zjax.runtime._figures import compile_for_figures
     from zjax.runtime._plugins import held_stderr, quiet_plugins, write_stderr
     from zjax.runtime._target_cache import CompiledFigures, compile_for_target
     from zjax.runtime.distributed import ENV, ProcessSpec, detect, initialize
