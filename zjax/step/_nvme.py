@@ -216,7 +216,7 @@ def grads_program(grads_fn: Callable, plan: ShardPlan, param_shardings: Any,
     own = plan.shardings(plan.state_specs)
 
     def fn(params, batch):
-        grads, (loss_sum, count, extra) = grads_fn(params, batch)
+        grads, (loss_sum, count, extra) = grads_fn(params, None, batch)
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.lax.with_sharding_constraint(grads, own)
         return grads, {"loss_sum": loss_sum, "count": count, "extra": extra,
@@ -284,8 +284,8 @@ class _Lowered:
     def __init__(self, step: NvmeStep, lowered):
         self._step, self._lowered = step, lowered
 
-    def compile(self) -> _Compiled:
-        compiled = self._lowered.compile()
+    def compile(self, compiler_options: dict | None = None) -> _Compiled:
+        compiled = self._lowered.compile(compiler_options=compiler_options)
         s = self._step
         return _Compiled(NvmeStep(s.engine, s.program, clip_norm=s.clip_norm,
                                   skip_nonfinite=s.skip_nonfinite, run=compiled), compiled)
