@@ -134,6 +134,7 @@ LAYERS = [
     ("zjax.offload",),
     ("zjax.partition",),
     ("zjax.nn",),
+    ("zjax.lora",),
     ("zjax.models",),
     ("zjax.step",),
     ("zjax.data",),

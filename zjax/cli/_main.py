@@ -119,9 +119,10 @@ def _export_parser(sub) -> None:
     ex.add_argument("run_dir")
     ex.add_argument("out", help="new directory (orbax, hf) or file (safetensors)")
     ex.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
-    ex.add_argument("--format", default="orbax", help="orbax, safetensors, or hf (Hugging "
+    ex.add_argument("--format", default="orbax", help="orbax, safetensors, hf (Hugging "
                     "Face Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3 or GPT-2: safetensors, "
-                    "config.json, tokenizer)")
+                    "config.json, tokenizer), or peft (a LoRA run's adapters: "
+                    "adapter_config.json, adapter_model.safetensors)")
     ex.add_argument("--max-shard-size", type=parse_size, default=None,
                     help="hf: largest weights file, e.g. 5GB (the default), 500MB")
 

@@ -16,6 +16,7 @@ from zjax.checkpoint.config import CheckpointConfig
 from zjax.config._loop_name import model_config_of
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError
+from zjax.lora.config import LoraConfig
 from zjax.models.config import GPTConfig
 from zjax.partition.config import ZeroConfig
 from zjax.runtime.config import MeshConfig
@@ -35,6 +36,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "LoggingConfig",
+    "LoraConfig",
     "OptimizerConfig",
     "TrainConfig",
     "section_types",
@@ -140,6 +142,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self):
         validate(self)

@@ -41,7 +41,7 @@ __all__ = ["FORMATS", "export", "newest_intact", "read_params"]
 T = TypeVar("T")
 
 log = logging.getLogger("zjax")
-FORMATS = ("orbax", "safetensors", "hf")
+FORMATS = ("orbax", "safetensors", "hf", "peft")
 
 
 def _state_dirs(run_dir: Path, *, what: str) -> list[tuple[int, Path]]:
@@ -84,9 +84,10 @@ def export(run_dir: str | Path, out: str | Path, *, dtype: str = "bfloat16",
       out: a new directory (Orbax) or file (safetensors) in an existing, writable directory;
         an existing one is never replaced.
       dtype: ``float32``, ``bfloat16`` or ``float16``.
-      format: ``orbax``, ``safetensors``, or ``hf`` (a directory Hugging Face
+      format: ``orbax``, ``safetensors``, ``hf`` (a directory Hugging Face
         ``transformers`` loads: the architecture the run started from, else the first that
-        holds the model, :mod:`zjax.hf`).
+        holds the model, :mod:`zjax.hf`), or ``peft`` (a LoRA run's adapters as PEFT's
+        adapter directory).
       max_shard_bytes: ``hf``: split the weights into files of at most this size (default
         5 GB, as ``save_pretrained``).
 
@@ -110,6 +111,10 @@ def export(run_dir: str | Path, out: str | Path, *, dtype: str = "bfloat16",
 
         writers["hf"] = hf_writer(Path(run_dir), max_shard_bytes=max_shard_bytes
                                   or DEFAULT_SHARD_BYTES)
+    if format == "peft":
+        from zjax.hf import peft_writer
+
+        writers["peft"] = peft_writer(Path(run_dir))
 
     def write(step: int, state_dir: Path, leaves) -> Path:
         log.info("exporting %d params leaves of step %d in %s as %s", len(leaves), step,

@@ -6,7 +6,8 @@
 - :func:`import_hf`: a Hugging Face directory -> a directory to train from
   (``zjax import-hf``); ``train.init_from`` also reads a Hugging Face directory directly.
 - ``zjax export RUN_DIR OUT --format hf`` (:func:`zjax.export.export`): a run -> a directory
-  ``transformers`` loads.
+  ``transformers`` loads; ``--format peft``: a LoRA run's adapters -> a directory PEFT loads
+  over the base (:func:`peft_writer`).
 - :class:`HFCheckpoint`: the config and tensors of a Hugging Face directory, checked against
   each other, read leaf by leaf or straight into shards.
 - :func:`layout_for_hf` / :func:`layout_for_model`: an architecture's :class:`Layout` (its
@@ -26,9 +27,11 @@ from zjax.hf._import import import_hf, initial_params
 from zjax.hf._layout import Layout, Leaf
 from zjax.hf._layouts import layout_for_hf, layout_for_model
 from zjax.hf._load import HFCheckpoint, is_hf_dir
+from zjax.hf._peft import PEFT_PREFIX, peft_writer
 from zjax.hf._safetensors import SafetensorsDir, write_safetensors
 from zjax.hf._tokenizer import model_tokenizer, stop_ids
 
-__all__ = ["DEFAULT_SHARD_BYTES", "HFCheckpoint", "Layout", "Leaf", "SafetensorsDir", "hf_writer",
-           "import_hf", "initial_params", "is_hf_dir", "layout_for_hf", "layout_for_model",
-           "model_tokenizer", "stop_ids", "write_safetensors"]
+__all__ = ["DEFAULT_SHARD_BYTES", "PEFT_PREFIX", "HFCheckpoint", "Layout", "Leaf",
+           "SafetensorsDir", "hf_writer", "import_hf", "initial_params", "is_hf_dir",
+           "layout_for_hf", "layout_for_model", "model_tokenizer", "peft_writer", "stop_ids",
+           "write_safetensors"]

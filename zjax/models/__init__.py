@@ -4,7 +4,7 @@ reference models used by configs, tests and benchmarks (``GPT``, ``Llama``).
 
 ``GPTConfig`` and ``LlamaConfig`` (the ``model`` sections) load without Flax: a config
 validates without the model; the rest loads on first use (PEP 562). It imports ``zjax.nn``,
-``zjax.partition`` and the runtime; never the step or anything above it.
+``zjax.lora``, ``zjax.partition`` and the runtime; never the step or anything above it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from zjax._lazy import exports
 from zjax.models.config import GPTConfig, LlamaConfig
 
 __all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "Packing", "Trainable", "from_nnx",
-           "from_pytree", "lm_loss", "model_class", "split_batch"]
+           "from_pytree", "lm_loss", "model_class", "split_batch", "with_adapters"]
 
 _LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.models.llama",
          "Trainable": "zjax.models.trainable", "from_nnx": "zjax.models.trainable",
          "from_pytree": "zjax.models.trainable", "Packing": "zjax.models._batch",
-         "split_batch": "zjax.models._batch"}
+         "split_batch": "zjax.models._batch", "with_adapters": "zjax.models._adapted"}
 
 
 __getattr__ = exports(__name__, _LAZY)
@@ -34,6 +34,7 @@ def model_class(config: Any) -> type | None:
 
 
 if TYPE_CHECKING:
+    from zjax.models._adapted import with_adapters
     from zjax.models._batch import Packing, split_batch
     from zjax.models.gpt import GPT, lm_loss
     from zjax.models.llama import Llama

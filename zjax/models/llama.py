@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from zjax.errors import ArgumentError
+from zjax.errors import ArgumentError, ConfigError
+from zjax.lora import LoraConfig, adapter_pair, lora_matmul
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
 from zjax.models.config import LlamaConfig
@@ -80,13 +81,21 @@ def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: flo
     return jnp.where(medium, blended, scaled)
 
 
+# Hugging Face's module names of the linear layers (lora.targets), and the block's weights
+LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+          "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+LINEAR_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed", "heads"),
+               "wo": ("heads", "embed"), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
+               "w_down": ("mlp", "embed")}
+
+
 class LlamaBlock(nnx.Module):
     """Pre-norm grouped-query attention and a gated MLP (SwiGLU, or Gemma's GELU), no biases
     (but Qwen2's on q, k, v); optionally Qwen3's per-head query/key norms, Mistral's sliding
     window, and Gemma 2/3's output norms, soft-cap and windowed layers between global ones
     (the block is then called with its ``layer`` index, and its kind taken from it)."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         d, hd, ff = cfg.d_model, cfg.head_width, cfg.ff
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.n_kv_heads, self.head_dim = cfg.kv_heads, hd
@@ -117,10 +126,36 @@ class LlamaBlock(nnx.Module):
         self.moe = cfg.moe
         if cfg.n_experts:
             self._init_experts(cfg, rngs, out_std)
+        else:
+            self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
+            self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
+            self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
+        self._init_adapters(cfg, lora, rngs)
+
+    def _init_adapters(self, cfg: LlamaConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
+        """``lora.targets``' adapters, drawn after the base weights (whose values are then
+        those of the model without adapters)."""
+        self.lora_scale = lora.scale if lora is not None and lora.enabled else None
+        if self.lora_scale is None:
             return
-        self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
-        self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
-        self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
+        for hf_name in lora.target_names:
+            name = LINEAR[hf_name]
+            if cfg.n_experts and name.startswith("w_"):
+                raise ConfigError(
+                    f"lora.targets: {hf_name} in a mixture of experts: adapters on the experts "
+                    "are not built yet; list the attention projections (q_proj, k_proj, "
+                    "v_proj, o_proj)")
+            d_in, d_out = getattr(self, name)[...].shape
+            a, b = adapter_pair(rngs, d_in, d_out, lora, LINEAR_AXES[name])
+            setattr(self, f"{name}_lora_a", a)
+            setattr(self, f"{name}_lora_b", b)
+
+    def _linear(self, y, name: str, *, row_parallel: bool = False):
+        """``y @ w`` for weight ``name``, with its adapters' update where it has them."""
+        a = getattr(self, f"{name}_lora_a", None)
+        return lora_matmul(y, getattr(self, name)[...], None if a is None else a[...],
+                           None if a is None else getattr(self, f"{name}_lora_b")[...],
+                           self.lora_scale, row_parallel=row_parallel)
 
     def _init_experts(self, cfg: LlamaConfig, rngs: nnx.Rngs, out_std: float):
         """The router ``[D, E]`` (whole on every device), the routed experts' weights
@@ -139,7 +174,7 @@ class LlamaBlock(nnx.Module):
     def _project(self, y, name: str):
         """``y``'s heads of projection ``name`` (``q``, ``k``, ``v``): ``[B, T, heads, hd]``,
         with its bias and head norm where the model has them."""
-        out = y @ getattr(self, f"w{name}")[...]
+        out = self._linear(y, f"w{name}")
         if hasattr(self, f"b{name}"):
             out = out + getattr(self, f"b{name}")[...].astype(out.dtype)
         hd = self.head_dim
@@ -180,8 +215,11 @@ class LlamaBlock(nnx.Module):
 
     def _mlp(self, y, prefix: str = "w"):  # token-wise: tiled over chunks (model.mlp_chunk)
         act = ACTIVATIONS[self.mlp_activation]
-        w = lambda name: getattr(self, f"{prefix}_{name}")[...]
-        return (act(y @ w("gate")) * (y @ w("up"))) @ w("down")
+        if prefix != "w":  # the shared experts: no adapters
+            w = lambda name: getattr(self, f"{prefix}_{name}")[...]
+            return (act(y @ w("gate")) * (y @ w("up"))) @ w("down")
+        hidden = act(self._linear(y, "w_gate")) * self._linear(y, "w_up")
+        return self._linear(hidden, "w_down", row_parallel=True)
 
     def _experts(self, y, context: Packing | None, dropless: bool):
         """The mixture of experts on ``y`` ``[B, T, D]`` (normalised, unmarked): the routed
@@ -219,7 +257,8 @@ class LlamaBlock(nnx.Module):
                                 "splits")
         y = column_parallel_input(self.ln1(x))
         att, new_cache = self._attention(y, cache, start, context, layer)
-        x = x + self._post(row_parallel_output(att @ self.wo[...]), "post_attn_norm")
+        x = x + self._post(row_parallel_output(self._linear(att, "wo", row_parallel=True)),
+                           "post_attn_norm")
         if self.moe is None:
             y = column_parallel_input(self.ln2(x))
             out = tiled(self._mlp, y, chunk=self.mlp_chunk)
@@ -240,10 +279,10 @@ class LlamaBlock(nnx.Module):
 class Llama(nnx.Module):
     """Token embedding, a ``Stack`` of decoder layers, final norm, LM head."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
-        self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r), cfg.n_layers, rngs=rngs,
+        self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r, lora=lora), cfg.n_layers, rngs=rngs,
                             remat=cfg.remat, indexed=cfg.global_every is not None)
         self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:

@@ -51,12 +51,16 @@ class Trainable:
       logical_axes: a leaf's logical dimension names by path (None when it names none), or
         None for a model without names; the rules of :mod:`zjax.partition.rules` split some
         of them over the ``model`` axis.
+      frozen: predicate on a leaf path: True for leaves that are not trained (the base
+        weights under adapters): no gradient, no optimizer state, stored in the dtype
+        ``init`` gives them (a quantized weight's integer codes too).
     """
 
     init: Callable[[jax.Array], Params]
     loss: Callable[[Params, Any, ShardPlan], LossOut]
     stacked: Callable[[str], bool] = lambda path: False
     logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None
+    frozen: Callable[[str], bool] = lambda path: False
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:
@@ -223,6 +227,7 @@ def _stack_runner(plan: ShardPlan):
             bucket=plan.bucket_layer_gathers,
             comm=plan.comm,
             axes=tuple(plan.comm_of(leaf).axis_name for leaf in layer_leaves),
+            frozen=tuple(leaf.frozen for leaf in layer_leaves),
             **_input_keeping(plan),
         )
         return functools.partial(scheduled_scan, spec=spec)

@@ -5,6 +5,13 @@ It owns the ``zero`` section (``zjax.partition.config``) and imports only the ru
 axes, the backend's record) and ``zjax.errors``: nothing about models, steps or files."""
 
 from zjax.partition._bytes import nbytes
+from zjax.partition._frozen import (
+    frozen_part,
+    merge_parts,
+    plan_part,
+    split_parts,
+    trained_part,
+)
 from zjax.partition._kept_scan import kept_scan
 from zjax.partition.config import ZeroConfig
 from zjax.partition.gather import (
@@ -29,6 +36,7 @@ __all__ = [
     "ScheduleSpec",
     "ShardPlan",
     "ZeroConfig",
+    "frozen_part",
     "gather",
     "gather_on_access",
     "gather_on_use",
@@ -36,7 +44,11 @@ __all__ = [
     "join_gathers",
     "kept_scan",
     "make_plan",
+    "merge_parts",
     "nbytes",
+    "plan_part",
     "scheduled_loop",
     "scheduled_scan",
+    "split_parts",
+    "trained_part",
 ]

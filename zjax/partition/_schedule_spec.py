@@ -31,6 +31,8 @@ class ScheduleSpec:
       axes: per flattened leaf, the mesh axes it is sharded over where they are not
         ``comm.axis_name``'s (a mixture's expert weights: the data devices holding the same
         experts), else None; empty: every leaf over ``comm.axis_name``.
+      frozen: per flattened leaf, whether it is frozen (not trained: no weight gradient is
+        computed or reduce-scattered for it, its cotangent is zero); empty: none is.
     """
 
     dims: tuple[int | None, ...]
@@ -40,6 +42,10 @@ class ScheduleSpec:
     offload_inputs: bool = False
     partition_inputs: str | None = None
     axes: tuple = ()
+    frozen: tuple[bool, ...] = ()
+
+    def is_frozen(self, i: int) -> bool:
+        return bool(self.frozen) and self.frozen[i]
 
     def comms(self, comm: Comm) -> list[Comm]:
         """``comm`` per leaf, over the leaf's own axes."""

@@ -55,6 +55,8 @@ class LeafPlan:
         ZeRO++'s hierarchical partition, ``(data, context)`` with sequence parallelism,
         ``expert`` too with expert parallelism (not for an expert leaf).
       expert_dim: the dimension split over ``expert`` (a mixture's experts), or None.
+      frozen: not trained (an adapter's base weight): no gradient, no optimizer state, kept
+        in its own dtype (a quantized code's integers too), sharded and gathered like the rest.
     """
 
     path: str
@@ -66,6 +68,7 @@ class LeafPlan:
     model_dim: int | None = None
     data_axes: str | tuple[str, ...] = DATA
     expert_dim: int | None = None
+    frozen: bool = False
 
     @property
     def size(self) -> int:
@@ -257,7 +260,7 @@ class ShardPlan:
         """Stage 3 stores the master (no working copy); stages 0-2 a working copy. With the
         master on NVMe, stage 3 stores its sharded leaves in ``gather_dtype`` (what their
         gather casts them to anyway); persistent leaves stay float32."""
-        if not np.issubdtype(leaf.dtype, np.floating):
+        if leaf.frozen or not np.issubdtype(leaf.dtype, np.floating):
             return leaf.dtype
         if self.zero.stage == 3 and not (self.opt_on_nvme and leaf.dim is not None):
             return leaf.dtype
@@ -330,6 +333,7 @@ def make_plan(
     stacked: Callable[[str], bool] | None = None,
     logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None,
     rules: Rules = DEFAULT_RULES,
+    frozen: Callable[[str], bool] | None = None,
 ) -> ShardPlan:
     """Decide the placement of every parameter leaf.
 
@@ -343,6 +347,8 @@ def make_plan(
         layer dimension), or None; :data:`~zjax.partition.rules.DEFAULT_RULES` maps them to
         ``model``.
       rules: ``(logical name, mesh axis)`` pairs.
+      frozen: predicate on a leaf's path: True for leaves that are not trained (their
+        integer leaves, a quantized weight's codes, are sharded like float ones).
 
     Returns:
       The :class:`ShardPlan`.
@@ -358,11 +364,12 @@ def make_plan(
     for key_path, leaf in flat:
         path = path_str(key_path)
         is_stacked = bool(stacked and stacked(path))
+        is_frozen = bool(frozen and frozen(path))
         shape = tuple(leaf.shape)
         split = split_of(path, shape, is_stacked, logical_axes, rules, mesh)
         if zero.stage == 0:
             dim, reason = None, "stage 0 replicates everything"
-        elif not np.issubdtype(leaf.dtype, np.floating):
+        elif not (is_frozen or np.issubdtype(leaf.dtype, np.floating)):
             dim, reason = None, f"not a float leaf ({leaf.dtype})"
         else:
             dim, reason = choose_dim(
@@ -370,7 +377,7 @@ def make_plan(
                 threshold=zero.param_persistence_threshold,
                 taken=(split.model_dim, split.expert_dim), over=split.over)
         leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason,
-                               split.model_dim, split.data_axes, split.expert_dim))
+                               split.model_dim, split.data_axes, split.expert_dim, is_frozen))
     for axis, field in ((MODEL, "model_dim"), (EXPERT, "expert_dim")):
         _check_named(axis, field, mesh, leaves, rules)
     plan = ShardPlan(zero, mesh, tuple(leaves), treedef)

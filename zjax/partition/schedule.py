@@ -150,8 +150,9 @@ def scheduled_loop(
 
     # the leaves moved as one bucket (spec.bucket): sharded float leaves, if more than one;
     # never without prefetch (a layer's bucket would arrive whole before any of its compute)
-    bucketed = [d is not None and is_float(x) and c is comm
-                for x, d, c in zip(leaves_in, spec.dims, comms, strict=True)]
+    frozen = [spec.is_frozen(i) for i in range(len(leaves_in))]
+    bucketed = [d is not None and is_float(x) and c is comm and not f
+                for x, d, c, f in zip(leaves_in, spec.dims, comms, frozen, strict=True)]
     hpz = comm.node_axis is not None
     if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize:
         bucketed = [False] * len(bucketed)
@@ -214,6 +215,11 @@ def scheduled_loop(
     def apply(ws, consts, h, x_i):
         return body(jax.tree.unflatten(treedef, list(ws)), consts, h, x_i)
 
+    def with_trained(ws, trained):
+        """``ws`` with its trained leaves (those not frozen, in order) replaced."""
+        it = iter(trained)
+        return tuple(w if f else next(it) for w, f in zip(ws, frozen, strict=True))
+
     def prefetch_index(j):
         """The layer the forward gathers for position ``j``: past the end, the layers the
         backward needs first (L-1, L-2, ...), so the forward's last prefetches are the
@@ -271,13 +277,16 @@ def scheduled_loop(
         def layer_vjp(ws, h_i, dy, x_i, dy_i, dconsts, nxt):
             """The layer's carry cotangent, its weights' gradient shards, its xs cotangent,
             and ``nxt`` (the prefetched weights), complete before the gradient leaves."""
-            out, vjp = jax.vjp(apply, ws, consts, h_i, x_i)
+            out, vjp = jax.vjp(lambda wt, *a: apply(with_trained(ws, wt), *a),
+                               [w for w, f in zip(ws, frozen, strict=True) if not f],
+                               consts, h_i, x_i)  # frozen weights: no gradient computed
             ct = (jax.tree.map(cotangent, out[0], dy), jax.tree.map(cotangent, out[1], dy_i))
             if nxt is not None and comm.prefetch_before_vjp:
                 # the prefetch arrives during the recomputed forward, not in flight across
                 # the VJP, where the step peaks (Backend.prefetch_before_vjp: TPU)
                 ct, nxt = lax.optimization_barrier((ct, nxt))
-            dws, dc, dh, dx_i = vjp(ct)
+            dwt, dc, dh, dx_i = vjp(ct)
+            dws = with_trained([None] * len(ws), dwt)
             if nxt is not None:
                 # the prefetch is done before the reduce-scatter starts: libtpu runs one
                 # asynchronous collective at a time and otherwise leaves the gather
@@ -289,7 +298,9 @@ def scheduled_loop(
             shards, pend = [], []  # pend: hpZ's first level, crossing nodes next iteration
             for dw, dim, b, lc in zip(dws, spec.dims, bucketed, comms, strict=True):
                 p = None
-                if dim is not None and not b and hpz:
+                if dw is None:  # frozen
+                    pass
+                elif dim is not None and not b and hpz:
                     dw, p = None, reduce_scatter(dw.astype(reduce_dtype), comm.axis_name,
                                                  dim=dim - 1, **scatter_kw)
                 elif dim is not None and not b:
@@ -308,8 +319,9 @@ def scheduled_loop(
                       for dw, g in zip(shards, grad_dtypes, strict=True)]
             return dh, tuple(shards), dx_i, dconsts, nxt, tuple(pend)
 
-        grad_dtypes = [grad_dtype(x, d, comm) for x, d in zip(leaves, spec.dims, strict=True)]
-        grads = tuple(to_home(jnp.zeros(leaf.shape, g))
+        grad_dtypes = [None if f else grad_dtype(x, d, comm)
+                       for x, d, f in zip(leaves, spec.dims, frozen, strict=True)]
+        grads = tuple(None if g is None else to_home(jnp.zeros(leaf.shape, g))
                       for leaf, g in zip(leaves, grad_dtypes, strict=True))
         dconsts = [jnp.zeros_like(c) for c in jax.tree.leaves(consts) if is_float(c)]
         xs_leaves = jax.tree.leaves(xs)
@@ -334,8 +346,8 @@ def scheduled_loop(
         pend = tuple(
             jnp.zeros(tuple(d * nodes if j == dim - 1 else d
                             for j, d in enumerate(leaf.shape[1:])), reduce_dtype)
-            if hpz and dim is not None and not b else None
-            for leaf, dim, b in zip(leaves, spec.dims, bucketed, strict=True))
+            if hpz and dim is not None and not b and not f else None
+            for leaf, dim, b, f in zip(leaves, spec.dims, bucketed, frozen, strict=True))
 
         def step(c, t):
             dy, buf, grads, dconsts, dxs, pend = c
@@ -365,7 +377,8 @@ def scheduled_loop(
         (dy, buf, grads, dconsts, dxs, pend), _ = lax.scan(
             step, (dy, buf, grads, dconsts, dxs, pend), jnp.arange(n_layers))
         grads = write(grads, across_nodes(pend), 0)
-        grads = tuple(g.astype(leaf.dtype) for g, leaf in zip(grads, leaves, strict=True))
+        grads = tuple(None if g is None else g.astype(leaf.dtype)
+                      for g, leaf in zip(grads, leaves, strict=True))
         return (grads, refill(consts, dconsts), jax.tree.map(float_or_none, dy, carry_avals),
                 refill(xs, dxs))
 

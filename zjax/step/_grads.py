@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from zjax.errors import ArgumentError
 from zjax.models.trainable import Trainable
 from zjax.offload import to_device
+from zjax.partition import frozen_part, merge_parts, trained_part
 from zjax.partition.gather import scatter_levels
 from zjax.partition.plan import ShardPlan
 from zjax.runtime.mesh import REPLICA, batch_axes, describe_batch_split, token_axes
@@ -100,18 +101,20 @@ def accumulate(fn: Callable[[Any], Any], batch: Any, micro_batches: int) -> Any:
 
 
 def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
-    """``(params, local batch) -> (grads, (loss_sum, count, extra))``, reduced over ``data``."""
+    """``(params, frozen, local batch) -> (grads, (loss_sum, count, extra))``, reduced over
+    ``data``: the gradients of the trained leaves (``params``), the frozen ones only read."""
     reduce_each = plan.zero.stage >= 2  # sharded grads are reduced per micro-batch
+    full, plan = plan, trained_part(plan)
 
-    def loss_and_aux(p, b):
-        loss_sum, count, extra = loss_parts(trainable.loss(p, b, plan))
+    def loss_and_aux(p, f, b):
+        loss_sum, count, extra = loss_parts(trainable.loss(merge_parts(full, p, f), b, full))
         return loss_sum, (loss_sum, count, extra)
 
     grad_fn = jax.grad(loss_and_aux, has_aux=True)
 
-    def grads(params, batch):
+    def grads(params, frozen, batch):
         def one(mb):
-            g, sums = grad_fn(params, mb)
+            g, sums = grad_fn(params, frozen, mb)
             if reduce_each:
                 g = reduce_grads(g, plan, reduced_in_backward=True)
             else:
@@ -146,25 +149,31 @@ def _check_micro_batches(local: int, plan: ShardPlan, micro_batches: int) -> Non
 
 def sharded_grads(trainable: Trainable, plan: ShardPlan, mesh: Mesh, *,
                   micro_batches: int = 1) -> Callable:
-    """``(params, global batch) -> (grads, (loss_sum, count, extra))`` over ``mesh``.
+    """``(params, frozen, global batch) -> (grads, (loss_sum, count, extra))`` over ``mesh``.
 
     Params and grads are laid out as ``plan`` says (``param_specs`` in, ``grad_specs`` out);
-    the sums are over the whole global batch.
+    the sums are over the whole global batch. ``params`` and the grads are the trained
+    leaves, ``frozen`` the others (None when every leaf is trained).
     """
+    trained, frozen = trained_part(plan), frozen_part(plan)
     return jax.shard_map(
         _local_grads(trainable, plan, micro_batches), mesh=mesh,
-        in_specs=(plan.param_specs, P(batch_axes(mesh))), out_specs=(plan.grad_specs, P()),
-        axis_names=set(mesh.axis_names), check_vma=False)
+        in_specs=(trained.param_specs, frozen and frozen.param_specs, P(batch_axes(mesh))),
+        out_specs=(trained.grad_specs, P()), axis_names=set(mesh.axis_names),
+        check_vma=False)
 
 
 def sharded_loss(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
-    """``(params, global batch) -> mean loss``: the same sharded forward, no gradients."""
+    """``(params, frozen, global batch) -> mean loss``: the same sharded forward, no
+    gradients."""
 
-    def local_loss(params, batch):
-        loss_sum, count, _ = lax.psum(loss_parts(trainable.loss(params, batch, plan)),
-                                      token_axes(mesh))
+    def local_loss(params, frozen, batch):
+        loss = trainable.loss(merge_parts(plan, params, frozen), batch, plan)
+        loss_sum, count, _ = lax.psum(loss_parts(loss), token_axes(mesh))
         return loss_sum / count
 
-    return jax.shard_map(local_loss, mesh=mesh, in_specs=(plan.param_specs,
-                                                          P(batch_axes(mesh))),
+    trained, frozen = trained_part(plan), frozen_part(plan)
+    return jax.shard_map(local_loss, mesh=mesh,
+                         in_specs=(trained.param_specs, frozen and frozen.param_specs,
+                                   P(batch_axes(mesh))),
                          out_specs=P(), axis_names=set(mesh.axis_names), check_vma=False)

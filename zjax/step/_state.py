@@ -17,6 +17,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zjax.offload import on_host
+from zjax.partition import frozen_part, split_parts, trained_part
 from zjax.partition.plan import ShardPlan
 
 __all__ = ["StateLayout", "TrainState", "cast_tree", "make_init", "state_from", "state_layout"]
@@ -30,12 +31,16 @@ class TrainState(NamedTuple):
       params: stored params (stage 3: float32 master shards; stages 0-2: working copy).
       master: float32 master params when stored apart from ``params``, else None.
       opt_state: the optax state.
+      frozen: the leaves that are not trained (an adapter's base), in their own dtype, placed
+        as stored params are; None when every leaf is trained. ``params``, ``master`` and
+        ``opt_state`` then hold the trained leaves only.
     """
 
     step: jax.Array
     params: Any
     master: Any
     opt_state: Any
+    frozen: Any = None
 
 
 class StateLayout(NamedTuple):
@@ -66,13 +71,19 @@ def _stored_dtypes(plan: ShardPlan) -> Any:
 def state_from(tx: optax.GradientTransformation, plan: ShardPlan
                ) -> Callable[[Any], TrainState]:
     """``from_params(master) -> TrainState`` at step 0: the stored copy of the float32
-    ``master`` params and a fresh optax state."""
-    stored = _stored_dtypes(plan)
+    ``master`` params and a fresh optax state (of the trained leaves; the frozen ones kept
+    apart in their own dtype)."""
+    trained = trained_part(plan)
+    stored = _stored_dtypes(trained)
 
     def from_params(master: Any) -> TrainState:
+        frozen = None
+        if trained is not plan:
+            master, frozen = split_parts(plan, master)
+            frozen = cast_tree(frozen, _stored_dtypes(frozen_part(plan)))
         master = jax.tree.map(lambda x: x.astype(jnp.float32), master)
         return TrainState(jnp.zeros((), jnp.int32), cast_tree(master, stored),
-                          master if plan.has_master else None, tx.init(master))
+                          master if trained.has_master else None, tx.init(master), frozen)
 
     return from_params
 
@@ -88,8 +99,10 @@ def state_layout(plan: ShardPlan, tx: optax.GradientTransformation,
                  init: Callable[[jax.Array], TrainState]) -> StateLayout:
     """The abstract state of ``init`` and its shardings under ``plan``, nothing allocated."""
     abstract = jax.eval_shape(init, jax.random.key(0))
+    full, plan = plan, trained_part(plan)
     specs = TrainState(P(), plan.param_specs, plan.state_specs if plan.has_master else None,
-                       plan.opt_specs(tx, abstract.opt_state))
+                       plan.opt_specs(tx, abstract.opt_state),
+                       None if full is plan else frozen_part(full).param_specs)
     shardings = plan.shardings(specs)
     zero = plan.zero
     # optax's step counts (scalars) stay in device memory: their bytes are nil, and an s32
@@ -100,6 +113,8 @@ def state_layout(plan: ShardPlan, tx: optax.GradientTransformation,
     shardings = shardings._replace(
         params=on_host(shardings.params, param_kind) if plan.params_on_host
         else shardings.params,
+        frozen=on_host(shardings.frozen, param_kind)
+        if plan.params_on_host and shardings.frozen is not None else shardings.frozen,
         master=on_host(shardings.master, param_kind)
         if plan.has_master and plan.master_on_host else shardings.master,
         opt_state=jax.tree.map(

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from zjax.errors import ArgumentError, ConfigError
 from zjax.models.trainable import Trainable
 from zjax.offload import check_memory_kind, on_host
+from zjax.partition import trained_part
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.runtime.mesh import batch_axes, describe_batch_split
@@ -51,7 +52,8 @@ class ZeroStep:
         ``loss``, ``grad_norm``, ``param_norm`` (of the new float32 params), ``finite`` (the
         update's loss, gradients, new params and optimizer state are all finite), ``count``
         and the loss's own.
-      evaluate: ``evaluate(params, batch) -> mean loss``, the same sharded forward, no update.
+      evaluate: ``evaluate(params, batch, frozen=None) -> mean loss``, the same sharded
+        forward, no update (``frozen``: the state's frozen leaves, if any).
       from_params: ``from_params(params) -> TrainState`` at step 0 from given params (a
         fine-tune's start), placed as :attr:`params_shardings` says; they are donated.
       params_shardings: where :attr:`from_params` takes its params: float32 shards placed as
@@ -86,15 +88,16 @@ class ZeroStep:
         write): in device or host memory, or in the NVMe optimizer's swap files."""
         if self.nvme is not None:
             return NvmeStorage(self.canonical, self.nvme)
-        return MemoryStorage(self.canonical, self.plan.has_master, self.abstract_state.params)
+        return MemoryStorage(self.canonical, trained_part(self.plan).has_master,
+                             self.abstract_state.params)
 
     @property
     def params_target(self) -> Any:
         """The params :attr:`from_params` takes, abstract: float32 ``ShapeDtypeStruct`` with
         :attr:`params_shardings` (an Orbax restore target, or the shapes to fill)."""
         return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
-            self.abstract_state.params, self.params_shardings)
+            lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=s),
+            self.plan.tree(self.plan.leaves), self.params_shardings)
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
@@ -186,13 +189,18 @@ def make_step(
     if micro_batches < 1:
         raise ArgumentError("micro_batches", f"must be >= 1, got {micro_batches}")
     plan = make_plan(jax.eval_shape(trainable.init, jax.random.key(0)), zero, mesh,
-                     stacked=trainable.stacked, logical_axes=trainable.logical_axes)
+                     stacked=trainable.stacked, logical_axes=trainable.logical_axes,
+                     frozen=trainable.frozen)
     mesh = plan.mesh  # hpZ splits the data axis into (node, data)
-    _check_offload(plan, mesh)
+    trained = trained_part(plan)  # what is updated (all of plan but an adapter's base)
+    _check_offload(trained, mesh)
     batch_sharding = NamedSharding(mesh, P(batch_axes(mesh)))
     grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
     params_shardings = plan.shardings(plan.state_specs)
     if plan.opt_on_nvme:
+        if trained is not plan:
+            raise ConfigError("zero.offload_optimizer.device: nvme does not train adapters "
+                              "over a frozen base (lora.rank > 0); use device: cpu or none")
         return _nvme_step(trainable, tx, plan, grads_fn, batch_sharding, params_shardings,
                           clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
     init = make_init(trainable.init, tx, plan)
@@ -201,26 +209,28 @@ def make_step(
 
     def step_fn(state: TrainState, batch):
         _check_batch(_batch_shape(batch), plan)
-        grads, (loss_sum, count, extra) = grads_fn(state.params, batch)
-        with host_update_errors(plan):
+        grads, (loss_sum, count, extra) = grads_fn(state.params, state.frozen, batch)
+        with host_update_errors(trained):
             updated = apply_update(tx, grads, count, loss_sum, state.opt_state,
-                                   state.master if plan.has_master else state.params,
-                                   plan=plan, skip_nonfinite=skip_nonfinite,
+                                   state.master if trained.has_master else state.params,
+                                   plan=trained, skip_nonfinite=skip_nonfinite,
                                    clip_norm=clip_norm)
         metrics = {"loss": loss_sum / count, "grad_norm": updated.grad_norm,
                    "param_norm": updated.param_norm, "finite": updated.finite, "count": count,
                    **metric_values(extra, count)}
-        return store(state.step, updated, layout, plan), metrics
+        return store(state.step, updated, layout, trained)._replace(frozen=state.frozen), \
+            metrics
 
-    evaluate = jax.jit(sharded_loss(trainable, plan, mesh),
-                       in_shardings=(shardings.params, batch_sharding))
+    loss = jax.jit(sharded_loss(trainable, plan, mesh),
+                   in_shardings=(shardings.params, shardings.frozen, batch_sharding))
+    evaluate = lambda params, batch, frozen=None: loss(params, frozen, batch)
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0,
                    compiler_options=dict(plan.backend.compiler_options))
     from_params = jax.jit(state_from(tx, plan), in_shardings=(params_shardings,),
                           out_shardings=shardings, donate_argnums=0)
     a = layout.abstract
-    canonical = {"step": a.step, "params": a.master if plan.has_master else a.params,
+    canonical = {"step": a.step, "params": a.master if trained.has_master else a.params,
                  "opt_state": a.opt_state}
     return ZeroStep(plan, shardings, layout.abstract, batch_sharding,
                     jax.jit(init, out_shardings=shardings), step, evaluate, from_params,
@@ -236,8 +246,9 @@ def _nvme_step(trainable: Trainable, tx: optax.GradientTransformation, plan: Sha
         param_shardings = on_host(param_shardings, plan.zero.offload_param.memory_kind)
     parts = nvme_parts(trainable.init, tx, plan, grads_fn, param_shardings, batch_sharding,
                        clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
-    evaluate = jax.jit(sharded_loss(trainable, plan, plan.mesh),
-                       in_shardings=(param_shardings, batch_sharding))
+    loss = jax.jit(sharded_loss(trainable, plan, plan.mesh),
+                   in_shardings=(param_shardings, None, batch_sharding))
+    evaluate = lambda params, batch, frozen=None: loss(params, frozen, batch)
     return ZeroStep(plan, parts.shardings, parts.abstract, batch_sharding, parts.init,
                     parts.step, evaluate, parts.from_params, params_shardings,
                     parts.canonical, parts.engine)

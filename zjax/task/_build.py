@@ -7,6 +7,7 @@ autotuner and the tests all go through :func:`build_step`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -65,10 +66,21 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
     nvme = config.zero.offload_optimizer.nvme
     tx = make_optimizer(config.optimizer, total_steps=config.train.steps, clip_in_step=nvme)
     with config_keys():
-        return make_step(loop.trainable(config.model), tx, zero=config.zero, mesh=mesh,
+        return make_step(_trainable(loop, config), tx, zero=config.zero, mesh=mesh,
                          micro_batches=config.train.grad_accum,
                          skip_nonfinite=config.train.on_nonfinite == "skip",
                          clip_norm=config.optimizer.clip_norm if nvme else None)
+
+
+def _trainable(loop: Loop, config: Config):
+    """The loop's model; with ``lora.rank`` > 0, its adapters over the frozen base (a loop
+    that takes a ``lora`` section builds them)."""
+    if not config.lora.enabled:
+        return loop.trainable(config.model)
+    if "lora" not in inspect.signature(loop.trainable).parameters:
+        raise ConfigError(f"lora.rank: {config.lora.rank}, but loop {config.loop!r} builds no "
+                          "adapters (its trainable() takes no lora section); set lora.rank=0")
+    return loop.trainable(config.model, lora=config.lora)
 
 
 def _check_experts(config: Config) -> None:

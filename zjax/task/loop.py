@@ -30,6 +30,8 @@ from zjax.data import (
     window_batches,
 )
 from zjax.errors import ConfigError, first_line
+from zjax.lora import LoraConfig
+from zjax.models import with_adapters
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.models.llama import Llama, LlamaConfig
 from zjax.models.trainable import Trainable, from_nnx
@@ -89,7 +91,11 @@ class LanguageModel:
                                                   tokenizer=data.tokenizer))
         return self._tokens[key]
 
-    def trainable(self, model: GPTConfig) -> Trainable:
+    def trainable(self, model: GPTConfig, *, lora: LoraConfig | None = None) -> Trainable:
+        if lora is not None and lora.enabled:
+            raise ConfigError("lora.rank: the GPT of loop: lm has no adapters yet; adapters "
+                              "train on loop: llama (every imported Hugging Face Llama, "
+                              "Mistral, Qwen, Phi-3 and Gemma)")
         return from_nnx(lambda rngs: GPT(model, rngs=rngs), lm_loss)
 
     def check(self, model: GPTConfig, data: DataConfig) -> None:
@@ -126,8 +132,12 @@ class LlamaLanguageModel(LanguageModel):
 
     model_config = LlamaConfig
 
-    def trainable(self, model: LlamaConfig) -> Trainable:
-        return from_nnx(lambda rngs: Llama(model, rngs=rngs), lm_loss)
+    def trainable(self, model: LlamaConfig, *, lora: LoraConfig | None = None) -> Trainable:
+        """The Llama; with ``lora`` enabled, its adapters trained over the frozen base."""
+        if lora is None or not lora.enabled:
+            return from_nnx(lambda rngs: Llama(model, rngs=rngs), lm_loss)
+        return with_adapters(from_nnx(lambda rngs: Llama(model, rngs=rngs, lora=lora),
+                                      lm_loss), lora)
 
 
 def resolve_loop(name: str) -> Loop:

@@ -148,7 +148,8 @@ class Evaluation:
 
     def __call__(self, s: StepInfo) -> None:
         t0 = time.perf_counter()
-        losses = [float(self.evaluate(s.state.params, next(self.batches)))
+        state = s.state
+        losses = [float(self.evaluate(state.params, next(self.batches), state.frozen))
                   for _ in range(self.n)]
         s.row["eval_loss"] = float(np.mean(losses))
         self.log.pause(time.perf_counter() - t0)

@@ -21,7 +21,7 @@ import numpy as np
 from zjax.checkpoint import Checkpointer
 from zjax.config import Config, as_config
 from zjax.errors import CheckpointError, ConfigError
-from zjax.partition import nbytes
+from zjax.partition import frozen_part, nbytes
 from zjax.planning import PlanReport, compiled_memory, report
 from zjax.runtime.distributed import detect, initialize
 from zjax.runtime.mesh import process_batch_slice
@@ -153,17 +153,7 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
 def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer | None,
                run: RunDir | None, info) -> TrainResult:
     train_data, eval_data, put = _data(loop, config, zstep)
-    # before compiling: a checkpoint of another model or optimizer is an error at once
-    restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
-    start, meta = 0, {}
-    if restored is None:
-        state = _initial_state(zstep, config, info)
-    else:
-        start, state, data_state, meta = restored
-        info("resuming from the checkpoint at step %d", start)
-        for split, it in (("train", train_data), ("eval", eval_data)):
-            if it is not None and data_state.get(split) is not None:
-                _set_iterator(it, data_state[split], start, ckpt, split)
+    start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, info)
     first = put(next(train_data))
     compiled = zstep.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                         first)).compile()
@@ -182,7 +172,7 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
 
     steps, train = config.train.steps, config.train
     checkpoints = None if ckpt is None else Checkpoints(
-        ckpt, save, watch=watch, saved=start if restored is not None else None)
+        ckpt, save, watch=watch, saved=start if resumed else None)
     batches = itertools.chain([first], (put(b) for b in train_data))
     with (MetricsWriter(run.path if run else None,
                         tensorboard=config.logging.tensorboard) as writer,
@@ -209,6 +199,24 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
         if checkpoints is not None:  # under the guard: a signal now cannot cut the last commit
             checkpoints.committed()
     return TrainResult(state, log.history, zstep)
+
+
+def _start(zstep: ZeroStep, config: Config, ckpt: Checkpointer | None, train_data, eval_data,
+           info) -> tuple[int, TrainState, dict, bool]:
+    """``(start step, state, checkpoint meta, resumed)``: the newest checkpoint's state with
+    the data iterators set where it left them, else the initial state."""
+    # before compiling: a checkpoint of another model or optimizer is an error at once
+    restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
+    if restored is None:
+        return 0, _initial_state(zstep, config, info), {}, False
+    start, state, data_state, meta = restored
+    info("resuming from the checkpoint at step %d", start)
+    if frozen_part(zstep.plan) is not None:  # checkpoints hold the trained leaves only
+        state = state._replace(frozen=_initial_state(zstep, config, info).frozen)
+    for split, it in (("train", train_data), ("eval", eval_data)):
+        if it is not None and data_state.get(split) is not None:
+            _set_iterator(it, data_state[split], start, ckpt, split)
+    return start, state, meta, True
 
 
 def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:

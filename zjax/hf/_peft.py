@@ -1,0 +1,116 @@
+"""PEFT's LoRA adapter directory (``PeftModel.from_pretrained(base, DIR)`` loads it):
+``adapter_config.json`` and ``adapter_model.safetensors``.
+
+A zjax adapter pair ``blocks/layers/{w}_lora_a`` ``[L, in, r]`` and ``{w}_lora_b``
+``[L, r, out]`` is, per layer ``i``, PEFT's
+``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``lora_B.weight`` ``[out, r]``,
+``<module>`` being the Hugging Face name of the adapted weight (``model.layers.{i}.self_attn.
+q_proj``: the layout's name for ``blocks/layers/{w}`` without ``.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from zjax.errors import CheckpointError, ConfigError
+from zjax.hf._layout import Layout
+from zjax.hf._safetensors import write_safetensors
+from zjax.lora import ADAPTER_SUFFIXES, LoraConfig
+
+__all__ = ["PEFT_PREFIX", "adapter_config", "peft_names", "peft_writer"]
+
+PEFT_PREFIX = "base_model.model."
+_FACTOR = {"_lora_a": "lora_A", "_lora_b": "lora_B"}
+
+
+def peft_names(layout: Layout, model) -> dict[tuple[str, ...], str]:
+    """zjax adapter leaf keys -> PEFT's tensor name (with ``{i}`` for the layer)."""
+    out = {}
+    for leaf in layout.leaves(model):
+        if leaf.part is not None or leaf.per_expert or not leaf.hf.endswith(".weight"):
+            continue  # a fused projection's part, an expert: no adapters built for them
+        module = leaf.hf[:-len(".weight")]
+        for suffix in ADAPTER_SUFFIXES:
+            keys = (*leaf.keys[:-1], leaf.keys[-1] + suffix)
+            out[keys] = f"{PEFT_PREFIX}{module}.{_FACTOR[suffix]}.weight"
+    return out
+
+
+def adapter_config(lora: LoraConfig, modules: list[str], base: str | None) -> dict:
+    """PEFT's ``adapter_config.json`` for adapters of ``lora`` on ``modules``."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": sorted(modules), "use_rslora": lora.rslora, "bias": "none",
+            "base_model_name_or_path": base, "fan_in_fan_out": False, "inference_mode": True,
+            "init_lora_weights": True, "modules_to_save": None, "use_dora": False}
+
+
+def _tensors(stored: dict, names: dict) -> list[tuple[str, tuple[int, ...], tuple, int]]:
+    """(PEFT name, its shape, zjax keys, layer) of every adapter tensor, in file order: a
+    leaf's layers one after another (each leaf read once)."""
+    out = []
+    for keys, shape in stored.items():
+        if keys not in names:
+            raise CheckpointError(f"export --format peft: the checkpoint's param "
+                                  f"{'/'.join(keys)} is no adapter PEFT names (not a LoRA run?)")
+        for i in range(shape[0]):
+            out.append((names[keys].format(i=i), (shape[2], shape[1]), keys, i))
+    return out
+
+
+def peft_writer(run_dir: Path) -> Callable:
+    """``write(out, state_dir, stored_leaves, dtype)``: the adapters of the LoRA run in
+    ``run_dir`` as a PEFT directory at ``out``, for the base it started from
+    (``train.init_from``: ``base_model_name_or_path``)."""
+    from zjax.config import load_config
+    from zjax.hf._export import _origin, _origin_layout
+    from zjax.hf._layouts import layout_for_model
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"export --format peft: {run_dir} has no config.yaml (the run's "
+                              "config, which says the model and its adapters)")
+    config = load_config(path)
+    origin = _origin(config.train.init_from)
+    layout = layout_for_model(config.loop, config.model, prefer=_origin_layout(origin))
+    return _writer(layout, config.model, config.lora, config.train.init_from)
+
+
+def _writer(layout: Layout, model, lora: LoraConfig, base: str | None) -> Callable:
+    names = peft_names(layout, model)
+
+    def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:
+        from zjax.checkpoint import read_leaf
+
+        if not lora.enabled:
+            raise ConfigError("--format peft: the run trained no adapters (lora.rank is 0); "
+                              "export its weights with --format hf")
+        stored = dict(stored)
+        tensors = _tensors(stored, names)
+
+        def values() -> Iterator[np.ndarray]:
+            cache: dict = {}
+            for _, _, keys, i in tensors:
+                if keys not in cache:  # the leaf's layers follow one another
+                    cache = {keys: read_leaf(state_dir, keys, stored[keys], np.float32)}
+                yield cache[keys][i].T.astype(target)
+
+        modules = sorted({n.split(".")[-3] for n, *_ in tensors})
+        work = out.parent.resolve() / f".{out.name}.zjax-export"
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            work.mkdir()
+            write_safetensors(work / "adapter_model.safetensors",
+                              [(n, shape, target) for n, shape, _, _ in tensors], values)
+            (work / "adapter_config.json").write_text(
+                json.dumps(adapter_config(lora, modules, base), indent=2))
+            work.rename(out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    return write

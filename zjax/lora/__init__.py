@@ -1,0 +1,36 @@
+"""Low-rank adapters (LoRA) over a frozen base: the ``lora`` section, the adapters' params and
+their matmul, used by the reference models' linear layers.
+
+It owns the ``lora`` section (``zjax.lora.config``, light: a config validates without Flax)
+and imports only ``zjax.nn`` (the tensor-parallel operators), ``zjax.errors`` and
+``zjax.schema``; the rest loads on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zjax._lazy import exports
+from zjax.lora.config import ALL_LINEAR, LINEAR_NAMES, LoraConfig
+
+_LAZY = {
+    "ADAPTER_SUFFIXES": "zjax.lora._adapters",
+    "adapter_pair": "zjax.lora._adapters",
+    "is_adapter": "zjax.lora._adapters",
+    "lora_matmul": "zjax.lora._adapters",
+}
+
+__all__ = [
+    "ADAPTER_SUFFIXES",
+    "ALL_LINEAR",
+    "LINEAR_NAMES",
+    "LoraConfig",
+    "adapter_pair",
+    "is_adapter",
+    "lora_matmul",
+]
+
+__getattr__ = exports(__name__, _LAZY)
+
+if TYPE_CHECKING:
+    from zjax.lora._adapters import ADAPTER_SUFFIXES, adapter_pair, is_adapter, lora_matmul

@@ -1,0 +1,63 @@
+"""Low-rank adapters on a model's linear layers: their params and their matmul.
+
+A weight ``w`` ``[in, out]`` (zjax stores PyTorch's transpose) gets ``w_lora_a`` ``[in, r]``
+and ``w_lora_b`` ``[r, out]``, initialised as PEFT does (A Kaiming-uniform, B zeros: the
+adapted model starts as the base exactly), and is applied as
+``y @ w + scale * (y @ a) @ b``. The two thin matmuls replace the weight gradient: the base
+``w`` is frozen (no gradient, no optimizer state).
+
+Tensor parallelism: a column-parallel weight (split on ``out``) has its ``b`` split the same
+way and ``a`` whole on every device; a row-parallel one (split on ``in``) has ``a`` split and
+``b`` whole. The whole factor meets only this device's part of the product, so its gradient
+is summed over ``model`` (it enters as a column-parallel input).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zjax.lora.config import LoraConfig
+from zjax.nn import column_parallel_input
+
+__all__ = ["ADAPTER_SUFFIXES", "adapter_pair", "is_adapter", "lora_matmul"]
+
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+def is_adapter(path: str) -> bool:
+    """Whether the leaf at ``path`` (``/``-joined) is an adapter factor."""
+    return path.rsplit("/", 1)[-1].endswith(ADAPTER_SUFFIXES)
+
+
+def adapter_pair(rngs: nnx.Rngs, d_in: int, d_out: int, lora: LoraConfig,
+                 axes: tuple[str | None, str | None]) -> tuple[nnx.Param, nnx.Param]:
+    """``(a [in, r], b [r, out])`` for a weight ``[in, out]`` whose dimensions are named
+    ``axes``: a uniform in ``±1/sqrt(in)`` (PyTorch's ``kaiming_uniform_(a=sqrt(5))``, PEFT's
+    default), b zeros."""
+    bound = 1.0 / math.sqrt(d_in)
+    a = jax.random.uniform(rngs.params(), (d_in, lora.rank), jnp.float32, -bound, bound)
+    return (nnx.Param(a, out_sharding=(axes[0], None), eager_sharding=False),
+            nnx.Param(jnp.zeros((lora.rank, d_out), jnp.float32), out_sharding=(None, axes[1]),
+                      eager_sharding=False))
+
+
+def lora_matmul(y: jax.Array, w: jax.Array, a: jax.Array | None, b: jax.Array | None,
+                scale: float, *, row_parallel: bool = False) -> jax.Array:
+    """``y @ w``, plus ``scale * (y @ a) @ b`` where the weight has adapters.
+
+    ``row_parallel``: ``w`` is split on its input (an output projection), so ``y @ w`` is a
+    partial sum the caller reduces; the update is one too, and ``b`` is the whole factor.
+    """
+    out = y @ w
+    if a is None:
+        return out
+    if row_parallel:
+        b = column_parallel_input(b)
+    else:
+        a = column_parallel_input(a)
+    update = (y @ a.astype(y.dtype)) @ b.astype(y.dtype)
+    return out + (update * jnp.asarray(scale, update.dtype)).astype(out.dtype)
