@@ -29,6 +29,7 @@ from zjax.errors import CheckpointError
 from zjax.hf._import import IDENTITY_FILES, TOKENIZER_FILES
 from zjax.hf._layout import Layout, Leaf, hf_shape
 from zjax.hf._layouts import layout_for_hf, layout_for_model
+from zjax.hf._merged import merged_leaves
 from zjax.hf._safetensors import INDEX, write_safetensors
 
 __all__ = ["DEFAULT_SHARD_BYTES", "config_json", "hf_writer"]
@@ -55,12 +56,19 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
     tokenizer = config.data.tokenizer
 
     def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:
+        from zjax.checkpoint import read_leaf
+
+        stored = dict(stored)
+        if config.lora.enabled:  # the checkpoint holds the adapters: merged into the base
+            stored, read = merged_leaves(config, state_dir, stored)
+        else:
+            read = lambda keys, dtype: read_leaf(state_dir, keys, stored[keys], dtype)
         work = out.parent.resolve() / f".{out.name}.zjax-export"
         shutil.rmtree(work, ignore_errors=True)
         try:
             work.mkdir()
-            _write_weights(work, state_dir, dict(stored), layout.leaves(config.model),
-                           target, max_shard_bytes)
+            _write_weights(work, stored, read, layout.leaves(config.model), target,
+                           max_shard_bytes)
             hf = config_json(layout, config.model, dtype=target.name, origin=origin)
             (work / "config.json").write_text(json.dumps(hf, indent=2))
             for name in IDENTITY_FILES[1:] if origin is not None else ():  # as it was
@@ -138,10 +146,10 @@ def config_json(layout: Layout, model, *, dtype: str, origin: Path | None) -> di
     return out
 
 
-def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf],
+def _write_weights(work: Path, stored: dict, read: Callable, leaves: list[Leaf],
                    target: np.dtype, max_shard_bytes: int) -> None:
-    from zjax.checkpoint import read_leaf
-
+    """The weights as ``model.safetensors`` (or shards and an index): ``stored`` the leaves'
+    shapes by keys, ``read(keys, dtype)`` one leaf."""
     missing = [leaf.keys for leaf in leaves if leaf.keys not in stored]
     if missing:
         raise CheckpointError(f"export --format hf: the checkpoint has no param "
@@ -162,8 +170,7 @@ def _write_weights(work: Path, state_dir: Path, stored: dict, leaves: list[Leaf]
 
     def values() -> Iterator[np.ndarray]:
         for group in groups.values():
-            yield from _tensors(group, [read_leaf(state_dir, leaf.keys, stored[leaf.keys],
-                                                  target) for leaf in group])
+            yield from _tensors(group, [read(leaf.keys, target) for leaf in group])
 
     stream = values()
     names = ["model.safetensors"] if len(files) == 1 else [

@@ -15,7 +15,7 @@ __all__ = ["compiled_bytes", "compiled_memory", "formula", "state_bytes"]
 
 def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
             optimizer_bytes_per_param: float, secondary_group: int = 1,
-            secondary_params: int = 0) -> dict[str, int]:
+            secondary_params: int = 0, trained_params: int | None = None) -> dict[str, int]:
     """The ZeRO paper's model-state bytes per device (its K is ``optimizer_bytes_per_param``).
 
     Stage 0: ``(p + g + K)Ψ``; 1: ``(p + g)Ψ + KΨ/N``; 2: ``pΨ + (g + K)Ψ/N``; 3: all ``/N``.
@@ -23,11 +23,14 @@ def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad
     is the secondary partition the forward keeps for the backward, ``pΨ'/k`` (ZeRO++'s
     ``2Ψ/k`` in 16 bits) besides the model state, where Ψ' (``secondary_params``) counts the
     layer stack's sharded params: the leaves outside it are gathered across nodes again.
+    ``trained_params``: the parameters that have gradients and optimizer state (adapters over
+    a frozen base), default all.
     """
     psi, n = n_params, n_devices
+    trained = psi if trained_params is None else trained_params
     params = param_bytes * psi / (n if stage >= 3 else 1)
-    grads = grad_bytes * psi / (n if stage >= 2 else 1)
-    opt = optimizer_bytes_per_param * psi / (n if stage >= 1 else 1)
+    grads = grad_bytes * trained / (n if stage >= 2 else 1)
+    opt = optimizer_bytes_per_param * trained / (n if stage >= 1 else 1)
     out = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
            "model_state_bytes": params + grads + opt}
     if secondary_group > 1:
@@ -36,8 +39,9 @@ def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad
 
 
 def state_bytes(zstep: ZeroStep) -> dict[str, int]:
-    """Per device: stored params, reduced gradients (``zero.reduce_dtype``, transient), float32
-    master and optimizer state, and what of the state lives in host memory."""
+    """Per device: stored params (a frozen base's included), reduced gradients
+    (``zero.reduce_dtype``, transient), float32 master and optimizer state, and what of the
+    state lives in host memory."""
     plan, a = zstep.plan, zstep.abstract_state
     reduce = plan.zero.reduce  # the configured dtype: the one an accelerator reduces in
     optimizer = nbytes(a.opt_state) + nbytes(a.master)
@@ -46,9 +50,9 @@ def state_bytes(zstep: ZeroStep) -> dict[str, int]:
         (zstep.canonical["params"], [x for x in jax.tree.leaves(zstep.canonical["opt_state"])
                                      if x.ndim]))
     return {
-        "params_bytes": nbytes(a.params),
+        "params_bytes": nbytes(a.params) + nbytes(a.frozen),  # a frozen base's too
         "grads_bytes": sum(plan.leaf_bytes(leaf, reduce, plan.zero.stage >= 2)
-                           for leaf in plan.leaves),
+                           for leaf in plan.leaves if not leaf.frozen),
         "optimizer_bytes": optimizer + nvme,
         "host_bytes": nbytes(a, memory="host"),
         "nvme_bytes": nvme,

@@ -38,6 +38,10 @@ class PlanReport:
       experts: a mixture's figures (:func:`zjax.planning._experts.expert_figures`): experts
         per device, the expert parameters one device stores, one layer's experts gathered,
         the all-to-all bytes over ``expert`` per step and per layer; empty for a dense model.
+      frozen: with adapters over a frozen base (``lora``): ``trained_params`` (the adapters:
+        gradients and optimizer state are theirs alone), ``frozen_params`` and
+        ``frozen_bytes`` (the base as stored on one device, in ``frozen_dtypes``); empty
+        when every parameter is trained.
       n_devices: devices in the mesh; ``setting``: the knobs the autotuner varies (stage,
         offload, prefetch, grad_accum, remat, and ``mesh``: the axis sizes).
       per_device: ``params_bytes`` (stored params), ``grads_bytes`` (reduced gradients in
@@ -96,6 +100,7 @@ class PlanReport:
     context_per_layer: dict[str, int] = dataclasses.field(default_factory=dict)
     active_params: int | None = None
     experts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,10 +113,12 @@ class PlanReport:
         return self.per_device["total_bytes"] <= budget_bytes
 
     def _counts(self) -> str:
-        """``N parameters (M active per token) on D devices``."""
-        active = "" if self.active_params is None else \
-            f" ({self.active_params:,} active per token)"
-        return f"{self.n_params:,} parameters{active} on {self.n_devices} devices"
+        """``N parameters (M active per token; T trained) on D devices``."""
+        parts = ([] if self.active_params is None else
+                 [f"{self.active_params:,} active per token"]) + (
+            [f"{self.frozen['trained_params']:,} trained"] if self.frozen else [])
+        return (f"{self.n_params:,} parameters{' (' + '; '.join(parts) + ')' if parts else ''}"
+                f" on {self.n_devices} devices")
 
     def _collective_lines(self) -> list[str]:
         """Collective bytes per step, sequence parallelism's per layer, a mixture's experts."""
@@ -143,6 +150,10 @@ class PlanReport:
                           ("optimizer_bytes", "optimizer state"),
                           ("model_state_bytes", "model states")]:
             lines.append(f"  {name:<22}{_size(d[key]):>14}{_size(f[key]):>14}")
+        if self.frozen:
+            fz = self.frozen
+            lines.append(f"    {'frozen base':<20}{_size(fz['frozen_bytes']):>14}  "
+                         f"({fz['frozen_params']:,} params, {', '.join(fz['frozen_dtypes'])})")
         if "hpz_secondary_bytes" in f:  # part of the temp: kept from forward to backward
             lines.append(f"  {'hpZ secondary (temp)':<22}{'':>14}"
                          f"{_size(f['hpz_secondary_bytes']):>14}")
@@ -238,8 +249,9 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape),
                             decomposed=plan.backend.decomposes_collectives,
                             hosts=host_of_devices(plan.mesh, hosts))
+    trained = sum(leaf.size for leaf in plan.leaves if not leaf.frozen)
     # K of the paper: float32 master plus the optimizer's per-parameter state
-    k = 4 + nbytes(zstep.canonical["opt_state"], per_device=False) / max(1, n_params)
+    k = 4 + nbytes(zstep.canonical["opt_state"], per_device=False) / max(1, trained)
     return PlanReport(
         n_params=n_params,
         n_devices=plan.n_batch * plan.n_context * plan.n_model,
@@ -252,7 +264,10 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
                         secondary_group=plan.n_data if plan.n_node > 1 else 1,
                         secondary_params=sum(plan.leaf_bytes(leaf, "uint8", False)
                                              for leaf in plan.leaves
-                                             if leaf.stacked and leaf.dim is not None)),
+                                             if leaf.stacked and leaf.dim is not None),
+                        trained_params=sum(
+                            leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
+                            for leaf in plan.leaves if not leaf.frozen)),
         replicated_leaves=[{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                            for leaf in plan.replicated],
         notes=_notes(plan),
@@ -269,7 +284,18 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         else None,
         experts=expert_figures(plan, coll.by_axis, n_experts=n_experts,
                                n_layers=shape.get("n_layers")),
+        frozen=_frozen(zstep, trained),
     )
+
+
+def _frozen(zstep: ZeroStep, trained: int) -> dict[str, Any]:
+    """The report's ``frozen``: the adapters' count and the frozen base's, its bytes."""
+    base = [leaf for leaf in zstep.plan.leaves if leaf.frozen]
+    if not base:
+        return {}
+    return {"trained_params": trained, "frozen_params": sum(leaf.size for leaf in base),
+            "frozen_bytes": nbytes(zstep.abstract_state.frozen),
+            "frozen_dtypes": sorted({leaf.dtype.name for leaf in base})}
 
 
 def _setting(plan, *, grad_accum: int, remat: bool | None, target: Target | None) -> dict:

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from zjax.errors import ArgumentError, ConfigError
 from zjax.models.trainable import Trainable
 from zjax.offload import check_memory_kind, on_host
-from zjax.partition import trained_part
+from zjax.partition import frozen_part, merge_parts, split_parts, trained_part
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.runtime.mesh import batch_axes, describe_batch_split
@@ -60,6 +60,9 @@ class ZeroStep:
         the master copy (split over ``data`` from stage 1).
       canonical: the checkpoint's form of the state, abstract: ``{"step", "params" (float32
         master), "opt_state"}``, the same whatever the stage, mesh or offload.
+      from_base: with frozen leaves (adapters over a base), ``from_base(base, rng)`` at step
+        0: the base given as :attr:`base_target` says (donated), the trained leaves
+        initialised from ``rng``; else None.
       nvme: with ``zero.offload_optimizer.device: nvme``, the
         :class:`~zjax.step._nvme.NvmeOptimizer` that owns the swap files (the state's master
         and optimizer state live there, not in :attr:`abstract_state`); else None.
@@ -76,6 +79,7 @@ class ZeroStep:
     params_shardings: Any
     canonical: dict | None = None
     nvme: NvmeOptimizer | None = None
+    from_base: Callable[[Any, jax.Array], TrainState] | None = None
 
     def close(self) -> None:
         """Release what the step holds outside the state (NVMe swap files: removed)."""
@@ -98,6 +102,13 @@ class ZeroStep:
         return jax.tree.map(
             lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=s),
             self.plan.tree(self.plan.leaves), self.params_shardings)
+
+    @property
+    def base_target(self) -> Any:
+        """The frozen leaves :attr:`from_base` takes, abstract (float32, placed), or None."""
+        if frozen_part(self.plan) is None:
+            return None
+        return split_parts(self.plan, self.params_target)[1]
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
@@ -198,9 +209,6 @@ def make_step(
     grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
     params_shardings = plan.shardings(plan.state_specs)
     if plan.opt_on_nvme:
-        if trained is not plan:
-            raise ConfigError("zero.offload_optimizer.device: nvme does not train adapters "
-                              "over a frozen base (lora.rank > 0); use device: cpu or none")
         return _nvme_step(trainable, tx, plan, grads_fn, batch_sharding, params_shardings,
                           clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
     init = make_init(trainable.init, tx, plan)
@@ -234,13 +242,36 @@ def make_step(
                  "opt_state": a.opt_state}
     return ZeroStep(plan, shardings, layout.abstract, batch_sharding,
                     jax.jit(init, out_shardings=shardings), step, evaluate, from_params,
-                    params_shardings, canonical)
+                    params_shardings, canonical,
+                    from_base=_from_base(trainable, plan, state_from(tx, plan),
+                                         params_shardings, shardings))
+
+
+def _from_base(trainable: Trainable, plan: ShardPlan, from_params: Callable,
+               params_shardings: Any, shardings: TrainState) -> Callable | None:
+    """``from_base(base, rng) -> TrainState``: a frozen base given (float32, placed as
+    :attr:`ZeroStep.base_target` says) and the trained leaves (adapters) initialised from
+    ``rng``; None when no leaf is frozen. The init's base part is never computed (XLA drops
+    what no output uses)."""
+    if frozen_part(plan) is None:
+        return None
+
+    def from_base(base, rng):
+        trained, _ = split_parts(plan, trainable.init(rng))
+        return from_params(merge_parts(plan, trained, base))
+
+    base_shardings = split_parts(plan, params_shardings)[1]
+    return jax.jit(from_base, in_shardings=(base_shardings, None), out_shardings=shardings,
+                   donate_argnums=0)
 
 
 def _nvme_step(trainable: Trainable, tx: optax.GradientTransformation, plan: ShardPlan,
                grads_fn, batch_sharding: NamedSharding, params_shardings, *,
                clip_norm: float | None, skip_nonfinite: bool) -> ZeroStep:
     """The step with the master and optimizer state on NVMe (:mod:`zjax.step._nvme`)."""
+    if trained_part(plan) is not plan:
+        raise ConfigError("zero.offload_optimizer.device: nvme does not train adapters over "
+                          "a frozen base (lora.rank > 0); use device: cpu or none")
     param_shardings = plan.shardings(plan.param_specs)
     if plan.params_on_host:
         param_shardings = on_host(param_shardings, plan.zero.offload_param.memory_kind)

@@ -226,6 +226,9 @@ def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
     from zjax.hf import initial_params
 
     info("initial params from %s", config.train.init_from)
+    if zstep.from_base is not None:  # adapters: the base read, the adapters initialised
+        return zstep.from_base(initial_params(config.train.init_from, zstep.base_target,
+                                              config.model), jax.random.key(config.train.seed))
     return zstep.from_params(initial_params(config.train.init_from, zstep.params_target,
                                             config.model))
 

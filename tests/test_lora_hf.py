@@ -1,0 +1,86 @@
+"""LoRA over an imported Hugging Face Llama: the base read from ``train.init_from``, the
+adapters trained, ``--format hf`` merging them into the base (``W + alpha/r * B @ A``) into
+what transformers loads, with the logits of zjax's adapted model."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from hf_models import hf_logits, hf_model, write_hf
+from safetensors.numpy import load_file
+
+import zjax
+from zjax.config import load_config
+from zjax.export import export
+from zjax.hf import HFCheckpoint
+from zjax.models import Llama
+
+TOKENS = np.array([[1, 5, 9, 200, 13, 7, 42, 3]], np.int32)
+MODEL = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=3", "model.n_heads=4",
+         "model.n_kv_heads=2", "model.d_ff=80", "model.max_seq_len=64", "model.norm_eps=1e-5"]
+
+
+@pytest.fixture(scope="module")
+def lora_hf_run(tmp_path_factory):
+    """A tiny random Hugging Face Llama, and a 3-step LoRA run (rank 4, alpha 8, attention
+    and MLP projections) that started from it."""
+    tmp = tmp_path_factory.mktemp("lora_hf")
+    directory = write_hf(tmp / "hf", hf_model())
+    config = load_config(None, [
+        "loop=llama", f"train.init_from={directory}", *MODEL, "data.seq_len=32",
+        "data.batch_size=8", "data.path=", "train.steps=3", "train.eval_every=0",
+        "logging.progress=false", "optimizer.warmup_steps=0", "optimizer.lr=0.01",
+        "lora.rank=4", "lora.alpha=8", "checkpoint.every=3"])
+    result = zjax.train(None, config, run_dir=tmp / "run")
+    return directory, config, result, tmp / "run"
+
+
+def test_the_base_is_read_from_the_import_and_never_changes(lora_hf_run):
+    directory, _, result, _ = lora_hf_run
+    base = dict(HFCheckpoint(directory).host_leaves())
+    frozen = jax.device_get(result.state.frozen)
+    wq = frozen["blocks"]["layers"]["wq"]
+    assert wq.dtype == np.dtype("bfloat16")  # lora.base_dtype
+    np.testing.assert_array_equal(np.asarray(wq, np.float32),
+                                  base[("blocks", "layers", "wq")].astype("bfloat16")
+                                  .astype(np.float32))
+
+
+def test_the_merged_export_is_base_plus_update_and_transformers_has_zjax_logits(
+        lora_hf_run, tmp_path):
+    from transformers import FlaxLlamaForCausalLM
+
+    directory, config, result, run = lora_hf_run
+    out = export(run, tmp_path / "merged", dtype="float32", format="hf")
+    adapters = jax.device_get(result.state.params)["blocks"]["layers"]
+    merged, original = load_file(out / "model.safetensors"), load_file(
+        directory / "model.safetensors")
+    scale = config.lora.alpha / config.lora.rank
+    for i in range(3):
+        name = f"model.layers.{i}.self_attn.q_proj.weight"
+        update = (adapters["wq_lora_a"][i] @ adapters["wq_lora_b"][i]).T  # [out, in]
+        assert np.abs(update).max() > 0  # the adapters trained
+        np.testing.assert_allclose(merged[name], original[name] + scale * update,
+                                   rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(merged["model.norm.weight"], original["model.norm.weight"])
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    # zjax's adapted model (float32 base from the files, the trained adapters) and
+    # transformers' model of the merged files: the same function
+    full = {**{"/".join(k): v for k, v in HFCheckpoint(directory).host_leaves()},
+            **{f"blocks/layers/{k}": v for k, v in adapters.items()}}
+    tree: dict = {}
+    for path, v in full.items():
+        *head, last = path.split("/")
+        node = tree
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = np.asarray(v, np.float32)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(config.model, rngs=nnx.Rngs(0),
+                                                         lora=config.lora)))
+    ours = np.asarray(nnx.merge(graphdef, tree)(TOKENS))
+    theirs = hf_logits(FlaxLlamaForCausalLM.from_pretrained(out), TOKENS)
+    np.testing.assert_allclose(theirs, ours, atol=2e-4, rtol=0)

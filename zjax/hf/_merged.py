@@ -1,0 +1,78 @@
+"""A LoRA run's weights for ``zjax export --format hf``: the base it trained over (read from
+``train.init_from``, as the run read it) with each adapter's update merged in,
+``W + scale * A @ B`` computed in float32, then cast to the export's dtype.
+
+The run's checkpoints hold the adapters only; the base comes from where the run took it (a
+Hugging Face directory, an ``import-hf`` directory or a params export), one leaf at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zjax.errors import CheckpointError
+from zjax.hf._load import HFCheckpoint, is_hf_dir
+
+__all__ = ["merged_leaves"]
+
+Keys = tuple[str, ...]
+
+
+def merged_leaves(config: Any, state_dir: Path, stored: dict[Keys, tuple]
+                  ) -> tuple[dict[Keys, tuple], Callable[[Keys, np.dtype], np.ndarray]]:
+    """``(shapes, read)`` of the merged model's leaves: ``read(keys, dtype)`` gives one leaf,
+    the base's plus its adapters' update where it has adapters (``stored``: the adapters in
+    the checkpoint at ``state_dir``, by keys, with their shapes)."""
+    from zjax.checkpoint import read_leaf
+
+    if config.train.init_from is None:
+        raise CheckpointError(
+            "export --format hf: the LoRA run trained over its seed's random base "
+            "(train.init_from is empty), which is in no file; export the adapters with "
+            "--format peft")
+    shapes, read_base = _base(Path(config.train.init_from), config.model)
+    scale = config.lora.scale
+
+    def read(keys: Keys, dtype: np.dtype) -> np.ndarray:
+        w = read_base(keys)
+        a, b = ((*keys[:-1], keys[-1] + s) for s in ("_lora_a", "_lora_b"))
+        if a in stored:
+            a, b = (read_leaf(state_dir, k, stored[k], np.dtype(np.float32)) for k in (a, b))
+            w = w + np.float32(scale) * np.matmul(a, b)  # [L, in, r] @ [L, r, out]
+        return w.astype(dtype)
+
+    return shapes, read
+
+
+def _base(path: Path, model: Any) -> tuple[dict[Keys, tuple], Callable[[Keys], np.ndarray]]:
+    """The base's leaf shapes and a float32 reader of one leaf."""
+    if not path.exists():
+        raise CheckpointError(f"export --format hf: the LoRA run's base, train.init_from "
+                              f"{path}, is gone; put it back to merge the adapters into it")
+    if is_hf_dir(path) and not (path / "params").is_dir():
+        source = HFCheckpoint(path, max_seq_len=getattr(model, "max_seq_len", None))
+        by_keys = {leaf.keys: leaf for leaf in source.leaves}
+        return dict(source.shapes), lambda keys: source.read(by_keys[keys])
+    return _orbax_base(path / "params" if (path / "params").is_dir() else path)
+
+
+def _orbax_base(path: Path) -> tuple[dict[Keys, tuple], Callable[[Keys], np.ndarray]]:
+    import jax
+    import orbax.checkpoint as ocp
+
+    from zjax.checkpoint import item_read, read_leaf
+
+    try:
+        with item_read():
+            meta = ocp.PyTreeCheckpointer().metadata(path.resolve()).item_metadata
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"export --format hf: the LoRA run's base {path} is not "
+                              f"readable: {e}") from None
+    shapes = {tuple(str(k.key) for k in p): tuple(m.shape)
+              for p, m in jax.tree_util.tree_flatten_with_path(dict(meta))[0]}
+    f32 = np.dtype(np.float32)
+    return shapes, lambda keys: read_leaf(path.resolve(), keys, shapes[keys], f32)
