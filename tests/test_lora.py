@@ -118,7 +118,8 @@ def test_only_the_adapters_gradients_are_reduced_and_the_base_moves_in_its_own_b
 
 TINY_RUN = ["model.n_layers=2", "data.seq_len=32", "data.batch_size=8", "train.steps=4",
             "train.eval_every=0", "train.log_every=1", "logging.progress=false", "data.path=",
-            "optimizer.warmup_steps=0", "optimizer.lr=0.01", "checkpoint.every=2"]
+            "optimizer.warmup_steps=0", "optimizer.lr=0.01", "optimizer.schedule=constant",
+            "checkpoint.every=2"]
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +191,47 @@ def test_the_peft_export_is_peft_s_format(lora_run, tmp_path):
         tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"],
         np.asarray(layers["w_down_lora_b"][0], np.float32).T)
     assert np.abs(layers["w_down_lora_b"][0]).max() > 0  # trained away from PEFT's zeros
+
+
+def test_the_plan_counts_the_adapters_and_their_state_apart_from_the_base():
+    """Stage 3, every leaf sharded over the 8 devices: gradients (float32) and Adam's two
+    moments are the adapters' alone; the stored params are the float32 adapters and the
+    bfloat16 base."""
+    config = zjax.load_config("configs/llama-tiny.yaml", [
+        *TINY_RUN, "lora.rank=4", "zero.param_persistence_threshold=0"])
+    report = zjax.plan(config)
+    zstep = zjax.build_step(config)
+    trained = sum(leaf.size for leaf in zstep.plan.leaves if not leaf.frozen)
+    base = sum(leaf.size for leaf in zstep.plan.leaves if leaf.frozen)
+    assert report.frozen == {"trained_params": trained, "frozen_params": base,
+                             "frozen_bytes": 2 * base // 8, "frozen_dtypes": ["bfloat16"]}
+    assert report.n_params == trained + base
+    d = report.per_device
+    assert d["grads_bytes"] == 4 * trained // 8
+    assert 8 * trained // 8 <= d["optimizer_bytes"] <= 8 * trained // 8 + 64  # + step counts
+    assert d["params_bytes"] == 4 * trained // 8 + 2 * base // 8
+    table = report.table()
+    assert f"{trained:,} trained" in table and f"({base:,} params, bfloat16)" in table
+
+
+def test_a_resumed_lora_run_is_the_straight_run_bit_for_bit(lora_run, tmp_path):
+    """Two steps, then a resume to four: its checkpoints hold the adapters and their Adam
+    state only (the base rebuilt as the run started), and the result is the straight run's."""
+    config, straight, _ = lora_run
+    first = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2))
+    zjax.train(None, first, run_dir=tmp_path / "run")
+    resumed = zjax.train(None, config, run_dir=tmp_path / "run")
+    assert [row["step"] for row in resumed.history] == [3, 4]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.params),
+                 jax.device_get(straight.state.params))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.opt_state),
+                 jax.device_get(straight.state.opt_state))
+    saved = tmp_path / "run" / "checkpoints" / "4"
+    assert saved.is_dir()
+    from zjax.export import read_params
+
+    _, params = read_params(tmp_path / "run")
+    assert set(params["blocks"]["layers"]) == {
+        f"{w}_lora_{f}" for w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        for f in "ab"}
+    assert set(params) == {"blocks"}
