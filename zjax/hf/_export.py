@@ -22,6 +22,7 @@ import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,15 +45,7 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
       ConfigError: the run's model has no Hugging Face layout (``loop: llama``, or ``loop:
         lm`` with GPT-2's options).
     """
-    from zjax.config import load_config
-
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise CheckpointError(f"export --format hf: {run_dir} has no config.yaml (the run's "
-                              "config, which says the model's shape)")
-    config = load_config(path)
-    origin = _origin(config.train.init_from)
-    layout = layout_for_model(config.loop, config.model, prefer=_origin_layout(origin))
+    config, origin, layout = run_layout(run_dir, what="--format hf")
     tokenizer = config.data.tokenizer
 
     def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:
@@ -81,6 +74,24 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
             shutil.rmtree(work, ignore_errors=True)
 
     return write
+
+
+def run_layout(run_dir: Path, *, what: str, origin_needed: bool = True
+               ) -> tuple[Any, Path | None, Layout]:
+    """``(config, origin, layout)`` of the run in ``run_dir``: its config, the Hugging Face
+    directory it started from (or None) and the architecture it is exported as.
+    ``origin_needed``: a ``train.init_from`` that is gone is an error (else: no origin)."""
+    from zjax.config import load_config
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"export {what}: {run_dir} has no config.yaml (the run's "
+                              "config, which says the model's shape)")
+    config = load_config(path)
+    gone = config.train.init_from is not None and not Path(config.train.init_from).exists()
+    origin = None if gone and not origin_needed else _origin(config.train.init_from)
+    return config, origin, layout_for_model(config.loop, config.model,
+                                            prefer=_origin_layout(origin))
 
 
 def _origin(init_from: str | None) -> Path | None:

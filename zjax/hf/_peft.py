@@ -67,17 +67,10 @@ def peft_writer(run_dir: Path) -> Callable:
     """``write(out, state_dir, stored_leaves, dtype)``: the adapters of the LoRA run in
     ``run_dir`` as a PEFT directory at ``out``, for the base it started from
     (``train.init_from``: ``base_model_name_or_path``)."""
-    from zjax.config import load_config
-    from zjax.hf._export import _origin, _origin_layout
-    from zjax.hf._layouts import layout_for_model
+    from zjax.hf._export import run_layout
 
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise CheckpointError(f"export --format peft: {run_dir} has no config.yaml (the run's "
-                              "config, which says the model and its adapters)")
-    config = load_config(path)
-    origin = _origin(config.train.init_from)
-    layout = layout_for_model(config.loop, config.model, prefer=_origin_layout(origin))
+    # the base is only named (base_model_name_or_path): it may have moved
+    config, _, layout = run_layout(run_dir, what="--format peft", origin_needed=False)
     return _writer(layout, config.model, config.lora, config.train.init_from)
 
 
