@@ -4,6 +4,7 @@ what transformers loads, with the logits of zjax's adapted model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -84,3 +85,47 @@ def test_the_merged_export_is_base_plus_update_and_transformers_has_zjax_logits(
     ours = np.asarray(nnx.merge(graphdef, tree)(TOKENS))
     theirs = hf_logits(FlaxLlamaForCausalLM.from_pretrained(out), TOKENS)
     np.testing.assert_allclose(theirs, ours, atol=2e-4, rtol=0)
+
+
+def test_sampling_the_run_the_merged_export_and_the_base_with_the_adapter_agree(
+        lora_hf_run, tmp_path):
+    """Greedy, token for token: ``zjax sample RUN`` (the base read again, the checkpoint's
+    adapters), ``zjax sample MERGED`` and ``zjax sample BASE --adapter PEFT``."""
+    from zjax.export import generate, load_sampler
+
+    directory, _, _, run = lora_hf_run
+    merged = export(run, tmp_path / "merged", dtype="float32", format="hf")
+    peft = export(run, tmp_path / "peft", dtype="float32", format="peft")
+    prompt = np.array([[1, 5, 9, 200, 13], [7, 42, 3, 3, 100]], np.int32)
+    rows = [generate(load_sampler(src, adapter=a).model, prompt, max_new_tokens=12,
+                     temperature=0.0, key=jax.random.key(0))
+            for src, a in ((run, None), (merged, None), (directory, peft))]
+    base = generate(load_sampler(directory).model, prompt, max_new_tokens=12,
+                    temperature=0.0, key=jax.random.key(0))
+    np.testing.assert_array_equal(rows[0], rows[1])
+    np.testing.assert_array_equal(rows[0], rows[2])
+    assert (rows[0] != base).any()  # the adapters change what is sampled
+
+
+def test_init_adapter_continues_a_peft_adapter_and_refuses_another_shape(lora_hf_run,
+                                                                        tmp_path):
+    """``lora.init_adapter``: the run starts from the PEFT export's adapters (the first run's
+    last ones) over the same base; another rank, or no base, is refused by key."""
+    from zjax.task import build_step
+    from zjax.training.trainer import _initial_state
+
+    _, config, result, run = lora_hf_run
+    peft = export(run, tmp_path / "peft", dtype="float32", format="peft")
+    again = dataclasses.replace(config, lora=dataclasses.replace(config.lora,
+                                                                 init_adapter=str(peft)))
+    zstep = build_step(again)
+    state = _initial_state(zstep, again, lambda *a: None)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
+                 jax.device_get(result.state.params))
+    other = dataclasses.replace(again, lora=dataclasses.replace(again.lora, rank=8))
+    with pytest.raises(zjax.ConfigError, match=r"^lora.rank: 8, but the adapter in "
+                                               r"lora.init_adapter .* has 4$"):
+        _initial_state(build_step(other), other, lambda *a: None)
+    alone = dataclasses.replace(again, train=dataclasses.replace(again.train, init_from=None))
+    with pytest.raises(zjax.ConfigError, match=r"^lora.init_adapter: .* train.init_from"):
+        build_step(alone)

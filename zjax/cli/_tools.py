@@ -81,6 +81,8 @@ def tool_parsers(sub) -> None:
     sa.add_argument("--seed", type=int, default=0,
                     help="RNG seed of the draws, in [0, 2**32)")
     sa.add_argument("-n", "--num-samples", type=int, default=1, help="continuations")
+    sa.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory "
+                    "(adapter_config.json, adapter_model.safetensors) applied over the model")
 
 
 def run_tool(args) -> int:
@@ -128,7 +130,7 @@ def sample(args) -> int:
 
     check_seed(args.seed)
     utf8(args.prompt if args.chat is None else args.chat)  # before the model loads
-    sampler = load_sampler(args.source)
+    sampler = load_sampler(args.source, adapter=args.adapter)
     how = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                top_p=args.top_p, seed=args.seed, n=args.num_samples)
     texts = (sampler(args.prompt, **how) if args.chat is None

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from zjax.checkpoint import nested
-from zjax.errors import ConfigError
+from zjax.errors import CheckpointError, ConfigError
 
 __all__ = ["SEED_LIMIT", "Sampler", "check_seed", "generate", "load_sampler", "pick",
            "until_stop", "utf8"]
@@ -229,11 +229,13 @@ class Sampler:
                              top_p=top_p, seed=seed, n=n)
 
 
-def load_sampler(source: str | Path) -> Sampler:
+def load_sampler(source: str | Path, *, adapter: str | Path | None = None) -> Sampler:
     """The model and tokenizer at ``source``: a run directory (its newest intact
-    checkpoint), a ``zjax import-hf`` directory, or a Hugging Face directory (as ``zjax
-    export --format hf`` writes). A Hugging Face model (or a run started from one) samples
-    with its ``tokenizer.json``, never byte-level, and stops at its ``eos_token_id``.
+    checkpoint; a LoRA run's adapters over the base it started from), a ``zjax import-hf``
+    directory, or a Hugging Face directory (as ``zjax export --format hf`` writes). A Hugging
+    Face model (or a run started from one) samples with its ``tokenizer.json``, never
+    byte-level, and stops at its ``eos_token_id``. ``adapter``: a PEFT LoRA directory applied
+    over that model.
 
     Raises:
       ConfigError / CheckpointError: ``source`` is none of these, or cannot be read, or is a
@@ -243,7 +245,7 @@ def load_sampler(source: str | Path) -> Sampler:
     from zjax.data.tokenize import check_fits, load_tokenizer
     from zjax.hf import HFCheckpoint, is_hf_dir, stop_ids
 
-    path = Path(source)
+    path, lora = Path(source), None
     if (path / "checkpoints").is_dir() and (path / "config.yaml").is_file():
         from zjax.export._export import read_params
 
@@ -251,6 +253,8 @@ def load_sampler(source: str | Path) -> Sampler:
         loop, cfg, tokenizer = config.loop, config.model, config.data.tokenizer
         params = read_params(path)[1]
         origin = _hf_origin(config.train.init_from)
+        if config.lora.enabled:  # the checkpoint holds the adapters: the base read again
+            params, lora = _merge(_base_params(config.train.init_from), params), config.lora
     elif (path / "zjax.yaml").is_file() and (path / "params").is_dir():
         import orbax.checkpoint as ocp
 
@@ -272,7 +276,12 @@ def load_sampler(source: str | Path) -> Sampler:
     missing = None
     if tokenizer is None and origin is not None:  # a Hugging Face model: its own tokenizer
         tokenizer, missing = _origin_tokenizer(origin, path)
-    model = _model(loop, cfg, params, str(source))
+    if adapter is not None:
+        from zjax.hf import layout_for_model, read_peft
+
+        lora, adapters = read_peft(Path(adapter), layout_for_model(loop, cfg), cfg)
+        params = _merge(params, nested(adapters.items()))
+    model = _model(loop, cfg, params, str(source), lora)
     if tokenizer is None:  # a run trained on bytes, or a model with no tokenizer
         if cfg.vocab_size < 256 and missing is None:
             raise ConfigError(f"sample: {source} has no tokenizer and a vocabulary of "
@@ -312,12 +321,40 @@ def _origin_tokenizer(origin: Path, source: Path) -> tuple[Path | None, str | No
     return found, None
 
 
-def _model(loop: str, cfg: Any, params: dict, source: str) -> nnx.Module:
+def _merge(base: dict, adapters: dict) -> dict:
+    """``base`` with ``adapters``' leaves added (nested dicts of the same layout)."""
+    out = dict(base)
+    for k, v in adapters.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def _base_params(init_from: str | None) -> dict:
+    """The base a LoRA run trained over, as host arrays (``train.init_from``)."""
+    from zjax.hf import HFCheckpoint, is_hf_dir
+
+    path = None if init_from is None else Path(init_from)
+    if path is None or not path.exists():
+        raise CheckpointError(f"sample: the LoRA run's base (train.init_from {init_from}) is "
+                              "gone or was its seed's random init; sample its merged export "
+                              "or the base with --adapter")
+    if is_hf_dir(path) and not (path / "params").is_dir():
+        return nested(HFCheckpoint(path).host_leaves())
+    import orbax.checkpoint as ocp
+
+    from zjax.checkpoint import item_read
+
+    with item_read():
+        return ocp.StandardCheckpointer().restore((path / "params").resolve())
+
+
+def _model(loop: str, cfg: Any, params: dict, source: str, lora=None) -> nnx.Module:
     from zjax.models import model_class
 
     cls = model_class(cfg)
     if cls is None:
         raise ConfigError(f"sample: {source} trains loop {loop!r}; zjax sample generates "
                           "with the built-in loops (lm, llama)")
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+    kw = {} if lora is None else {"lora": lora}
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), **kw)))
     return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))

@@ -27,11 +27,11 @@ from zjax.hf._import import import_hf, initial_params
 from zjax.hf._layout import Layout, Leaf
 from zjax.hf._layouts import layout_for_hf, layout_for_model
 from zjax.hf._load import HFCheckpoint, is_hf_dir
-from zjax.hf._peft import PEFT_PREFIX, peft_writer
+from zjax.hf._peft import PEFT_PREFIX, peft_writer, read_peft
 from zjax.hf._safetensors import SafetensorsDir, write_safetensors
 from zjax.hf._tokenizer import model_tokenizer, stop_ids
 
 __all__ = ["DEFAULT_SHARD_BYTES", "PEFT_PREFIX", "HFCheckpoint", "Layout", "Leaf",
            "SafetensorsDir", "hf_writer", "import_hf", "initial_params", "is_hf_dir",
-           "layout_for_hf", "layout_for_model", "model_tokenizer", "peft_writer", "stop_ids",
-           "write_safetensors"]
+           "layout_for_hf", "layout_for_model", "model_tokenizer", "peft_writer", "read_peft",
+           "stop_ids", "write_safetensors"]

@@ -22,7 +22,7 @@ from zjax.hf._layout import Layout
 from zjax.hf._safetensors import write_safetensors
 from zjax.lora import ADAPTER_SUFFIXES, LoraConfig
 
-__all__ = ["PEFT_PREFIX", "adapter_config", "peft_names", "peft_writer"]
+__all__ = ["PEFT_PREFIX", "adapter_config", "peft_names", "peft_writer", "read_peft"]
 
 PEFT_PREFIX = "base_model.model."
 _FACTOR = {"_lora_a": "lora_A", "_lora_b": "lora_B"}
@@ -107,3 +107,43 @@ def _writer(layout: Layout, model, lora: LoraConfig, base: str | None) -> Callab
             shutil.rmtree(work, ignore_errors=True)
 
     return write
+
+
+def read_peft(directory: Path, layout: Layout, model) -> tuple[LoraConfig, dict]:
+    """``(lora section, adapters)`` of a PEFT LoRA directory for ``model``: the adapters as
+    zjax leaves by keys (``[L, in, r]`` and ``[L, r, out]``, float32).
+
+    Raises:
+      CheckpointError: the directory is not a PEFT LoRA adapter of this model.
+    """
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    try:
+        meta = json.loads((directory / "adapter_config.json").read_text())
+        tensors = load_file(directory / "adapter_model.safetensors")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--adapter: {directory} is not a PEFT adapter directory "
+                              f"(adapter_config.json, adapter_model.safetensors): {e}") from None
+    if not isinstance(meta, dict) or meta.get("peft_type") != "LORA":
+        raise CheckpointError(f"--adapter: {directory / 'adapter_config.json'}: peft_type "
+                              f"{meta.get('peft_type') if isinstance(meta, dict) else meta!r}"
+                              ", expected 'LORA'")
+    targets = meta.get("target_modules")
+    lora = LoraConfig(rank=int(meta["r"]), alpha=float(meta.get("lora_alpha", 8)),
+                      rslora=bool(meta.get("use_rslora", False)),
+                      targets=sorted(targets) if isinstance(targets, list) else targets)
+    out = {}
+    for keys, name in peft_names(layout, model).items():
+        layers = [tensors.get(name.format(i=i)) for i in range(model.n_layers)]
+        if all(t is None for t in layers):
+            continue
+        if any(t is None for t in layers):
+            raise CheckpointError(f"--adapter: {directory}: {name.format(i='{i}')} is missing "
+                                  "for some layers")
+        out[keys] = np.stack([t.T for t in layers]).astype(np.float32)
+    if not out or len(out) != sum(1 for n in tensors if n.endswith(".weight")) // \
+            model.n_layers:
+        raise CheckpointError(f"--adapter: {directory}: its tensors are not the adapters of "
+                              "this model's linear layers (another architecture?)")
+    return lora, out

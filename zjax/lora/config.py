@@ -29,6 +29,9 @@ class LoraConfig:
         (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
         ``down_proj``), or ``all-linear``: every linear layer but the output head.
       base_dtype: how the frozen base is stored and gathered: ``bfloat16`` (LoRA).
+      init_adapter: a PEFT LoRA directory to start the adapters from (its rank, alpha,
+        rsLoRA and targets must be this section's), over the base of ``train.init_from``;
+        empty: PEFT's initialisation (B zeros).
     """
 
     rank: int = non_negative(0)
@@ -37,6 +40,7 @@ class LoraConfig:
     dropout: float = interval(0, 1, default=0.0)
     targets: str | list = ALL_LINEAR
     base_dtype: str = choices("bfloat16", default="bfloat16")
+    init_adapter: str | None = None
 
     def __post_init__(self):
         validate(self, "lora")

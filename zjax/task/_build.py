@@ -75,6 +75,11 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
 def _trainable(loop: Loop, config: Config):
     """The loop's model; with ``lora.rank`` > 0, its adapters over the frozen base (a loop
     that takes a ``lora`` section builds them)."""
+    if config.lora.init_adapter is not None and not (config.lora.enabled
+                                                     and config.train.init_from):
+        raise ConfigError(f"lora.init_adapter: {config.lora.init_adapter} continues an "
+                          "adapter over its base: set lora.rank (the adapter's) and "
+                          "train.init_from (the base it was trained on)")
     if not config.lora.enabled:
         return loop.trainable(config.model)
     if "lora" not in inspect.signature(loop.trainable).parameters:

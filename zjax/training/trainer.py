@@ -21,7 +21,7 @@ import numpy as np
 from zjax.checkpoint import Checkpointer
 from zjax.config import Config, as_config
 from zjax.errors import CheckpointError, ConfigError
-from zjax.partition import frozen_part, nbytes
+from zjax.partition import frozen_part, merge_parts, nbytes, trained_part
 from zjax.planning import PlanReport, compiled_memory, report
 from zjax.runtime.distributed import detect, initialize
 from zjax.runtime.mesh import process_batch_slice
@@ -227,10 +227,32 @@ def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
 
     info("initial params from %s", config.train.init_from)
     if zstep.from_base is not None:  # adapters: the base read, the adapters initialised
-        return zstep.from_base(initial_params(config.train.init_from, zstep.base_target,
-                                              config.model), jax.random.key(config.train.seed))
+        base = initial_params(config.train.init_from, zstep.base_target, config.model)
+        if config.lora.init_adapter is not None:
+            info("initial adapters from %s", config.lora.init_adapter)
+            return zstep.from_params(merge_parts(zstep.plan, _peft_adapters(zstep, config),
+                                                 base))
+        return zstep.from_base(base, jax.random.key(config.train.seed))
     return zstep.from_params(initial_params(config.train.init_from, zstep.params_target,
                                             config.model))
+
+
+def _peft_adapters(zstep: ZeroStep, config: Config) -> Any:
+    """``lora.init_adapter``'s adapters as the step's trained leaves (float32 on the host),
+    refused unless its rank, scaling and targets are the ``lora`` section's."""
+    from zjax.hf import layout_for_model, read_peft
+
+    lora = config.lora
+    found, adapters = read_peft(Path(lora.init_adapter), layout_for_model(
+        config.loop, config.model), config.model)
+    for key in ("rank", "alpha", "rslora", "target_names"):
+        want, got = getattr(lora, key), getattr(found, key)
+        if (sorted(want) == sorted(got)) if key == "target_names" else want == got:
+            continue
+        raise ConfigError(f"lora.{key.removesuffix('_names')}: {want!r}, but the adapter in "
+                          f"lora.init_adapter ({lora.init_adapter}) has {got!r}")
+    trained = trained_part(zstep.plan)
+    return trained.tree(adapters[tuple(leaf.path.split("/"))] for leaf in trained.leaves)
 
 
 def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:
