@@ -8,6 +8,7 @@ Hugging Face directory, an ``import-hf`` directory or a params export), one leaf
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,12 @@ import numpy as np
 
 from zjax.errors import CheckpointError
 from zjax.hf._load import HFCheckpoint, is_hf_dir
+from zjax.lora import dequantize, quantize
+from zjax.models.llama import LINEAR_WEIGHTS
 
 __all__ = ["merged_leaves"]
+
+log = logging.getLogger("zjax")
 
 Keys = tuple[str, ...]
 
@@ -35,10 +40,17 @@ def merged_leaves(config: Any, state_dir: Path, stored: dict[Keys, tuple]
             "(train.init_from is empty), which is in no file; export the adapters with "
             "--format peft")
     shapes, read_base = _base(Path(config.train.init_from), config.model)
-    scale = config.lora.scale
+    lora = config.lora
+    scale = lora.scale
+    if lora.quantized:
+        log.warning("export --format hf: the run trained over a %s base: the export is that "
+                    "base dequantized plus the adapters' update", lora.base_dtype)
 
     def read(keys: Keys, dtype: np.dtype) -> np.ndarray:
         w = read_base(keys)
+        if lora.quantized and keys[-1] in LINEAR_WEIGHTS:  # what the run trained over
+            w = np.asarray(dequantize(quantize(w, lora.base_dtype), lora.base_dtype,
+                                      w.shape[-2], np.float32))
         a, b = ((*keys[:-1], keys[-1] + s) for s in ("_lora_a", "_lora_b"))
         if a in stored:
             a, b = (read_leaf(state_dir, k, stored[k], np.dtype(np.float32)) for k in (a, b))

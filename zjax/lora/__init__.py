@@ -18,19 +18,26 @@ _LAZY = {
     "adapter_pair": "zjax.lora._adapters",
     "is_adapter": "zjax.lora._adapters",
     "lora_matmul": "zjax.lora._adapters",
+    "BaseCodec": "zjax.lora._quant",
+    "dequantize": "zjax.lora._quant",
+    "quantize": "zjax.lora._quant",
 }
 
 __all__ = [
     "ADAPTER_SUFFIXES",
     "ALL_LINEAR",
     "LINEAR_NAMES",
+    "BaseCodec",
     "LoraConfig",
     "adapter_pair",
+    "dequantize",
     "is_adapter",
     "lora_matmul",
+    "quantize",
 ]
 
 __getattr__ = exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from zjax.lora._adapters import ADAPTER_SUFFIXES, adapter_pair, is_adapter, lora_matmul
+    from zjax.lora._quant import BaseCodec, dequantize, quantize

@@ -28,7 +28,9 @@ class LoraConfig:
       targets: the linear layers that get adapters, by their Hugging Face module names
         (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
         ``down_proj``), or ``all-linear``: every linear layer but the output head.
-      base_dtype: how the frozen base is stored and gathered: ``bfloat16`` (LoRA).
+      base_dtype: how the frozen base is stored and gathered: ``bfloat16`` (LoRA), or its
+        linear weights quantized over blocks of 64 inputs with one float32 absmax each:
+        ``int8`` or ``nf4`` (QLoRA's NormalFloat4); its other leaves stay bfloat16.
       init_adapter: a PEFT LoRA directory to start the adapters from (its rank, alpha,
         rsLoRA and targets must be this section's), over the base of ``train.init_from``;
         empty: PEFT's initialisation (B zeros).
@@ -39,7 +41,7 @@ class LoraConfig:
     rslora: bool = False
     dropout: float = interval(0, 1, default=0.0)
     targets: str | list = ALL_LINEAR
-    base_dtype: str = choices("bfloat16", default="bfloat16")
+    base_dtype: str = choices("bfloat16", "int8", "nf4", default="bfloat16")
     init_adapter: str | None = None
 
     def __post_init__(self):
@@ -58,6 +60,11 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the base's linear weights are stored quantized (``int8``, ``nf4``)."""
+        return self.base_dtype in ("int8", "nf4")
 
     @property
     def target_names(self) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from flax import nnx
 from jax import lax
 
 from zjax.errors import ArgumentError, ConfigError
-from zjax.lora import LoraConfig, adapter_pair, lora_matmul
+from zjax.lora import LoraConfig, adapter_pair, dequantize, lora_matmul, quantize
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
 from zjax.models.config import LlamaConfig
@@ -35,7 +35,7 @@ from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_
 from zjax.nn.attention import attention
 from zjax.nn.moe import Experts, RouterStats, moe_ffn
 
-__all__ = ["Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
+__all__ = ["LINEAR_WEIGHTS", "Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
 
 
 # the gated MLP's activation (model.mlp_activation)
@@ -84,6 +84,7 @@ def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: flo
 # Hugging Face's module names of the linear layers (lora.targets), and the block's weights
 LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
           "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LINEAR_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed", "heads"),
                "wo": ("heads", "embed"), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
                "w_down": ("mlp", "embed")}
@@ -136,8 +137,11 @@ class LlamaBlock(nnx.Module):
         """``lora.targets``' adapters, drawn after the base weights (whose values are then
         those of the model without adapters)."""
         self.lora_scale = lora.scale if lora is not None and lora.enabled else None
+        self.quant, self.lora_in = None, ()
         if self.lora_scale is None:
             return
+        if lora.quantized:
+            self._quantize_base(cfg, lora.base_dtype)
         for hf_name in lora.target_names:
             name = LINEAR[hf_name]
             if cfg.n_experts and name.startswith("w_"):
@@ -145,15 +149,37 @@ class LlamaBlock(nnx.Module):
                     f"lora.targets: {hf_name} in a mixture of experts: adapters on the experts "
                     "are not built yet; list the attention projections (q_proj, k_proj, "
                     "v_proj, o_proj)")
-            d_in, d_out = getattr(self, name)[...].shape
+            d_in, d_out = dict(self.lora_in).get(name, 0), getattr(self, name)[...].shape[-1]
+            d_in = d_in or getattr(self, name)[...].shape[0]
             a, b = adapter_pair(rngs, d_in, d_out, lora, LINEAR_AXES[name])
             setattr(self, f"{name}_lora_a", a)
             setattr(self, f"{name}_lora_b", b)
 
+    def _quantize_base(self, cfg: LlamaConfig, kind: str):
+        """The frozen base's linear weights stored quantized (QLoRA): one ``uint8`` leaf
+        each (:mod:`zjax.lora._quant`), dequantized where the block uses it."""
+        if cfg.n_experts:
+            raise ConfigError(f"lora.base_dtype: {kind} for a mixture of experts is not built "
+                              "yet; use bfloat16")
+        self.quant = kind
+        shapes = {}
+        for name, axes in LINEAR_AXES.items():
+            w = getattr(self, name)[...]
+            shapes[name] = w.shape[0]
+            setattr(self, name, nnx.Param(quantize(w, kind), out_sharding=(None, axes[1]),
+                                          eager_sharding=False))
+        self.lora_in = tuple(sorted(shapes.items()))  # static: the weights' input widths
+
     def _linear(self, y, name: str, *, row_parallel: bool = False):
         """``y @ w`` for weight ``name``, with its adapters' update where it has them."""
         a = getattr(self, f"{name}_lora_a", None)
-        return lora_matmul(y, getattr(self, name)[...], None if a is None else a[...],
+        w = getattr(self, name)[...]
+        if self.quant is not None:
+            if row_parallel and model_axis_size() > 1:
+                raise ConfigError(f"lora.base_dtype: {self.quant} under tensor parallelism "
+                                  "(mesh.model > 1) is not built yet; use bfloat16")
+            w = dequantize(w, self.quant, dict(self.lora_in)[name], y.dtype)
+        return lora_matmul(y, w, None if a is None else a[...],
                            None if a is None else getattr(self, f"{name}_lora_b")[...],
                            self.lora_scale, row_parallel=row_parallel)
 

@@ -54,6 +54,9 @@ class Trainable:
       frozen: predicate on a leaf path: True for leaves that are not trained (the base
         weights under adapters): no gradient, no optimizer state, stored in the dtype
         ``init`` gives them (a quantized weight's integer codes too).
+      codec: for a quantized frozen base, the :class:`zjax.lora.BaseCodec` saying which
+        frozen leaves are stored quantized: a loader gives them as float weights of their
+        ``logical_shape`` and the step ``encode`` s them; None otherwise.
     """
 
     init: Callable[[jax.Array], Params]
@@ -61,6 +64,7 @@ class Trainable:
     stacked: Callable[[str], bool] = lambda path: False
     logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None
     frozen: Callable[[str], bool] = lambda path: False
+    codec: Any = None
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:

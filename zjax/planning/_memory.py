@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from zjax.partition import nbytes
 from zjax.step import ZeroStep
 
-__all__ = ["compiled_bytes", "compiled_memory", "formula", "state_bytes"]
+__all__ = ["compiled_bytes", "compiled_memory", "formula", "frozen_figures", "n_params_of",
+           "state_bytes"]
 
 
 def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
@@ -84,3 +86,28 @@ def compiled_bytes(compiled: Any, host: int) -> dict[str, int]:
     return {"temp_bytes": figures["temp_bytes"], "host_bytes": host,
             "host_temp_bytes": int(mem.host_temp_size_in_bytes),
             "total_bytes": figures["peak_bytes"] - (0 if host_apart else host)}
+
+
+def _frozen_params(zstep: ZeroStep) -> int:
+    """The frozen base's parameters: a quantized weight counts its weights, not its bytes
+    (:attr:`ZeroStep.base_target` has their float shapes)."""
+    if zstep.base_target is None:
+        return 0
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(zstep.base_target))
+
+
+def n_params_of(zstep: ZeroStep) -> int:
+    """Ψ: the trained leaves' sizes and the frozen base's parameters."""
+    return _frozen_params(zstep) + sum(leaf.size for leaf in zstep.plan.leaves
+                                       if not leaf.frozen)
+
+
+def frozen_figures(zstep: ZeroStep, trained: int) -> dict[str, Any]:
+    """A report's ``frozen``: the adapters' count and the frozen base's, its bytes per
+    device and dtypes; empty when nothing is frozen."""
+    base = [leaf for leaf in zstep.plan.leaves if leaf.frozen]
+    if not base:
+        return {}
+    return {"trained_params": trained, "frozen_params": _frozen_params(zstep),
+            "frozen_bytes": nbytes(zstep.abstract_state.frozen),
+            "frozen_dtypes": sorted({leaf.dtype.name for leaf in base})}

@@ -20,7 +20,14 @@ from zjax.partition import nbytes
 from zjax.planning._experts import expert_all_to_all, expert_figures
 from zjax.planning._flops import flops_per_token, peak_flops
 from zjax.planning._hlo import collective_bytes
-from zjax.planning._memory import compiled_bytes, compiled_memory, formula, state_bytes
+from zjax.planning._memory import (
+    compiled_bytes,
+    compiled_memory,
+    formula,
+    frozen_figures,
+    n_params_of,
+    state_bytes,
+)
 from zjax.runtime.targets import Target
 from zjax.step import ZeroStep
 
@@ -236,7 +243,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     plan, zero = zstep.plan, zstep.plan.zero
     shape = dict(model_shape or {})
     n_experts = shape.pop("n_experts", None)  # not a FLOPs figure
-    n_params = sum(leaf.size for leaf in plan.leaves)
+    n_params = n_params_of(zstep)
     # what one model slice holds: tensor parallelism divides the split leaves
     slice_params = sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
                        for leaf in plan.leaves)
@@ -284,18 +291,8 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         else None,
         experts=expert_figures(plan, coll.by_axis, n_experts=n_experts,
                                n_layers=shape.get("n_layers")),
-        frozen=_frozen(zstep, trained),
+        frozen=frozen_figures(zstep, trained),
     )
-
-
-def _frozen(zstep: ZeroStep, trained: int) -> dict[str, Any]:
-    """The report's ``frozen``: the adapters' count and the frozen base's, its bytes."""
-    base = [leaf for leaf in zstep.plan.leaves if leaf.frozen]
-    if not base:
-        return {}
-    return {"trained_params": trained, "frozen_params": sum(leaf.size for leaf in base),
-            "frozen_bytes": nbytes(zstep.abstract_state.frozen),
-            "frozen_dtypes": sorted({leaf.dtype.name for leaf in base})}
 
 
 def _setting(plan, *, grad_accum: int, remat: bool | None, target: Target | None) -> dict:

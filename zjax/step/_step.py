@@ -61,8 +61,11 @@ class ZeroStep:
       canonical: the checkpoint's form of the state, abstract: ``{"step", "params" (float32
         master), "opt_state"}``, the same whatever the stage, mesh or offload.
       from_base: with frozen leaves (adapters over a base), ``from_base(base, rng)`` at step
-        0: the base given as :attr:`base_target` says (donated), the trained leaves
-        initialised from ``rng``; else None.
+        0: the base given as :attr:`base_target` says (donated; a quantized base's linear
+        weights as float weights, quantized here), the trained leaves initialised from
+        ``rng``; else None.
+      base_target: the frozen leaves :attr:`from_base` takes, abstract (float32, placed), or
+        None.
       nvme: with ``zero.offload_optimizer.device: nvme``, the
         :class:`~zjax.step._nvme.NvmeOptimizer` that owns the swap files (the state's master
         and optimizer state live there, not in :attr:`abstract_state`); else None.
@@ -80,6 +83,7 @@ class ZeroStep:
     canonical: dict | None = None
     nvme: NvmeOptimizer | None = None
     from_base: Callable[[Any, jax.Array], TrainState] | None = None
+    base_target: Any = None
 
     def close(self) -> None:
         """Release what the step holds outside the state (NVMe swap files: removed)."""
@@ -102,13 +106,6 @@ class ZeroStep:
         return jax.tree.map(
             lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=s),
             self.plan.tree(self.plan.leaves), self.params_shardings)
-
-    @property
-    def base_target(self) -> Any:
-        """The frozen leaves :attr:`from_base` takes, abstract (float32, placed), or None."""
-        if frozen_part(self.plan) is None:
-            return None
-        return split_parts(self.plan, self.params_target)[1]
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
@@ -242,27 +239,45 @@ def make_step(
                  "opt_state": a.opt_state}
     return ZeroStep(plan, shardings, layout.abstract, batch_sharding,
                     jax.jit(init, out_shardings=shardings), step, evaluate, from_params,
-                    params_shardings, canonical,
-                    from_base=_from_base(trainable, plan, state_from(tx, plan),
-                                         params_shardings, shardings))
+                    params_shardings, canonical, **_from_base(
+                        trainable, plan, state_from(tx, plan), params_shardings, shardings))
 
 
 def _from_base(trainable: Trainable, plan: ShardPlan, from_params: Callable,
-               params_shardings: Any, shardings: TrainState) -> Callable | None:
-    """``from_base(base, rng) -> TrainState``: a frozen base given (float32, placed as
-    :attr:`ZeroStep.base_target` says) and the trained leaves (adapters) initialised from
-    ``rng``; None when no leaf is frozen. The init's base part is never computed (XLA drops
-    what no output uses)."""
-    if frozen_part(plan) is None:
-        return None
+               params_shardings: Any, shardings: TrainState) -> dict[str, Any]:
+    """``{from_base, base_target}``: ``from_base(base, rng) -> TrainState`` from a frozen
+    base given as ``base_target`` says (float32, placed) and the trained leaves (adapters)
+    initialised from ``rng``; empty when no leaf is frozen. The init's base part
+    is never computed (XLA drops what no output uses). A quantized base's linear weights
+    come as float weights and are quantized here (``trainable.codec``)."""
+    frozen = frozen_part(plan)
+    if frozen is None:
+        return {}
+    codec = trainable.codec
+    coded = [codec is not None and codec.encodes(leaf.path) for leaf in frozen.leaves]
+    target = []
+    for leaf, s, c in zip(frozen.leaves, jax.tree.leaves(split_parts(plan, params_shardings)[1]),
+                          coded, strict=True):
+        shape = codec.logical_shape(leaf.shape) if c else leaf.shape
+        try:
+            s.shard_shape(shape)
+        except ValueError:  # a float weight's dimensions that the packed one's split skips
+            s = NamedSharding(s.mesh, P())
+        target.append(jax.ShapeDtypeStruct(shape, np.float32, sharding=s))
 
     def from_base(base, rng):
         trained, _ = split_parts(plan, trainable.init(rng))
+        base = frozen.tree(codec.encode(x) if c else x
+                           for x, c in zip(jax.tree.leaves(base), coded, strict=True))
         return from_params(merge_parts(plan, trained, base))
 
-    base_shardings = split_parts(plan, params_shardings)[1]
-    return jax.jit(from_base, in_shardings=(base_shardings, None), out_shardings=shardings,
-                   donate_argnums=0)
+    target = frozen.tree(target)
+    shard = jax.tree.map(lambda a: a.sharding, target)
+    # the float base is donated, unless quantized here (no output could reuse its buffers)
+    return {"from_base": jax.jit(from_base, in_shardings=(shard, None),
+                                 out_shardings=shardings,
+                                 donate_argnums=0 if codec is None else ()),
+            "base_target": target}
 
 
 def _nvme_step(trainable: Trainable, tx: optax.GradientTransformation, plan: ShardPlan,

@@ -33,7 +33,7 @@ from zjax.errors import ConfigError, first_line
 from zjax.lora import LoraConfig
 from zjax.models import with_adapters
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
-from zjax.models.llama import Llama, LlamaConfig
+from zjax.models.llama import LINEAR_WEIGHTS, Llama, LlamaConfig
 from zjax.models.trainable import Trainable, from_nnx
 from zjax.schema import short
 
@@ -137,7 +137,7 @@ class LlamaLanguageModel(LanguageModel):
         if lora is None or not lora.enabled:
             return from_nnx(lambda rngs: Llama(model, rngs=rngs), lm_loss)
         return with_adapters(from_nnx(lambda rngs: Llama(model, rngs=rngs, lora=lora),
-                                      lm_loss), lora)
+                                      lm_loss), lora, names=LINEAR_WEIGHTS)
 
 
 def resolve_loop(name: str) -> Loop:
