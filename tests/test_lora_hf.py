@@ -129,3 +129,22 @@ def test_init_adapter_continues_a_peft_adapter_and_refuses_another_shape(lora_hf
     alone = dataclasses.replace(again, train=dataclasses.replace(again.train, init_from=None))
     with pytest.raises(zjax.ConfigError, match=r"^lora.init_adapter: .* train.init_from"):
         build_step(alone)
+
+
+def test_a_resume_over_another_base_is_refused(lora_hf_run, tmp_path):
+    """The checkpoints record the base's digests: a resume whose train.init_from now holds
+    other weights stops with an error naming the key, before any step."""
+    import shutil
+
+    directory, config, _, run = lora_hf_run
+    copy, moved = tmp_path / "run", tmp_path / "hf"
+    shutil.copytree(run, copy)
+    other = write_hf(moved, hf_model(seed=1))
+    again = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, init_from=str(other), steps=4))
+    with pytest.raises(zjax.CheckpointError, match=r"^train.init_from: .* is not the base the "
+                                                   r"checkpoint's adapters were trained over"):
+        zjax.train(None, again, run_dir=copy)
+    same = dataclasses.replace(again, train=dataclasses.replace(again.train,
+                                                                init_from=str(directory)))
+    assert [row["step"] for row in zjax.train(None, same, run_dir=copy).history][-1] == 4

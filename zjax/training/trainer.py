@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zjax.checkpoint import Checkpointer
+from zjax.checkpoint import Checkpointer, tree_digests
 from zjax.config import Config, as_config
 from zjax.errors import CheckpointError, ConfigError
 from zjax.partition import frozen_part, merge_parts, nbytes, trained_part
@@ -154,6 +154,8 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
                run: RunDir | None, info) -> TrainResult:
     train_data, eval_data, put = _data(loop, config, zstep)
     start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, info)
+    # an adapters run's checkpoints name their base by its digests, checked on resume
+    base = {} if state.frozen is None else {"base_digests": tree_digests(state.frozen)}
     first = put(next(train_data))
     compiled = zstep.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                         first)).compile()
@@ -167,7 +169,7 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
     def save(step: int, state: TrainState) -> None:
         data_state = {"train": _iterator_state(train_data), "eval": _iterator_state(eval_data)}
         ckpt.save(step, state, zstep, data_state=data_state,
-                  meta={"step": step, "config": config.to_dict(),
+                  meta={"step": step, "config": config.to_dict(), **base,
                         "skipped": {"total": watch.skipped, "in_a_row": watch.in_a_row}})
 
     steps, train = config.train.steps, config.train
@@ -213,10 +215,26 @@ def _start(zstep: ZeroStep, config: Config, ckpt: Checkpointer | None, train_dat
     info("resuming from the checkpoint at step %d", start)
     if frozen_part(zstep.plan) is not None:  # checkpoints hold the trained leaves only
         state = state._replace(frozen=_initial_state(zstep, config, info).frozen)
+        _check_base(state.frozen, meta, config)
     for split, it in (("train", train_data), ("eval", eval_data)):
         if it is not None and data_state.get(split) is not None:
             _set_iterator(it, data_state[split], start, ckpt, split)
     return start, state, meta, True
+
+
+def _check_base(frozen: Any, meta: dict | None, config: Config) -> None:
+    """The base read again on resume must be the one the checkpoint's adapters trained over
+    (its digests, recorded in the checkpoint's meta)."""
+    want = (meta or {}).get("base_digests")
+    if not want:
+        return
+    got = tree_digests(frozen)
+    changed = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    if changed:
+        raise CheckpointError(
+            f"train.init_from: {config.train.init_from} is not the base the checkpoint's "
+            f"adapters were trained over ({changed[0]} differs, of {len(changed)} leaves); "
+            "point train.init_from at that base, or train in a new run directory")
 
 
 def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
