@@ -235,3 +235,18 @@ def test_a_resumed_lora_run_is_the_straight_run_bit_for_bit(lora_run, tmp_path):
         f"{w}_lora_{f}" for w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
         for f in "ab"}
     assert set(params) == {"blocks"}
+
+
+def test_a_random_base_run_is_refused_where_its_base_is_needed(lora_run, tmp_path):
+    """Sampling a LoRA run, or merging its adapters, needs its base in files: a run over the
+    seed's random base says so instead of guessing."""
+    from zjax.export import export, load_sampler
+
+    _, _, run = lora_run
+    with pytest.raises(zjax.CheckpointError, match=r"^sample: the LoRA run trained over its "
+                                                   r"seed's random base"):
+        load_sampler(run)
+    with pytest.raises(zjax.CheckpointError, match=r"^export --format hf: the LoRA run "
+                                                   r"trained over its seed's random base"):
+        export(run, tmp_path / "merged", format="hf")
+    assert not (tmp_path / "merged").exists()

@@ -333,11 +333,15 @@ def _base_params(init_from: str | None) -> dict:
     """The base a LoRA run trained over, as host arrays (``train.init_from``)."""
     from zjax.hf import HFCheckpoint, is_hf_dir
 
-    path = None if init_from is None else Path(init_from)
-    if path is None or not path.exists():
-        raise CheckpointError(f"sample: the LoRA run's base (train.init_from {init_from}) is "
-                              "gone or was its seed's random init; sample its merged export "
-                              "or the base with --adapter")
+    if init_from is None:
+        raise CheckpointError("sample: the LoRA run trained over its seed's random base "
+                              "(train.init_from is empty), which is in no file; only runs "
+                              "that started from weights can be sampled with their adapters")
+    path = Path(init_from)
+    if not path.exists():
+        raise CheckpointError(f"sample: the LoRA run's base, train.init_from {init_from}, is "
+                              "gone; put it back, or sample its merged export (zjax export "
+                              "--format hf) or the base with --adapter")
     if is_hf_dir(path) and not (path / "params").is_dir():
         return nested(HFCheckpoint(path).host_leaves())
     import orbax.checkpoint as ocp

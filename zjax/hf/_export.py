@@ -30,7 +30,7 @@ from zjax.errors import CheckpointError
 from zjax.hf._import import IDENTITY_FILES, TOKENIZER_FILES
 from zjax.hf._layout import Layout, Leaf, hf_shape
 from zjax.hf._layouts import layout_for_hf, layout_for_model
-from zjax.hf._merged import merged_leaves
+from zjax.hf._merged import check_base, merged_leaves
 from zjax.hf._safetensors import INDEX, write_safetensors
 
 __all__ = ["DEFAULT_SHARD_BYTES", "config_json", "hf_writer"]
@@ -46,6 +46,8 @@ def hf_writer(run_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> C
         lm`` with GPT-2's options).
     """
     config, origin, layout = run_layout(run_dir, what="--format hf")
+    if config.lora.enabled:  # the base to merge into, before any checkpoint is read
+        check_base(config)
     tokenizer = config.data.tokenizer
 
     def write(out: Path, state_dir: Path, stored, target: np.dtype) -> None:

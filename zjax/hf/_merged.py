@@ -20,7 +20,7 @@ from zjax.hf._load import HFCheckpoint, is_hf_dir
 from zjax.lora import dequantize, quantize
 from zjax.models.llama import LINEAR_WEIGHTS
 
-__all__ = ["merged_leaves"]
+__all__ = ["check_base", "merged_leaves"]
 
 log = logging.getLogger("zjax")
 
@@ -34,11 +34,7 @@ def merged_leaves(config: Any, state_dir: Path, stored: dict[Keys, tuple]
     the checkpoint at ``state_dir``, by keys, with their shapes)."""
     from zjax.checkpoint import read_leaf
 
-    if config.train.init_from is None:
-        raise CheckpointError(
-            "export --format hf: the LoRA run trained over its seed's random base "
-            "(train.init_from is empty), which is in no file; export the adapters with "
-            "--format peft")
+    check_base(config)
     shapes, read_base = _base(Path(config.train.init_from), config.model)
     lora = config.lora
     scale = lora.scale
@@ -60,11 +56,21 @@ def merged_leaves(config: Any, state_dir: Path, stored: dict[Keys, tuple]
     return shapes, read
 
 
+def check_base(config: Any) -> None:
+    """A LoRA run's base must be in files to merge into (before any checkpoint is read)."""
+    if config.train.init_from is None:
+        raise CheckpointError(
+            "export --format hf: the LoRA run trained over its seed's random base "
+            "(train.init_from is empty), which is in no file; export the adapters with "
+            "--format peft")
+    if not Path(config.train.init_from).exists():
+        raise CheckpointError(f"export --format hf: the LoRA run's base, train.init_from "
+                              f"{config.train.init_from}, is gone; put it back to merge the "
+                              "adapters into it")
+
+
 def _base(path: Path, model: Any) -> tuple[dict[Keys, tuple], Callable[[Keys], np.ndarray]]:
     """The base's leaf shapes and a float32 reader of one leaf."""
-    if not path.exists():
-        raise CheckpointError(f"export --format hf: the LoRA run's base, train.init_from "
-                              f"{path}, is gone; put it back to merge the adapters into it")
     if is_hf_dir(path) and not (path / "params").is_dir():
         source = HFCheckpoint(path, max_seq_len=getattr(model, "max_seq_len", None))
         by_keys = {leaf.keys: leaf for leaf in source.leaves}
