@@ -256,15 +256,9 @@ def load_sampler(source: str | Path, *, adapter: str | Path | None = None) -> Sa
         if config.lora.enabled:  # the checkpoint holds the adapters: the base read again
             params, lora = _merge(_base_params(config.train.init_from), params), config.lora
     elif (path / "zjax.yaml").is_file() and (path / "params").is_dir():
-        import orbax.checkpoint as ocp
-
         config = load_config(path / "zjax.yaml")
         loop, cfg, tokenizer = config.loop, config.model, config.data.tokenizer
-        from zjax.checkpoint import item_read
-
-        with item_read():
-            params = ocp.StandardCheckpointer().restore((path / "params").resolve())
-        origin = _hf_origin(path)
+        params, origin = _import_params(path), _hf_origin(path)
     elif is_hf_dir(path):
         hf = HFCheckpoint(path)
         loop, cfg, params = hf.layout.loop, hf.config, nested(hf.host_leaves())
@@ -344,6 +338,11 @@ def _base_params(init_from: str | None) -> dict:
                               "--format hf) or the base with --adapter")
     if is_hf_dir(path) and not (path / "params").is_dir():
         return nested(HFCheckpoint(path).host_leaves())
+    return _import_params(path)
+
+
+def _import_params(path: Path) -> dict:
+    """The params of a ``zjax import-hf`` directory, as host arrays."""
     import orbax.checkpoint as ocp
 
     from zjax.checkpoint import item_read

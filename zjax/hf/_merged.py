@@ -31,10 +31,10 @@ def merged_leaves(config: Any, state_dir: Path, stored: dict[Keys, tuple]
                   ) -> tuple[dict[Keys, tuple], Callable[[Keys, np.dtype], np.ndarray]]:
     """``(shapes, read)`` of the merged model's leaves: ``read(keys, dtype)`` gives one leaf,
     the base's plus its adapters' update where it has adapters (``stored``: the adapters in
-    the checkpoint at ``state_dir``, by keys, with their shapes)."""
+    the checkpoint at ``state_dir``, by keys, with their shapes). The base must be in files
+    (:func:`check_base`, which the writer calls before reading any checkpoint)."""
     from zjax.checkpoint import read_leaf
 
-    check_base(config)
     shapes, read_base = _base(Path(config.train.init_from), config.model)
     lora = config.lora
     scale = lora.scale

@@ -84,10 +84,10 @@ def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: flo
 # Hugging Face's module names of the linear layers (lora.targets), and the block's weights
 LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
           "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
-LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LINEAR_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed", "heads"),
                "wo": ("heads", "embed"), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
                "w_down": ("mlp", "embed")}
+LINEAR_WEIGHTS = tuple(LINEAR_AXES)
 
 
 class LlamaBlock(nnx.Module):
@@ -149,8 +149,9 @@ class LlamaBlock(nnx.Module):
                     f"lora.targets: {hf_name} in a mixture of experts: adapters on the experts "
                     "are not built yet; list the attention projections (q_proj, k_proj, "
                     "v_proj, o_proj)")
-            d_in, d_out = dict(self.lora_in).get(name, 0), getattr(self, name)[...].shape[-1]
-            d_in = d_in or getattr(self, name)[...].shape[0]
+            d_in, d_out = getattr(self, name)[...].shape
+            if self.quant is not None:  # the packed rows are not the inputs
+                d_in = dict(self.lora_in)[name]
             a, b = adapter_pair(rngs, d_in, d_out, lora, LINEAR_AXES[name])
             setattr(self, f"{name}_lora_a", a)
             setattr(self, f"{name}_lora_b", b)
