@@ -361,11 +361,10 @@ def _model(loop: str, cfg: Any, params: dict, source: str, lora=None) -> nnx.Mod
     kw = {} if lora is None else {"lora": lora}
     if lora is not None and lora.quantized:  # the base as the run held it: quantized
         from zjax.lora import quantize
-        from zjax.models.llama import LINEAR_WEIGHTS
 
         layers = dict(params["blocks"]["layers"])
         layers.update({k: quantize(jnp.asarray(layers[k]), lora.base_dtype)
-                       for k in LINEAR_WEIGHTS if k in layers})
+                       for k in cls.LINEAR_WEIGHTS if k in layers})
         params = {**params, "blocks": {**params["blocks"], "layers": layers}}
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), **kw)))
     return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))

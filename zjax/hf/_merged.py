@@ -18,7 +18,7 @@ import numpy as np
 from zjax.errors import CheckpointError
 from zjax.hf._load import HFCheckpoint, is_hf_dir
 from zjax.lora import dequantize, quantize
-from zjax.models.llama import LINEAR_WEIGHTS
+from zjax.models import adapted_weights, model_class
 
 __all__ = ["check_base", "merged_leaves"]
 
@@ -36,20 +36,23 @@ def merged_leaves(config: Any, state_dir: Path, stored: dict[Keys, tuple]
     from zjax.checkpoint import read_leaf
 
     shapes, read_base = _base(Path(config.train.init_from), config.model)
-    lora = config.lora
-    scale = lora.scale
+    lora, cls = config.lora, model_class(config.model)
+    scale, adapted = lora.scale, adapted_weights(cls.LORA_MODULES, lora)
     if lora.quantized:
         log.warning("export --format hf: the run trained over a %s base: the export is that "
                     "base dequantized plus the adapters' update", lora.base_dtype)
 
     def read(keys: Keys, dtype: np.dtype) -> np.ndarray:
         w = read_base(keys)
-        if lora.quantized and keys[-1] in LINEAR_WEIGHTS:  # what the run trained over
+        if lora.quantized and keys[-1] in cls.LINEAR_WEIGHTS:  # what the run trained over
             w = np.asarray(dequantize(quantize(w, lora.base_dtype), lora.base_dtype,
                                       w.shape[-2], np.float32))
-        a, b = ((*keys[:-1], keys[-1] + s) for s in ("_lora_a", "_lora_b"))
-        if a in stored:
+        adapter, part = adapted.get(keys[-1], (None, -1))
+        a, b = ((*keys[:-1], f"{adapter}{s}") for s in ("_lora_a", "_lora_b"))
+        if keys[:2] == ("blocks", "layers") and a in stored:
             a, b = (read_leaf(state_dir, k, stored[k], np.dtype(np.float32)) for k in (a, b))
+            if part >= 0:  # this weight's part of a fused module's b [L, r, parts, out]
+                b = b[:, :, part]
             w = w + np.float32(scale) * np.matmul(a, b)  # [L, in, r] @ [L, r, out]
         return w.astype(dtype)
 

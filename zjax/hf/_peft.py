@@ -20,7 +20,7 @@ import numpy as np
 from zjax.errors import CheckpointError, ConfigError
 from zjax.hf._layout import Layout
 from zjax.hf._safetensors import write_safetensors
-from zjax.lora import ADAPTER_SUFFIXES, LoraConfig
+from zjax.lora import ADAPTER_SUFFIXES, GPT2_LINEAR_NAMES, LoraConfig
 
 __all__ = ["PEFT_PREFIX", "adapter_config", "peft_names", "peft_writer", "read_peft"]
 
@@ -29,24 +29,51 @@ _FACTOR = {"_lora_a": "lora_A", "_lora_b": "lora_B"}
 
 
 def peft_names(layout: Layout, model) -> dict[tuple[str, ...], str]:
-    """zjax adapter leaf keys -> PEFT's tensor name (with ``{i}`` for the layer)."""
+    """zjax adapter leaf keys -> PEFT's tensor name (with ``{i}`` for the layer). A module
+    that fuses equal parts (GPT-2's ``c_attn``: ``wq``, ``wk``, ``wv``) has one pair named
+    after it (``c_attn_lora_a``, ``c_attn_lora_b``)."""
     out = {}
     for leaf in layout.leaves(model):
-        if leaf.part is not None or leaf.per_expert or not leaf.hf.endswith(".weight"):
-            continue  # a fused projection's part, an expert: no adapters built for them
+        if leaf.per_expert or not leaf.hf.endswith(".weight"):
+            continue  # an expert: no adapters built for them
         module = leaf.hf[:-len(".weight")]
+        if leaf.part is not None and not isinstance(leaf.part[1], int):
+            continue  # parts of unequal widths (Phi-3's qkv_proj): no fused adapter for them
+        name = leaf.keys[-1] if leaf.part is None else module.rsplit(".", 1)[-1]
         for suffix in ADAPTER_SUFFIXES:
-            keys = (*leaf.keys[:-1], leaf.keys[-1] + suffix)
+            keys = (*leaf.keys[:-1], name + suffix)
             out[keys] = f"{PEFT_PREFIX}{module}.{_FACTOR[suffix]}.weight"
     return out
 
 
+def _fused_b(layout: Layout, model) -> dict[tuple[str, ...], int]:
+    """A fused module's ``b`` keys -> its parts (``[r, parts, out]``)."""
+    names = {keys: name for keys, name in peft_names(layout, model).items()
+             if keys[-1].endswith("_lora_b")}
+    out = {}
+    for leaf in layout.leaves(model):
+        if leaf.part is not None and isinstance(leaf.part[1], int):
+            module = leaf.hf[:-len(".weight")].rsplit(".", 1)[-1]
+            keys = (*leaf.keys[:-1], module + "_lora_b")
+            if keys in names:
+                out[keys] = leaf.part[1]
+    return out
+
+
+def peft_tensor(layer: np.ndarray) -> np.ndarray:
+    """One layer of an adapter leaf as PEFT holds it: ``a`` ``[in, r]`` -> ``[r, in]``,
+    ``b`` ``[r, out]`` (``[r, parts, out]`` for a fused module) -> ``[parts * out, r]``."""
+    return layer.reshape(layer.shape[0], -1).T
+
+
 def adapter_config(lora: LoraConfig, modules: list[str], base: str | None) -> dict:
-    """PEFT's ``adapter_config.json`` for adapters of ``lora`` on ``modules``."""
+    """PEFT's ``adapter_config.json`` for adapters of ``lora`` on ``modules`` (GPT-2's are
+    ``Conv1D``, whose weights are ``[in, out]``: ``fan_in_fan_out``)."""
+    conv1d = any(m in GPT2_LINEAR_NAMES for m in modules)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": sorted(modules), "use_rslora": lora.rslora, "bias": "none",
-            "base_model_name_or_path": base, "fan_in_fan_out": False, "inference_mode": True,
+            "base_model_name_or_path": base, "fan_in_fan_out": conv1d, "inference_mode": True,
             "init_lora_weights": True, "modules_to_save": None, "use_dora": False}
 
 
@@ -58,8 +85,9 @@ def _tensors(stored: dict, names: dict) -> list[tuple[str, tuple[int, ...], tupl
         if keys not in names:
             raise CheckpointError(f"export --format peft: the checkpoint's param "
                                   f"{'/'.join(keys)} is no adapter PEFT names (not a LoRA run?)")
+        per_layer = (int(np.prod(shape[2:])), shape[1])
         for i in range(shape[0]):
-            out.append((names[keys].format(i=i), (shape[2], shape[1]), keys, i))
+            out.append((names[keys].format(i=i), per_layer, keys, i))
     return out
 
 
@@ -91,7 +119,7 @@ def _writer(layout: Layout, model, lora: LoraConfig, base: str | None) -> Callab
             for _, _, keys, i in tensors:
                 if keys not in cache:  # the leaf's layers follow one another
                     cache = {keys: read_leaf(state_dir, keys, stored[keys], np.float32)}
-                yield cache[keys][i].T.astype(target)
+                yield peft_tensor(cache[keys][i]).astype(target)
 
         modules = sorted({n.split(".")[-3] for n, *_ in tensors})
         work = out.parent.resolve() / f".{out.name}.zjax-export"
@@ -133,7 +161,7 @@ def read_peft(directory: Path, layout: Layout, model) -> tuple[LoraConfig, dict]
     lora = LoraConfig(rank=int(meta["r"]), alpha=float(meta.get("lora_alpha", 8)),
                       rslora=bool(meta.get("use_rslora", False)),
                       targets=sorted(targets) if isinstance(targets, list) else targets)
-    out = {}
+    out, fused = {}, _fused_b(layout, model)
     for keys, name in peft_names(layout, model).items():
         layers = [tensors.get(name.format(i=i)) for i in range(model.n_layers)]
         if all(t is None for t in layers):
@@ -141,7 +169,9 @@ def read_peft(directory: Path, layout: Layout, model) -> tuple[LoraConfig, dict]
         if any(t is None for t in layers):
             raise CheckpointError(f"--adapter: {directory}: {name.format(i='{i}')} is missing "
                                   "for some layers")
-        out[keys] = np.stack([t.T for t in layers]).astype(np.float32)
+        parts = fused.get(keys)
+        out[keys] = np.stack([t.T if parts is None else t.T.reshape(t.shape[1], parts, -1)
+                              for t in layers]).astype(np.float32)
     if not out or len(out) != sum(1 for n in tensors if n.endswith(".weight")) // \
             model.n_layers:
         raise CheckpointError(f"--adapter: {directory}: its tensors are not the adapters of "

@@ -11,10 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zjax._lazy import exports
-from zjax.lora.config import ALL_LINEAR, LINEAR_NAMES, LoraConfig
+from zjax.lora.config import ALL_LINEAR, GPT2_LINEAR_NAMES, LINEAR_NAMES, LoraConfig
 
 _LAZY = {
     "ADAPTER_SUFFIXES": "zjax.lora._adapters",
+    "AdapterDropout": "zjax.lora._dropout",
+    "row_keys": "zjax.lora._dropout",
     "adapter_pair": "zjax.lora._adapters",
     "is_adapter": "zjax.lora._adapters",
     "lora_matmul": "zjax.lora._adapters",
@@ -26,7 +28,9 @@ _LAZY = {
 __all__ = [
     "ADAPTER_SUFFIXES",
     "ALL_LINEAR",
+    "GPT2_LINEAR_NAMES",
     "LINEAR_NAMES",
+    "AdapterDropout",
     "BaseCodec",
     "LoraConfig",
     "adapter_pair",
@@ -34,10 +38,12 @@ __all__ = [
     "is_adapter",
     "lora_matmul",
     "quantize",
+    "row_keys",
 ]
 
 __getattr__ = exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from zjax.lora._adapters import ADAPTER_SUFFIXES, adapter_pair, is_adapter, lora_matmul
+    from zjax.lora._dropout import AdapterDropout, row_keys
     from zjax.lora._quant import BaseCodec, dequantize, quantize

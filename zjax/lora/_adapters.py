@@ -1,8 +1,11 @@
 """Low-rank adapters on a model's linear layers: their params and their matmul.
 
 A weight ``w`` ``[in, out]`` (zjax stores PyTorch's transpose) gets ``w_lora_a`` ``[in, r]``
-and ``w_lora_b`` ``[r, out]``, initialised as PEFT does (A Kaiming-uniform, B zeros: the
-adapted model starts as the base exactly), and is applied as
+and ``w_lora_b`` ``[r, out]`` (a module that fuses ``k`` weights of one input, GPT-2's
+``c_attn``, gets one pair named after it: ``a`` ``[in, r]`` and ``b`` ``[r, k, out]``, part
+``j`` of ``b`` updating weight ``j``: PEFT's adapter on the fused module), initialised as
+PEFT does (A Kaiming-uniform, B zeros: the adapted model starts as the base exactly), and is
+applied as
 ``y @ w + scale * (y @ a) @ b``. The two thin matmuls replace the weight gradient: the base
 ``w`` is frozen (no gradient, no optimizer state).
 
@@ -25,6 +28,7 @@ from zjax.nn import column_parallel_input
 
 __all__ = ["ADAPTER_SUFFIXES", "adapter_pair", "is_adapter", "lora_matmul"]
 
+
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
 
@@ -34,20 +38,24 @@ def is_adapter(path: str) -> bool:
 
 
 def adapter_pair(rngs: nnx.Rngs, d_in: int, d_out: int, lora: LoraConfig,
-                 axes: tuple[str | None, str | None]) -> tuple[nnx.Param, nnx.Param]:
+                 axes: tuple[str | None, str | None], *, parts: int = 0
+                 ) -> tuple[nnx.Param, nnx.Param]:
     """``(a [in, r], b [r, out])`` for a weight ``[in, out]`` whose dimensions are named
-    ``axes``: a uniform in ``±1/sqrt(in)`` (PyTorch's ``kaiming_uniform_(a=sqrt(5))``, PEFT's
-    default), b zeros."""
+    ``axes`` (``b [r, parts, out]`` for a module fusing ``parts`` weights): a uniform in
+    ``±1/sqrt(in)`` (PyTorch's ``kaiming_uniform_(a=sqrt(5))``, PEFT's default), b zeros."""
     bound = 1.0 / math.sqrt(d_in)
     a = jax.random.uniform(rngs.params(), (d_in, lora.rank), jnp.float32, -bound, bound)
+    shape, names = ((lora.rank, parts, d_out), (None, None, axes[1])) if parts \
+        else ((lora.rank, d_out), (None, axes[1]))
     return (nnx.Param(a, out_sharding=(axes[0], None), eager_sharding=False),
-            nnx.Param(jnp.zeros((lora.rank, d_out), jnp.float32), out_sharding=(None, axes[1]),
-                      eager_sharding=False))
+            nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names, eager_sharding=False))
 
 
 def lora_matmul(y: jax.Array, w: jax.Array, a: jax.Array | None, b: jax.Array | None,
-                scale: float, *, row_parallel: bool = False) -> jax.Array:
-    """``y @ w``, plus ``scale * (y @ a) @ b`` where the weight has adapters.
+                scale: float, *, row_parallel: bool = False,
+                adapter_input: jax.Array | None = None) -> jax.Array:
+    """``y @ w``, plus ``scale * (x @ a) @ b`` where the weight has adapters, ``x`` being
+    ``adapter_input`` (``y`` after dropout) or ``y``.
 
     ``row_parallel``: ``w`` is split on its input (an output projection), so ``y @ w`` is a
     partial sum the caller reduces; the update is one too, and ``b`` is the whole factor.
@@ -59,5 +67,6 @@ def lora_matmul(y: jax.Array, w: jax.Array, a: jax.Array | None, b: jax.Array | 
         b = column_parallel_input(b)
     else:
         a = column_parallel_input(a)
-    update = (y @ a.astype(y.dtype)) @ b.astype(y.dtype)
+    x = y if adapter_input is None else adapter_input
+    update = (x @ a.astype(y.dtype)) @ b.astype(y.dtype)
     return out + (update * jnp.asarray(scale, update.dtype)).astype(out.dtype)

@@ -14,12 +14,27 @@ from typing import TYPE_CHECKING, Any
 from zjax._lazy import exports
 from zjax.models.config import GPTConfig, LlamaConfig
 
-__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "Packing", "Trainable", "from_nnx",
-           "from_pytree", "lm_loss", "model_class", "split_batch", "with_adapters"]
+__all__ = [
+    "DROPOUT_KEYS",
+    "GPT",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "Packing",
+    "Trainable",
+    "adapted_weights",
+    "from_nnx",
+    "from_pytree",
+    "lm_loss",
+    "model_class",
+    "split_batch",
+    "with_adapters",
+]
 
 _LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.models.llama",
          "Trainable": "zjax.models.trainable", "from_nnx": "zjax.models.trainable",
          "from_pytree": "zjax.models.trainable", "Packing": "zjax.models._batch",
+         "DROPOUT_KEYS": "zjax.models._batch", "adapted_weights": "zjax.models._linears",
          "split_batch": "zjax.models._batch", "with_adapters": "zjax.models._adapted"}
 
 
@@ -35,7 +50,8 @@ def model_class(config: Any) -> type | None:
 
 if TYPE_CHECKING:
     from zjax.models._adapted import with_adapters
-    from zjax.models._batch import Packing, split_batch
+    from zjax.models._batch import DROPOUT_KEYS, Packing, split_batch
+    from zjax.models._linears import adapted_weights
     from zjax.models.gpt import GPT, lm_loss
     from zjax.models.llama import Llama
     from zjax.models.trainable import Trainable, from_nnx, from_pytree

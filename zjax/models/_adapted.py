@@ -20,7 +20,8 @@ def with_adapters(trainable: Trainable, lora: LoraConfig, *,
     """``trainable`` (a model built with ``lora``'s adapters) with only its adapters trained:
     the base is frozen, its float leaves stored (and gathered) in ``lora.base_dtype``;
     ``names``: the leaves (last path component) the model stores quantized under an
-    ``int8``/``nf4`` base."""
+    ``int8``/``nf4`` base. With ``lora.dropout``, the masks' seed is 0 (set
+    ``dropout_seed`` for another)."""
     # a quantized base (int8, nf4): its linear weights come quantized from the model, the
     # rest (embeddings, norms, head) in bfloat16
     dtype = jnp.dtype("bfloat16" if lora.quantized else lora.base_dtype)
@@ -39,4 +40,4 @@ def with_adapters(trainable: Trainable, lora: LoraConfig, *,
                           "model: nothing would be trained")
     codec = BaseCodec(lora.base_dtype, frozenset(names)) if lora.quantized and names else None
     return dataclasses.replace(trainable, init=init, frozen=lambda path: not is_adapter(path),
-                               codec=codec)
+                               codec=codec, dropout_seed=0 if lora.dropout else None)

@@ -5,7 +5,8 @@ A batch is either an int array ``[B, T + 1]`` (one sequence per row), or a mappi
 ``tokens`` ``[B, T + 1]`` and any of ``segment_ids`` (ints, one per document in the row, 0 for
 padding), ``positions`` (each token's position in its document; derived from the segment ids
 when absent) and ``loss_mask`` (1 where the token is to be predicted, 0 where not: a prompt),
-each ``[B, T + 1]``, aligned with the tokens.
+each ``[B, T + 1]``, aligned with the tokens. In training with dropout on adapters the step
+adds ``dropout_keys``: uint32 key data ``[B, 2]``, one per row (:func:`zjax.lora.row_keys`).
 
 Under sequence parallelism (a ``context`` axis of ``C`` in the step's mesh) every device holds
 its rows' whole token arrays, and :func:`split_batch` gives it its share of each sequence:
@@ -27,23 +28,27 @@ from zjax.nn import model_axis_size
 from zjax.nn.context import stripe_shard
 from zjax.runtime.mesh import CONTEXT
 
-__all__ = ["BATCH_KEYS", "Packing", "positions_from_segments", "split_batch"]
+__all__ = ["BATCH_KEYS", "DROPOUT_KEYS", "Packing", "positions_from_segments", "split_batch"]
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+DROPOUT_KEYS = "dropout_keys"
 
 
 class Packing(NamedTuple):
-    """Packed documents, for the blocks: attention stays within a segment, positions restart
-    in each document.
+    """What the blocks see of a batch besides its tokens: packed documents (attention stays
+    within a segment, positions restart in each document), and the rows' dropout keys.
 
     Attributes:
       segment_ids: int ``[B, T]``; 0 marks padding. None: one document per row (a row split
         over a context axis, whose positions are not ``0..T-1``).
-      positions: int ``[B, T]``.
+      positions: int ``[B, T]``; None: ``0..T-1`` (only with ``dropout`` and one document
+        per row).
+      dropout: uint32 key data ``[B, 2]`` for dropout on adapters' inputs, or None.
     """
 
     segment_ids: jax.Array | None
-    positions: jax.Array
+    positions: jax.Array | None
+    dropout: jax.Array | None = None
 
 
 def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
@@ -67,18 +72,27 @@ def split_batch(batch) -> tuple[jax.Array, jax.Array, jax.Array | None, Packing 
     n = model_axis_size(CONTEXT)
     if n == 1:
         return inputs, targets, weights, packing
-    if packing is None:
+    if packing is None or packing.positions is None:
         pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-        packing = Packing(None, pos)
+        packing = Packing(None, pos, None if packing is None else packing.dropout)
     mine = lambda x: None if x is None else stripe_shard(x, axis_name=CONTEXT)
     return (mine(inputs), mine(targets), mine(weights),
-            Packing(mine(packing.segment_ids), mine(packing.positions)))
+            Packing(mine(packing.segment_ids), mine(packing.positions), packing.dropout))
 
 
 def _whole(batch) -> tuple[jax.Array, jax.Array, jax.Array | None, Packing | None]:
     if not isinstance(batch, Mapping):
         return batch[:, :-1], batch[:, 1:], None, None
-    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    inputs, targets, weights, packing = _documents(batch)
+    keys = batch.get(DROPOUT_KEYS)
+    if keys is None:
+        return inputs, targets, weights, packing
+    return inputs, targets, weights, Packing(*(packing or (None, None))[:2], keys)
+
+
+def _documents(batch: Mapping) -> tuple[jax.Array, jax.Array, jax.Array | None,
+                                        Packing | None]:
+    unknown = sorted(set(batch) - {*BATCH_KEYS, DROPOUT_KEYS})
     if unknown or "tokens" not in batch:
         raise ArgumentError("batch", f"a batch mapping holds {', '.join(BATCH_KEYS)} "
                             f"('tokens' required), got {sorted(batch)}")

@@ -11,6 +11,7 @@ head counts, and :mod:`zjax.nn.tensor_parallel` marks where partial results are 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -18,14 +19,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zjax.errors import ArgumentError
+from zjax.lora import LoraConfig
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, LayerNorm, RMSNorm, check_length, param, zeros
+from zjax.models._linears import AdaptedLinears, Modules
 from zjax.models._lm import lm_loss
 from zjax.models.config import GPTConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
 
-__all__ = ["GPT", "GPTConfig", "lm_loss"]
+__all__ = ["GPT", "LINEAR_WEIGHTS", "GPTConfig", "lm_loss"]
+
+# the linear weights' logical axes, and GPT-2's module names for them (lora.targets): c_attn
+# fuses q, k and v; c_proj names the attention's and the MLP's output projections
+LINEAR_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed", "heads"),
+               "wo": ("heads", "embed"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+LINEAR_WEIGHTS = tuple(LINEAR_AXES)
+MODULES: Modules = {"c_attn": (("wq", "wk", "wv"),), "c_proj": (("wo",), ("w_down",)),
+                    "c_fc": (("w_up",),)}
 
 
 def norm(cfg: GPTConfig) -> nnx.Module:
@@ -34,7 +45,7 @@ def norm(cfg: GPTConfig) -> nnx.Module:
     return cls(cfg.d_model, cfg.norm_eps)
 
 
-class Block(nnx.Module):
+class Block(AdaptedLinears, nnx.Module):
     """Pre-norm causal self-attention and GELU MLP (biases with ``model.bias``).
 
     QKV and up projections are column-parallel, the output and down projections row-parallel:
@@ -42,7 +53,7 @@ class Block(nnx.Module):
     ``d_ff / model`` hidden units, and two all-reduces per block sum the partial outputs.
     """
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         d, ff = cfg.d_model, cfg.ff
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
         self.n_heads = cfg.n_heads
@@ -61,31 +72,33 @@ class Block(nnx.Module):
         self.bias = cfg.bias
         self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
         self.context_attention = cfg.context_attention
+        self._init_adapters(lora, rngs, modules=MODULES, axes=LINEAR_AXES, model="a GPT",
+                            mlp_chunk=cfg.mlp_chunk)
 
     def _plus(self, x, name: str):
         return x + getattr(self, name)[...] if self.bias else x
 
-    def _mlp(self, y):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
-        up = jax.nn.gelu(self._plus(y @ self.w_up[...], "b_up"))  # tanh approximation: GPT-2's
-        return up @ self.w_down[...]
+    def _mlp(self, y, drop=None):  # token-wise: tiled over chunks of tokens (model.mlp_chunk)
+        up = jax.nn.gelu(self._plus(self._linear(y, "w_up", drop=drop), "b_up"))  # GPT-2's tanh
+        return self._linear(up, "w_down", row_parallel=True, drop=drop)
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
-                 context: Packing | None = None):
+                 context: Packing | None = None, layer: jax.Array | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
         positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents
-        (attention stays within each)."""
+        (attention stays within each); ``layer``: this block's index (with dropout on
+        adapters)."""
         b, t, d = x.shape
         hd = d // self.n_heads
         m = model_axis_size()
         if self.n_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
                                 f"{self.n_heads} attention heads (model.n_heads), which it splits")
-        wq = self.wq[...]
-        h = wq.shape[-1] // hd  # this device's heads
+        h = self.wq[...].shape[-1] // hd  # this device's heads
+        drop = self._dropout(context, layer)
         y = column_parallel_input(self.ln1(x))
-        q = self._plus(y @ wq, "bq").reshape(b, t, h, hd)
-        k = self._plus(y @ self.wk[...], "bk").reshape(b, t, h, hd)
-        v = self._plus(y @ self.wv[...], "bv").reshape(b, t, h, hd)
+        q, k, v = (self._plus(self._linear(y, f"w{n}", drop=drop), f"b{n}").reshape(b, t, h, hd)
+                   for n in "qkv")
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
             att = attention(q, cache.k, cache.v, q_start=start, implementation="dense")
@@ -94,22 +107,29 @@ class Block(nnx.Module):
                             context=self.context_attention,
                             segment_ids=None if context is None else context.segment_ids)
         att = att.reshape(b, t, h * hd)
-        x = self._plus(x + row_parallel_output(att @ self.wo[...]), "bo")
+        x = self._plus(x + row_parallel_output(self._linear(att, "wo", row_parallel=True,
+                                                            drop=drop)), "bo")
         y = column_parallel_input(self.ln2(x))
-        x = self._plus(x + row_parallel_output(tiled(self._mlp, y, chunk=self.mlp_chunk)),
-                       "b_down")
+        mlp = functools.partial(self._mlp, drop=drop)
+        x = self._plus(x + row_parallel_output(tiled(mlp, y, chunk=self.mlp_chunk)), "b_down")
         return x if cache is None else (x, cache)
 
 
 class GPT(nnx.Module):
     """Token + learned position embeddings, a ``Stack`` of blocks, final norm, LM head."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    # lora.targets' names (Hugging Face module -> its weights) and the weights a quantized
+    # base stores quantized
+    LORA_MODULES = MODULES
+    LINEAR_WEIGHTS = LINEAR_WEIGHTS
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
         self.pos = param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01, (None, "embed"))
-        self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs=rngs,
-                            remat=cfg.remat)
+        dropout = lora is not None and lora.enabled and lora.dropout > 0  # a mask per layer
+        self.blocks = Stack(lambda r: Block(cfg, rngs=r, lora=lora), cfg.n_layers, rngs=rngs,
+                            remat=cfg.remat, indexed=dropout)
         self.ln_f = norm(cfg)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))

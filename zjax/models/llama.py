@@ -27,9 +27,10 @@ from flax import nnx
 from jax import lax
 
 from zjax.errors import ArgumentError, ConfigError
-from zjax.lora import LoraConfig, adapter_pair, dequantize, lora_matmul, quantize
+from zjax.lora import LoraConfig
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
+from zjax.models._linears import AdaptedLinears, Modules
 from zjax.models.config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
@@ -88,9 +89,10 @@ LINEAR_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed
                "wo": ("heads", "embed"), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
                "w_down": ("mlp", "embed")}
 LINEAR_WEIGHTS = tuple(LINEAR_AXES)
+MODULES: Modules = {hf: ((w,),) for hf, w in LINEAR.items()}
 
 
-class LlamaBlock(nnx.Module):
+class LlamaBlock(AdaptedLinears, nnx.Module):
     """Pre-norm grouped-query attention and a gated MLP (SwiGLU, or Gemma's GELU), no biases
     (but Qwen2's on q, k, v); optionally Qwen3's per-head query/key norms, Mistral's sliding
     window, and Gemma 2/3's output norms, soft-cap and windowed layers between global ones
@@ -131,58 +133,25 @@ class LlamaBlock(nnx.Module):
             self.w_gate = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
             self.w_up = param(rngs, (d, ff), 0.02, ("embed", "mlp"))
             self.w_down = param(rngs, (ff, d), out_std, ("mlp", "embed"))
-        self._init_adapters(cfg, lora, rngs)
+        self._lora(cfg, lora, rngs)
 
-    def _init_adapters(self, cfg: LlamaConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
-        """``lora.targets``' adapters, drawn after the base weights (whose values are then
-        those of the model without adapters)."""
-        self.lora_scale = lora.scale if lora is not None and lora.enabled else None
-        self.quant, self.lora_in = None, ()
-        if self.lora_scale is None:
-            return
-        if lora.quantized:
-            self._quantize_base(cfg, lora.base_dtype)
-        for hf_name in lora.target_names:
-            name = LINEAR[hf_name]
-            if cfg.n_experts and name.startswith("w_"):
+    def _lora(self, cfg: LlamaConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
+        """The adapters (:class:`~zjax.models._linears.AdaptedLinears`); a mixture's experts
+        take none yet, nor is its base quantized."""
+        modules, axes = MODULES, LINEAR_AXES
+        if lora is not None and lora.enabled and cfg.n_experts:
+            if lora.quantized:
+                raise ConfigError(f"lora.base_dtype: {lora.base_dtype} for a mixture of "
+                                  "experts is not built yet; use bfloat16")
+            experts = [n for n in lora.targets_in(tuple(MODULES), model="a Llama")
+                       if n in ("gate_proj", "up_proj", "down_proj")]
+            if experts:
                 raise ConfigError(
-                    f"lora.targets: {hf_name} in a mixture of experts: adapters on the experts "
-                    "are not built yet; list the attention projections (q_proj, k_proj, "
-                    "v_proj, o_proj)")
-            d_in, d_out = getattr(self, name)[...].shape
-            if self.quant is not None:  # the packed rows are not the inputs
-                d_in = dict(self.lora_in)[name]
-            a, b = adapter_pair(rngs, d_in, d_out, lora, LINEAR_AXES[name])
-            setattr(self, f"{name}_lora_a", a)
-            setattr(self, f"{name}_lora_b", b)
-
-    def _quantize_base(self, cfg: LlamaConfig, kind: str):
-        """The frozen base's linear weights stored quantized (QLoRA): one ``uint8`` leaf
-        each (:mod:`zjax.lora._quant`), dequantized where the block uses it."""
-        if cfg.n_experts:
-            raise ConfigError(f"lora.base_dtype: {kind} for a mixture of experts is not built "
-                              "yet; use bfloat16")
-        self.quant = kind
-        shapes = {}
-        for name, axes in LINEAR_AXES.items():
-            w = getattr(self, name)[...]
-            shapes[name] = w.shape[0]
-            setattr(self, name, nnx.Param(quantize(w, kind), out_sharding=(None, axes[1]),
-                                          eager_sharding=False))
-        self.lora_in = tuple(sorted(shapes.items()))  # static: the weights' input widths
-
-    def _linear(self, y, name: str, *, row_parallel: bool = False):
-        """``y @ w`` for weight ``name``, with its adapters' update where it has them."""
-        a = getattr(self, f"{name}_lora_a", None)
-        w = getattr(self, name)[...]
-        if self.quant is not None:
-            if row_parallel and model_axis_size() > 1:
-                raise ConfigError(f"lora.base_dtype: {self.quant} under tensor parallelism "
-                                  "(mesh.model > 1) is not built yet; use bfloat16")
-            w = dequantize(w, self.quant, dict(self.lora_in)[name], y.dtype)
-        return lora_matmul(y, w, None if a is None else a[...],
-                           None if a is None else getattr(self, f"{name}_lora_b")[...],
-                           self.lora_scale, row_parallel=row_parallel)
+                    f"lora.targets: {lora.targets!r} adapts {', '.join(experts)}, a mixture's "
+                    "experts: adapters on the experts are not built yet; list the attention "
+                    "projections (q_proj, k_proj, v_proj, o_proj)")
+        self._init_adapters(lora, rngs, modules=modules, axes=axes, model="a Llama",
+                            mlp_chunk=cfg.mlp_chunk)
 
     def _init_experts(self, cfg: LlamaConfig, rngs: nnx.Rngs, out_std: float):
         """The router ``[D, E]`` (whole on every device), the routed experts' weights
@@ -198,10 +167,10 @@ class LlamaBlock(nnx.Module):
             self.shared_up = param(rngs, (d, sf), 0.02, ("embed", "mlp"))
             self.shared_down = param(rngs, (sf, d), out_std, ("mlp", "embed"))
 
-    def _project(self, y, name: str):
+    def _project(self, y, name: str, drop=None):
         """``y``'s heads of projection ``name`` (``q``, ``k``, ``v``): ``[B, T, heads, hd]``,
         with its bias and head norm where the model has them."""
-        out = self._linear(y, f"w{name}")
+        out = self._linear(y, f"w{name}", drop=drop)
         if hasattr(self, f"b{name}"):
             out = out + getattr(self, f"b{name}")[...].astype(out.dtype)
         hd = self.head_dim
@@ -214,9 +183,9 @@ class LlamaBlock(nnx.Module):
         return norm(out, column_parallel_input(norm.scale[...]))
 
     def _attention(self, y, cache: KVCache | None = None, start=0,
-                   context: Packing | None = None, layer=None):
+                   context: Packing | None = None, layer=None, drop=None):
         b, t, _ = y.shape
-        q, k, v = (self._project(y, name) for name in "qkv")
+        q, k, v = (self._project(y, name, drop) for name in "qkv")
         pos = None if context is None else context.positions
         segments = None if context is None else context.segment_ids
 
@@ -240,13 +209,13 @@ class LlamaBlock(nnx.Module):
                                   q, k, v, cache)
         return att.reshape(b, t, q.shape[2] * self.head_dim), cache
 
-    def _mlp(self, y, prefix: str = "w"):  # token-wise: tiled over chunks (model.mlp_chunk)
+    def _mlp(self, y, prefix: str = "w", drop=None):  # token-wise: tiled (model.mlp_chunk)
         act = ACTIVATIONS[self.mlp_activation]
         if prefix != "w":  # the shared experts: no adapters
             w = lambda name: getattr(self, f"{prefix}_{name}")[...]
             return (act(y @ w("gate")) * (y @ w("up"))) @ w("down")
-        hidden = act(self._linear(y, "w_gate")) * self._linear(y, "w_up")
-        return self._linear(hidden, "w_down", row_parallel=True)
+        hidden = act(self._linear(y, "w_gate", drop=drop)) * self._linear(y, "w_up", drop=drop)
+        return self._linear(hidden, "w_down", row_parallel=True, drop=drop)
 
     def _experts(self, y, context: Packing | None, dropless: bool):
         """The mixture of experts on ``y`` ``[B, T, D]`` (normalised, unmarked): the routed
@@ -282,13 +251,14 @@ class LlamaBlock(nnx.Module):
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
                                 f"{self.n_kv_heads} key/value heads (model.n_kv_heads), which it "
                                 "splits")
+        drop = self._dropout(context, layer)
         y = column_parallel_input(self.ln1(x))
-        att, new_cache = self._attention(y, cache, start, context, layer)
-        x = x + self._post(row_parallel_output(self._linear(att, "wo", row_parallel=True)),
-                           "post_attn_norm")
+        att, new_cache = self._attention(y, cache, start, context, layer, drop)
+        x = x + self._post(row_parallel_output(self._linear(att, "wo", row_parallel=True,
+                                                            drop=drop)), "post_attn_norm")
         if self.moe is None:
             y = column_parallel_input(self.ln2(x))
-            out = tiled(self._mlp, y, chunk=self.mlp_chunk)
+            out = tiled(functools.partial(self._mlp, drop=drop), y, chunk=self.mlp_chunk)
         else:  # decoding runs dropless: a capacity is a training-time budget
             out, layer_stats = self._experts(self.ln2(x), context, dropless=cache is not None)
             stats = None if stats is None else stats + layer_stats
@@ -306,11 +276,17 @@ class LlamaBlock(nnx.Module):
 class Llama(nnx.Module):
     """Token embedding, a ``Stack`` of decoder layers, final norm, LM head."""
 
+    # lora.targets' names (Hugging Face module -> its weights) and the weights a quantized
+    # base stores quantized
+    LORA_MODULES = MODULES
+    LINEAR_WEIGHTS = LINEAR_WEIGHTS
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
+        dropout = lora is not None and lora.enabled and lora.dropout > 0  # a mask per layer
         self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r, lora=lora), cfg.n_layers, rngs=rngs,
-                            remat=cfg.remat, indexed=cfg.global_every is not None)
+                            remat=cfg.remat, indexed=cfg.global_every is not None or dropout)
         self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))

@@ -57,6 +57,9 @@ class Trainable:
       codec: for a quantized frozen base, the :class:`zjax.lora.BaseCodec` saying which
         frozen leaves are stored quantized: a loader gives them as float weights of their
         ``logical_shape`` and the step ``encode`` s them; None otherwise.
+      dropout_seed: for a model with dropout (on adapters' inputs), the seed of its masks:
+        the training step adds per-row keys to each batch (``dropout_keys``,
+        :func:`zjax.lora.row_keys` of this seed and the step); None: no dropout.
     """
 
     init: Callable[[jax.Array], Params]
@@ -65,6 +68,7 @@ class Trainable:
     logical_axes: Callable[[str], tuple[str | None, ...] | None] | None = None
     frozen: Callable[[str], bool] = lambda path: False
     codec: Any = None
+    dropout_seed: int | None = None
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:

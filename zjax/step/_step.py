@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -22,6 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError, ConfigError
+from zjax.lora import row_keys
+from zjax.models import DROPOUT_KEYS
 from zjax.models.trainable import Trainable
 from zjax.offload import check_memory_kind, on_host
 from zjax.partition import frozen_part, merge_parts, split_parts, trained_part
@@ -125,6 +127,15 @@ class ZeroStep:
         return self.step.lower(self.abstract_state, batch)
 
 
+def _with_dropout_keys(batch, seed: int | None, step: jax.Array, sharding: NamedSharding):
+    """``batch`` with its rows' dropout keys (a model with dropout: ``seed`` not None)."""
+    if seed is None:
+        return batch
+    batch = dict(batch) if isinstance(batch, Mapping) else {"tokens": batch}
+    keys = row_keys(seed, step, _batch_shape(batch)[0])
+    return {**batch, DROPOUT_KEYS: jax.lax.with_sharding_constraint(keys, sharding)}
+
+
 def _batch_shape(batch) -> tuple:
     """The shape of a batch's first array (a mapping's arrays share the batch dimension)."""
     return np.shape(jax.tree.leaves(batch)[0])
@@ -214,6 +225,7 @@ def make_step(
 
     def step_fn(state: TrainState, batch):
         _check_batch(_batch_shape(batch), plan)
+        batch = _with_dropout_keys(batch, trainable.dropout_seed, state.step, batch_sharding)
         grads, (loss_sum, count, extra) = grads_fn(state.params, state.frozen, batch)
         with host_update_errors(trained):
             updated = apply_update(tx, grads, count, loss_sum, state.opt_state,

@@ -7,6 +7,7 @@ autotuner and the tests all go through :func:`build_step`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -85,7 +86,10 @@ def _trainable(loop: Loop, config: Config):
     if "lora" not in inspect.signature(loop.trainable).parameters:
         raise ConfigError(f"lora.rank: {config.lora.rank}, but loop {config.loop!r} builds no "
                           "adapters (its trainable() takes no lora section); set lora.rank=0")
-    return loop.trainable(config.model, lora=config.lora)
+    trainable = loop.trainable(config.model, lora=config.lora)
+    if trainable.dropout_seed is not None:  # the adapters' dropout masks follow train.seed
+        trainable = dataclasses.replace(trainable, dropout_seed=config.train.seed)
+    return trainable
 
 
 def _check_experts(config: Config) -> None:

@@ -33,7 +33,7 @@ from zjax.errors import ConfigError, first_line
 from zjax.lora import LoraConfig
 from zjax.models import with_adapters
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
-from zjax.models.llama import LINEAR_WEIGHTS, Llama, LlamaConfig
+from zjax.models.llama import Llama, LlamaConfig
 from zjax.models.trainable import Trainable, from_nnx
 from zjax.schema import short
 
@@ -92,11 +92,11 @@ class LanguageModel:
         return self._tokens[key]
 
     def trainable(self, model: GPTConfig, *, lora: LoraConfig | None = None) -> Trainable:
-        if lora is not None and lora.enabled:
-            raise ConfigError("lora.rank: the GPT of loop: lm has no adapters yet; adapters "
-                              "train on loop: llama (every imported Hugging Face Llama, "
-                              "Mistral, Qwen, Phi-3 and Gemma)")
-        return from_nnx(lambda rngs: GPT(model, rngs=rngs), lm_loss)
+        """The GPT; with ``lora`` enabled, its adapters trained over the frozen base."""
+        if lora is None or not lora.enabled:
+            return from_nnx(lambda rngs: GPT(model, rngs=rngs), lm_loss)
+        return with_adapters(from_nnx(lambda rngs: GPT(model, rngs=rngs, lora=lora), lm_loss),
+                             lora, names=GPT.LINEAR_WEIGHTS)
 
     def check(self, model: GPTConfig, data: DataConfig) -> None:
         """Cross-section checks: the vocabulary must cover the data's tokens."""
@@ -137,7 +137,7 @@ class LlamaLanguageModel(LanguageModel):
         if lora is None or not lora.enabled:
             return from_nnx(lambda rngs: Llama(model, rngs=rngs), lm_loss)
         return with_adapters(from_nnx(lambda rngs: Llama(model, rngs=rngs, lora=lora),
-                                      lm_loss), lora, names=LINEAR_WEIGHTS)
+                                      lm_loss), lora, names=Llama.LINEAR_WEIGHTS)
 
 
 def resolve_loop(name: str) -> Loop:

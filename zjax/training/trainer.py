@@ -21,6 +21,7 @@ import numpy as np
 from zjax.checkpoint import Checkpointer, tree_digests
 from zjax.config import Config, as_config
 from zjax.errors import CheckpointError, ConfigError
+from zjax.models import model_class
 from zjax.partition import frozen_part, merge_parts, nbytes, trained_part
 from zjax.planning import PlanReport, compiled_memory, report
 from zjax.runtime.distributed import detect, initialize
@@ -263,11 +264,14 @@ def _peft_adapters(zstep: ZeroStep, config: Config) -> Any:
     lora = config.lora
     found, adapters = read_peft(Path(lora.init_adapter), layout_for_model(
         config.loop, config.model), config.model)
-    for key in ("rank", "alpha", "rslora", "target_names"):
+    modules = tuple(model_class(config.model).LORA_MODULES)
+    for key in ("rank", "alpha", "rslora", "targets"):
         want, got = getattr(lora, key), getattr(found, key)
-        if (sorted(want) == sorted(got)) if key == "target_names" else want == got:
+        if key == "targets":
+            want, got = (sorted(x.targets_in(modules)) for x in (lora, found))
+        if want == got:
             continue
-        raise ConfigError(f"lora.{key.removesuffix('_names')}: {want!r}, but the adapter in "
+        raise ConfigError(f"lora.{key}: {want!r}, but the adapter in "
                           f"lora.init_adapter ({lora.init_adapter}) has {got!r}")
     trained = trained_part(zstep.plan)
     return trained.tree(adapters[tuple(leaf.path.split("/"))] for leaf in trained.leaves)

@@ -1,0 +1,108 @@
+"""A block's linear layers under LoRA: adapters on the ``lora.targets`` modules, the frozen
+base stored quantized (``int8``, ``nf4``), and dropout on the adapters' input.
+
+Both reference blocks mix in :class:`AdaptedLinears` and call ``self._linear(y, name)`` for
+every linear weight. A block names its modules in a table, Hugging Face module name -> the
+modules it covers, each a tuple of the block's weights (one weight, or several fused in one
+module: GPT-2's ``c_attn`` is ``wq``, ``wk``, ``wv``).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from zjax.errors import ConfigError
+from zjax.lora import AdapterDropout, LoraConfig, adapter_pair, dequantize, lora_matmul, quantize
+from zjax.models._batch import Packing
+from zjax.nn import model_axis_size
+
+__all__ = ["AdaptedLinears", "Modules", "adapted_weights"]
+
+Modules = dict[str, tuple[tuple[str, ...], ...]]
+
+
+def adapted_weights(modules: Modules, lora: LoraConfig) -> dict[str, tuple[str, int]]:
+    """Each adapted weight -> ``(adapter, part)``: its adapter pair's name (``{adapter}_lora_a``,
+    ``{adapter}_lora_b``) and its part of a fused module's ``b`` (-1: the weight's own)."""
+    out = {}
+    for hf in lora.targets_in(tuple(modules)):
+        for weights in modules[hf]:
+            fused = len(weights) > 1
+            for part, weight in enumerate(weights):
+                out[weight] = (hf if fused else weight, part if fused else -1)
+    return out
+
+
+class AdaptedLinears:
+    """Mixin for an ``nnx.Module`` block whose linear weights may carry adapters."""
+
+    def _init_adapters(self, lora: LoraConfig | None, rngs: nnx.Rngs, *, modules: Modules,
+                       axes: dict[str, tuple], model: str, mlp_chunk: int = 0):
+        """``lora.targets``' adapters, drawn after the base weights (whose values are then
+        those of the model without adapters); ``axes``: each linear weight's logical axes."""
+        enabled = lora is not None and lora.enabled
+        if enabled and lora.dropout and mlp_chunk:  # a chunk's tokens have lost their rows
+            raise ConfigError(f"lora.dropout: {lora.dropout} with model.mlp_chunk "
+                              f"{mlp_chunk} (a tiled MLP) is not built yet; set one of them "
+                              "to 0")
+        self.lora_scale = lora.scale if enabled else None
+        self.lora_rate = lora.dropout if enabled else 0.0
+        self.quant, self.lora_in, self.lora_of = None, (), ()
+        if not enabled:
+            return
+        if lora.quantized:
+            self._quantize_base(lora.base_dtype, axes)
+        lora.targets_in(tuple(modules), model=model)  # names the model, where one is wrong
+        widths, of = dict(self.lora_in), adapted_weights(modules, lora)
+        pairs = list(dict.fromkeys(name for name, _ in of.values()))  # drawn in this order
+        for name in pairs:
+            weights = [w for w, (n, _) in of.items() if n == name]
+            d_in, d_out = getattr(self, weights[0])[...].shape
+            d_in = widths.get(weights[0], d_in)  # a quantized weight's rows are not its inputs
+            a, b = adapter_pair(rngs, d_in, d_out, lora, axes[weights[0]],
+                                parts=len(weights) if of[weights[0]][1] >= 0 else 0)
+            setattr(self, f"{name}_lora_a", a)
+            setattr(self, f"{name}_lora_b", b)
+        # static: weight -> (adapter, part, module index: what its dropout mask is drawn for)
+        self.lora_of = tuple(sorted((w, (n, p, pairs.index(n))) for w, (n, p) in of.items()))
+
+    def _quantize_base(self, kind: str, axes: dict[str, tuple]):
+        """The frozen base's linear weights stored quantized (QLoRA): one ``uint8`` leaf
+        each (:mod:`zjax.lora._quant`), dequantized where the block uses it."""
+        self.quant = kind
+        shapes = {}
+        for name, names in axes.items():
+            w = getattr(self, name)[...]
+            shapes[name] = w.shape[0]
+            setattr(self, name, nnx.Param(quantize(w, kind), out_sharding=(None, names[1]),
+                                          eager_sharding=False))
+        self.lora_in = tuple(sorted(shapes.items()))  # static: the weights' input widths
+
+    def _dropout(self, context: Packing | None, layer) -> AdapterDropout | None:
+        """This layer's dropout on its adapters' inputs: in training (the batch carries row
+        keys), with ``lora.dropout`` > 0."""
+        keys = None if context is None else context.dropout
+        if not self.lora_rate or keys is None:
+            return None
+        return AdapterDropout(self.lora_rate, keys, 0 if layer is None else layer)
+
+    def _linear(self, y, name: str, *, row_parallel: bool = False,
+                drop: AdapterDropout | None = None) -> jax.Array:
+        """``y @ w`` for weight ``name``, with its adapters' update where it has them."""
+        w = getattr(self, name)[...]
+        if self.quant is not None:
+            if row_parallel and model_axis_size() > 1:
+                raise ConfigError(f"lora.base_dtype: {self.quant} under tensor parallelism "
+                                  "(mesh.model > 1) is not built yet; use bfloat16")
+            w = dequantize(w, self.quant, dict(self.lora_in)[name], y.dtype)
+        entry = dict(self.lora_of).get(name)
+        if entry is None:
+            return y @ w
+        adapter, part, module = entry
+        a, b = (getattr(self, f"{adapter}{s}")[...] for s in ("_lora_a", "_lora_b"))
+        if part >= 0:  # this weight's part of a fused module's b
+            b = b[:, part]
+        x = None if drop is None else drop(y, module, row_parallel=row_parallel)
+        return lora_matmul(y, w, a, b, self.lora_scale, row_parallel=row_parallel,
+                           adapter_input=x)
