@@ -83,8 +83,11 @@ def _tensors(stored: dict, names: dict) -> list[tuple[str, tuple[int, ...], tupl
     out = []
     for keys, shape in stored.items():
         if keys not in names:
-            raise CheckpointError(f"export --format peft: the checkpoint's param "
-                                  f"{'/'.join(keys)} is no adapter PEFT names (not a LoRA run?)")
+            raise CheckpointError(
+                f"export --format peft: the checkpoint's param {'/'.join(keys)} has no PEFT "
+                "name: not an adapter (not a LoRA run?), or one on part of a module this "
+                "architecture fuses with unequal parts (Phi-3's qkv_proj, gate_up_proj), "
+                "which PEFT adapts whole; export the merged model with --format hf")
         per_layer = (int(np.prod(shape[2:])), shape[1])
         for i in range(shape[0]):
             out.append((names[keys].format(i=i), per_layer, keys, i))

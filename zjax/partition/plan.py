@@ -348,7 +348,9 @@ def make_plan(
         ``model``.
       rules: ``(logical name, mesh axis)`` pairs.
       frozen: predicate on a leaf's path: True for leaves that are not trained (their
-        integer leaves, a quantized weight's codes, are sharded like float ones).
+        integer leaves, a quantized weight's codes, are sharded like float ones). Where some
+        are, the trained ones (adapters) are sharded below ``param_persistence_threshold``
+        too (:func:`_threshold`).
 
     Returns:
       The :class:`ShardPlan`.
@@ -360,6 +362,7 @@ def make_plan(
     if zero.hpz_partition_size > 1 and NODE not in mesh.axis_names:
         mesh = split_nodes(mesh, zero.hpz_partition_size)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    adapted = bool(frozen) and any(frozen(path_str(p)) for p, _ in flat)
     leaves = []
     for key_path, leaf in flat:
         path = path_str(key_path)
@@ -374,7 +377,7 @@ def make_plan(
         else:
             dim, reason = choose_dim(
                 shape, n=split.n, stacked=is_stacked,
-                threshold=zero.param_persistence_threshold,
+                threshold=_threshold(zero, adapter=adapted and not is_frozen),
                 taken=(split.model_dim, split.expert_dim), over=split.over)
         leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason,
                                split.model_dim, split.data_axes, split.expert_dim, is_frozen))
@@ -384,6 +387,14 @@ def make_plan(
     if zero.stage == 3 and plan.n_shard > 1 and len(plan.replicated) == len(leaves):
         raise nothing_to_shard(leaves, zero.param_persistence_threshold)
     return plan
+
+
+def _threshold(zero: ZeroConfig, *, adapter: bool) -> int:
+    """The persistence threshold of a leaf. An adapter over a frozen base is sharded whatever
+    its size: persisting it would save one small gather (made in its layer's step, beside the
+    base's) at the price of its whole float32 master, gradient and Adam moments (16 bytes an
+    element) on every device: the state a LoRA step's memory grows with."""
+    return 0 if adapter else zero.param_persistence_threshold
 
 
 def _check_named(axis: str, field: str, mesh: Mesh, leaves: list[LeafPlan], rules: Rules):
