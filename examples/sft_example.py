@@ -77,8 +77,10 @@ def chat_tokenizer(directory: Path, texts: list[str], *, template: str = CHATML,
     return directory / "tokenizer.json"
 
 
-def write_base(directory: Path, tokenizer_texts: list[str], *, seed: int = 0) -> None:
-    """A randomly initialised Llama (``MODEL``) as a Hugging Face directory."""
+def write_base(directory: Path, tokenizer_texts: list[str], *, seed: int = 0,
+               model: dict = MODEL) -> None:
+    """A randomly initialised Llama (``model``'s shape) as a Hugging Face directory."""
+    MODEL = model
     from zjax.hf import write_safetensors
 
     chat_tokenizer(directory, tokenizer_texts)
