@@ -146,3 +146,35 @@ def test_qlora_of_llama3_70b_fits(name, overrides, room):
     report = zjax.plan(config, target=name)
     assert report.n_params == 70_760_800_256 and report.frozen["trained_params"] == 207_093_760
     assert report.per_device["total_bytes"] <= room * report.per_device["capacity_bytes"]
+
+
+def test_the_budget_search_quantizes_the_base_only_where_allowed_and_needed():
+    """``autotune(base_dtypes=...)`` on one device: a budget the bfloat16 base overflows takes
+    the most precise allowed dtype that fits (int8 before nf4); without ``base_dtypes`` the
+    config's own dtype is kept and nothing fits; a dtype is never chosen unless allowed."""
+    from zjax.planning import autotune
+
+    config = load_config("configs/llama-tiny.yaml", [
+        "model.d_model=512", "model.d_ff=1024", "model.n_heads=8", "model.n_kv_heads=8",
+        "model.n_layers=2", "model.vocab_size=256", "data.batch_size=1", "data.seq_len=32",
+        "data.path=", "lora.rank=4"])
+    space = dict(devices=1, stages=(3,), offloads=("none",), prefetch=(1,), grad_accum=(1,),
+                 remat=(True,), activations=("device",), model=(1,))
+    sizes = {d: zjax.plan(dataclasses.replace(config, lora=dataclasses.replace(
+        config.lora, base_dtype=d)), devices=1).per_device["total_bytes"]
+        for d in ("bfloat16", "int8", "nf4")}
+    assert sizes["bfloat16"] > sizes["int8"] > sizes["nf4"]
+    budget = (sizes["bfloat16"] + sizes["int8"]) // 2  # int8 fits, bfloat16 does not
+    with pytest.raises(zjax.ConfigError, match=r"^--budget: .* fits no configuration"):
+        autotune(config, budget=budget, **space)
+    result = autotune(config, budget=budget, base_dtypes=["nf4", "int8", "bfloat16"], **space)
+    assert result.config.lora.base_dtype == "int8"
+    assert result.notes[0].startswith("lora.base_dtype bfloat16: ")
+    assert "lora.base_dtype: int8" in result.table()
+    assert autotune(config, budget=budget, base_dtypes=["nf4"],
+                    **space).config.lora.base_dtype == "nf4"
+    with pytest.raises(zjax.ConfigError, match=r"^--base-dtypes: 'fp4' is not a "
+                                               r"lora.base_dtype"):
+        autotune(config, budget=budget, base_dtypes=["fp4"], **space)
+    with pytest.raises(zjax.ConfigError, match=r"^--budget: no allowed lora.base_dtype fits"):
+        autotune(config, budget=sizes["nf4"] // 2, base_dtypes=["int8", "nf4"], **space)

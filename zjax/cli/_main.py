@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                     "its memory): search stages, offload, prefetch, micro-batches, remat, the "
                     "model degree and stage 3's saved inputs for the best config that fits")
     pn.add_argument("--write", default=None, help="with --budget: save the chosen config here")
+    pn.add_argument("--base-dtypes", default=None,
+                    help="with --budget and lora.rank > 0: the lora.base_dtype values the "
+                    "search may choose, e.g. bfloat16,int8,nf4 (the most precise that fits is "
+                    "taken); default: the config's own only")
     pn.add_argument("--longest-seq", action="store_true",
                     help="the longest sequence per device that fits the budget (a --target's "
                     "memory by default), one sequence per data rank; each length tried is "

@@ -38,6 +38,9 @@ def _check(args) -> None:
     """Flag combinations refused before anything compiles."""
     if args.write and Path(args.write).exists():
         raise ConfigError(f"--write: {args.write!r} already exists; zjax does not replace it")
+    if args.base_dtypes is not None and (not args.budget or args.longest_seq):
+        raise ConfigError("--base-dtypes: needs --budget without --longest-seq (the search "
+                          "chooses among them)")
     if args.write and (not args.budget or args.longest_seq):
         raise ConfigError("--write: needs --budget without --longest-seq (it saves the "
                           "configuration the search chose)")
@@ -119,11 +122,13 @@ def _tune(args, config, budget) -> int:
 
     from zjax.planning import autotune
 
+    dtypes = None if args.base_dtypes is None else \
+        [d.strip() for d in args.base_dtypes.split(",") if d.strip()]
     result = autotune(config, budget=budget, devices=args.devices, target=args.target,
-                      progress=_progress)
+                      progress=_progress, base_dtypes=dtypes)
     if args.json:
         print(json.dumps({"budget_bytes": result.budget_bytes, "best": result.report.to_json(),
-                          "config": result.config.to_dict(),
+                          "config": result.config.to_dict(), "notes": list(result.notes),
                           "rows": [{"candidate": vars(c), **r.to_json()}
                                    for c, r in result.rows]}))
     else:

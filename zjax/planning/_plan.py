@@ -9,20 +9,21 @@ by that accelerator's own compiler for its compile-only devices, in this process
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import yaml
 
 from zjax.config import Config
-from zjax.errors import ConfigError, first_line
+from zjax.errors import ConfigError, did_you_mean, first_line
 from zjax.planning._activations import estimate
 from zjax.planning._longest import LongestResult
 from zjax.planning._longest import longest_sequence as _longest
@@ -132,7 +133,7 @@ def run_cli_json(config: Config, args: list[str]) -> dict:
 
 def autotune(config: Config, *, budget: int | str | None = None, devices: int | None = None,
              target: str | None = None, progress: Callable[[str], None] | None = None,
-             **space) -> TuneResult:
+             base_dtypes: Sequence[str] | None = None, **space) -> TuneResult:
     """The fitting configuration with the fewest collective bytes, then the least offload.
 
     Args:
@@ -144,12 +145,51 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
       target: search against an accelerator's compiler (see :func:`plan`).
       progress: called with a line per candidate compiled (``zjax plan --budget`` prints
         them to stderr); see :func:`zjax.planning._search.autotune`.
+      base_dtypes: the ``lora.base_dtype`` values the search may choose (a LoRA config);
+        the most precise that fits is taken (``bfloat16``, then ``int8``, then ``nf4``).
+        None: the config's own, never changed.
       **space: narrows the search (``stages``, ``offloads``, ``prefetch``, ``grad_accum``,
         ``remat``; see :func:`zjax.planning._search.autotune`).
+
+    Raises:
+      ConfigError: nothing fits (with every allowed base dtype); bad ``base_dtypes``.
     """
     devs, compile_, budget_bytes = _budgeted(budget, devices, target)
-    return _autotune(config, budget_bytes=budget_bytes, n_devices=len(devs),
-                     compile_report=compile_, progress=progress, **space)
+    search = functools.partial(_autotune, budget_bytes=budget_bytes, n_devices=len(devs),
+                               compile_report=compile_, progress=progress, **space)
+    if base_dtypes is None:
+        return search(config)
+    refused = []
+    for dtype in _base_dtypes(config, base_dtypes):
+        try:
+            result = search(dataclasses.replace(
+                config, lora=dataclasses.replace(config.lora, base_dtype=dtype)))
+        except ConfigError as e:
+            if not str(e).startswith("--budget:"):  # not a budget's "nothing fits"
+                raise
+            refused.append(f"lora.base_dtype {dtype}: {str(e).removeprefix('--budget: ')}")
+            continue
+        return dataclasses.replace(result, notes=(*refused, f"lora.base_dtype: {dtype}"))
+    raise ConfigError("--budget: no allowed lora.base_dtype fits: " + "; ".join(refused))
+
+
+# the base dtypes from the most precise to the smallest: the order --base-dtypes tries them
+_PRECISION = ("bfloat16", "int8", "nf4")
+
+
+def _base_dtypes(config: Config, allowed: Sequence[str]) -> list[str]:
+    """The allowed base dtypes, most precise first; refused without adapters."""
+    if not config.lora.enabled:
+        raise ConfigError("--base-dtypes: the config trains no adapters (lora.rank is 0): "
+                          "there is no frozen base to store in another dtype")
+    for dtype in allowed:
+        if dtype not in _PRECISION:
+            raise ConfigError(f"--base-dtypes: {dtype!r} is not a lora.base_dtype"
+                              f"{did_you_mean(dtype, _PRECISION)}; choose among "
+                              f"{', '.join(_PRECISION)}")
+    if not allowed:
+        raise ConfigError(f"--base-dtypes: empty; give some of {', '.join(_PRECISION)}")
+    return [d for d in _PRECISION if d in allowed]
 
 
 def _budgeted(budget: int | str | None, devices: int | None,

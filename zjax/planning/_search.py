@@ -99,15 +99,17 @@ class TuneResult:
       rows: every candidate compiled, as ``(candidate, report)``; the fitting ones first,
         best first, then the rest by device memory.
       budget_bytes: the budget per device.
+      notes: lines printed above the table (the base dtypes a search refused, and its own).
     """
 
     config: Config
     report: PlanReport
     rows: list[tuple[Candidate, PlanReport]]
     budget_bytes: int
+    notes: tuple[str, ...] = ()
 
     def table(self) -> str:
-        lines = [f"budget {_size(self.budget_bytes)} per device; best first:",
+        lines = [*self.notes, f"budget {_size(self.budget_bytes)} per device; best first:",
                  f"  {'fits':<5}{'model':>6}{'stage':>6}{'offload':>17}{'prefetch':>9}"
                  f"{'accum':>6}{'remat':>6}{'activations':>12}{'device total':>14}{'host':>12}"
                  f"{'wire/step':>13}"]
@@ -183,9 +185,15 @@ class _Search:
             f"{c.grad_accum}, remat {c.remat}, activations {c.activations})")
 
 
-def _check_leanest(search: _Search, leans: list[Candidate]) -> None:
-    """Compile the leanest candidates first: if even they do not fit, nothing will."""
-    built = [(c, r) for c in leans if (r := search.evaluate(c)) is not None]
+def _check_leanest(search: _Search, leans: list[list[Candidate]]) -> None:
+    """Compile the leanest candidates first (per model size, the leanest that can be built:
+    a backend without host memory cannot offload): if even they do not fit, nothing will."""
+    built = []
+    for options in leans:
+        for c in options:
+            if (r := search.evaluate(c)) is not None:
+                built.append((c, r))
+                break
     if built and not any(r.fits(search.budget_bytes) for _, r in built):
         raise search.nothing_fits(built)
 
@@ -299,13 +307,13 @@ def autotune(
     # but raises each device's share of the batch (fewer data replicas), so which is leanest
     # depends on the model.
     top = max(stages)
-    _check_leanest(search, [
-        Candidate(top, max(accums[m]), offloads[-1] if top else "none",
+    _check_leanest(search, [[
+        Candidate(top, max(accums[m]), off if top else "none",
                   min(prefetch) if top == 3 else None,
                   (True if True in remat else None) if top < 3 else None, m,
                   [a for a in activations if a != "partition" or m > 1][-1]
                   if top == 3 else "device")
-        for m in sizes if accums[m]])
+        for off in reversed(offloads)] for m in sizes if accums[m]])
     fits = _best_first(search, {(stage, m): accums[m] for m in sizes for stage in stages},
                        variants, runners_up)
     best_cand, best = fits[0]
