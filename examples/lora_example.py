@@ -77,25 +77,30 @@ def pretrain_config(out: Path, *, steps: int, lr: float = 3e-3) -> dict:
     }
 
 
-def make(out: Path, *, conversations: int = 4000, steps: int = 300, lr: float = 1e-2) -> None:
-    """``out/base`` (pretrained, Hugging Face) and ``out/chat.jsonl``."""
-    import zjax
-    from zjax.export import export
-
+def write_data(out: Path, *, conversations: int = 4000) -> list[str]:
+    """``out/pretrain.jsonl`` and ``out/chat.jsonl``; returns texts to train a tokenizer on."""
     rng = random.Random(0)
     pretrain = [row for _ in range(conversations)
                 for row in (exchange(rng, style="old"), exchange(rng, style="new", right=False))]
     chat = [exchange(rng, style="new") for _ in range(conversations)]
     write_jsonl(out / "pretrain.jsonl", pretrain)
     write_jsonl(out / "chat.jsonl", chat)
-    texts = [m["content"] for row in pretrain[:1000] + chat[:1000] for m in row["messages"]]
+    return [m["content"] for row in pretrain[:1000] + chat[:1000] for m in row["messages"]]
+
+
+def make(out: Path, *, steps: int = 300, lr: float = 1e-2, dtype: str = "float32") -> None:
+    """``out/base`` (pretrained, Hugging Face, in ``dtype``) and ``out/chat.jsonl``."""
+    import zjax
+    from zjax.export import export
+
+    texts = write_data(out)
     sft_example.write_base(out / "random", texts, model=MODEL)
     result = zjax.train(None, pretrain_config(out, steps=steps, lr=lr),
                         run_dir=out / "pretrain-run")
-    export(out / "pretrain-run", out / "base", dtype="float32", format="hf")
+    export(out / "pretrain-run", out / "base", dtype=dtype, format="hf")
     losses = [row["loss"] for row in result.history if "loss" in row]
     print(f"pretrained {out / 'base'}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} "
-          f"steps; wrote {out / 'chat.jsonl'} ({len(chat)} conversations)")
+          f"steps; wrote {out / 'chat.jsonl'}")
 
 
 def main() -> None:
@@ -109,8 +114,9 @@ def main() -> None:
     parser.add_argument("out", nargs="?", default="data/lora")
     parser.add_argument("--steps", type=int, default=300, help="pretraining steps")
     parser.add_argument("--lr", type=float, default=1e-2, help="pretraining learning rate")
+    parser.add_argument("--dtype", default="float32", help="the base's export dtype")
     args = parser.parse_args()
-    make(Path(args.out), steps=args.steps, lr=args.lr)
+    make(Path(args.out), steps=args.steps, lr=args.lr, dtype=args.dtype)
 
 
 if __name__ == "__main__":

@@ -101,21 +101,19 @@ def test_dropout_trains_alike_on_8_devices_and_on_one_and_leaves_evaluation_alon
     lora = dataclasses.replace(LORA, dropout=0.3)
     zero = zjax.ZeroConfig(stage=3, prefetch_layers=1, **F32)
     one = zjax.make_mesh(zjax.MeshConfig(data=1), devices=jax.devices()[:1])
-    _, s8, sharded = train_steps(_trainable(lora, seed=5), zero, batches, micro_batches=2)
+    z8, s8, sharded = train_steps(_trainable(lora, seed=5), zero, batches, micro_batches=2)
     _, s1, single = train_steps(_trainable(lora, seed=5), zjax.ZeroConfig(stage=0, **F32),
                                 batches, mesh=one)
     np.testing.assert_allclose(sharded, single, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6),
                  jax.device_get(s8.params), jax.device_get(s1.params))
-    zstep, _, plain = train_steps(_trainable(lora), zero, batches)  # no seed: no dropout
-    assert plain[0] == pytest.approx(sharded[0], rel=1e-3) and plain[1:] != sharded[1:]
+    plain_step, _, plain = train_steps(_trainable(lora), zero, batches)  # no seed, no dropout
+    # step 1 (B = 0) is the base model whatever the masks; later steps are not
+    assert plain[0] == pytest.approx(sharded[0], rel=1e-6)
     assert all(abs(a - b) > 1e-4 for a, b in zip(plain[1:], sharded[1:], strict=True))
-    state = zstep.init(jax.random.key(0))
-    base = zjax.make_step(zjax.from_nnx(lambda r: GPT(TINY, rngs=r), lm_loss), make_tx(),
-                          zero=zero, mesh=zjax.make_mesh())
-    b0 = base.init(jax.random.key(0))
-    assert float(zstep.evaluate(state.params, zstep.put_batch(batches[0]), state.frozen)) == \
-        pytest.approx(float(base.evaluate(b0.params, base.put_batch(batches[0]))), abs=1e-6)
+    batch = z8.put_batch(batches[0])
+    assert float(z8.evaluate(s8.params, batch, s8.frozen)) == pytest.approx(
+        float(plain_step.evaluate(s8.params, batch, s8.frozen)), rel=1e-6)
 
 
 MODEL = ["loop=lm", "model.vocab_size=256", "model.d_model=64", "model.n_layers=3",

@@ -125,7 +125,7 @@ def _tune(args, config, budget) -> int:
     dtypes = None if args.base_dtypes is None else \
         [d.strip() for d in args.base_dtypes.split(",") if d.strip()]
     result = autotune(config, budget=budget, devices=args.devices, target=args.target,
-                      progress=_progress, base_dtypes=dtypes)
+                      progress=_progress, **({} if dtypes is None else {"base_dtypes": dtypes}))
     if args.json:
         print(json.dumps({"budget_bytes": result.budget_bytes, "best": result.report.to_json(),
                           "config": result.config.to_dict(), "notes": list(result.notes),

@@ -9,10 +9,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zjax.errors import ArgumentError, ConfigError
+from zjax.partition.config import ZeroConfig
 from zjax.partition.rules import Rules, axis_dim
 from zjax.runtime.mesh import EXPERT, MODEL, describe_axes, shard_axes
 
-__all__ = ["Split", "choose_dim", "nothing_to_shard", "split_of"]
+__all__ = ["Split", "choose_dim", "nothing_to_shard", "persistence_threshold", "split_of"]
 
 
 class Split:
@@ -63,6 +64,14 @@ def split_of(path: str, shape: tuple[int, ...], stacked: bool,
     dims = [_named_dim(path, shape, names, offset, rules, axis, mesh.shape.get(axis, 1))
             for axis in (MODEL, EXPERT)]
     return Split(*dims, mesh)
+
+
+def persistence_threshold(zero: ZeroConfig, *, adapter: bool) -> int:
+    """The persistence threshold of a leaf. An adapter over a frozen base is sharded whatever
+    its size: persisting it would save one small gather (made in its layer's step, beside the
+    base's) at the price of its whole float32 master, gradient and Adam moments (16 bytes an
+    element) on every device: the state a LoRA step's memory grows with."""
+    return 0 if adapter else zero.param_persistence_threshold
 
 
 def choose_dim(shape, *, n: int, stacked: bool, threshold: int,

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ArgumentError
 from zjax.partition._placement import choose_dim, nothing_to_shard, split_of
+from zjax.partition._placement import persistence_threshold as _persistence
 from zjax.partition.config import ZeroConfig, resolve_dtype
 from zjax.partition.gather import Comm
 from zjax.partition.rules import DEFAULT_RULES, Rules
@@ -348,9 +349,8 @@ def make_plan(
         ``model``.
       rules: ``(logical name, mesh axis)`` pairs.
       frozen: predicate on a leaf's path: True for leaves that are not trained (their
-        integer leaves, a quantized weight's codes, are sharded like float ones). Where some
-        are, the trained ones (adapters) are sharded below ``param_persistence_threshold``
-        too (:func:`_threshold`).
+        integer leaves, a quantized weight's codes, are sharded like float ones); then the
+        trained ones (adapters) are sharded below ``param_persistence_threshold`` too.
 
     Returns:
       The :class:`ShardPlan`.
@@ -367,8 +367,7 @@ def make_plan(
     for key_path, leaf in flat:
         path = path_str(key_path)
         is_stacked = bool(stacked and stacked(path))
-        is_frozen = bool(frozen and frozen(path))
-        shape = tuple(leaf.shape)
+        is_frozen, shape = bool(frozen and frozen(path)), tuple(leaf.shape)
         split = split_of(path, shape, is_stacked, logical_axes, rules, mesh)
         if zero.stage == 0:
             dim, reason = None, "stage 0 replicates everything"
@@ -377,7 +376,7 @@ def make_plan(
         else:
             dim, reason = choose_dim(
                 shape, n=split.n, stacked=is_stacked,
-                threshold=_threshold(zero, adapter=adapted and not is_frozen),
+                threshold=_persistence(zero, adapter=adapted and not is_frozen),
                 taken=(split.model_dim, split.expert_dim), over=split.over)
         leaves.append(LeafPlan(path, shape, np.dtype(leaf.dtype), is_stacked, dim, reason,
                                split.model_dim, split.data_axes, split.expert_dim, is_frozen))
@@ -387,14 +386,6 @@ def make_plan(
     if zero.stage == 3 and plan.n_shard > 1 and len(plan.replicated) == len(leaves):
         raise nothing_to_shard(leaves, zero.param_persistence_threshold)
     return plan
-
-
-def _threshold(zero: ZeroConfig, *, adapter: bool) -> int:
-    """The persistence threshold of a leaf. An adapter over a frozen base is sharded whatever
-    its size: persisting it would save one small gather (made in its layer's step, beside the
-    base's) at the price of its whole float32 master, gradient and Adam moments (16 bytes an
-    element) on every device: the state a LoRA step's memory grows with."""
-    return 0 if adapter else zero.param_persistence_threshold
 
 
 def _check_named(axis: str, field: str, mesh: Mesh, leaves: list[LeafPlan], rules: Rules):
