@@ -11,6 +11,7 @@ q_proj``: the layout's name for ``blocks/layers/{w}`` without ``.weight``).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from zjax.lora import ADAPTER_SUFFIXES, GPT2_LINEAR_NAMES, LoraConfig
 __all__ = ["PEFT_PREFIX", "adapter_config", "peft_names", "peft_writer", "read_peft"]
 
 PEFT_PREFIX = "base_model.model."
+# Mixtral's experts' modules (w1, w3, w2) as lora.targets names them
+_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FACTOR = {"_lora_a": "lora_A", "_lora_b": "lora_B"}
 
 
@@ -34,9 +37,9 @@ def peft_names(layout: Layout, model) -> dict[tuple[str, ...], str]:
     after it (``c_attn_lora_a``, ``c_attn_lora_b``)."""
     out = {}
     for leaf in layout.leaves(model):
-        if leaf.per_expert or not leaf.hf.endswith(".weight"):
-            continue  # an expert: no adapters built for them
-        module = leaf.hf[:-len(".weight")]
+        if not leaf.hf.endswith(".weight"):
+            continue
+        module = leaf.hf[:-len(".weight")]  # a mixture's experts': one per layer and expert
         if leaf.part is not None and not isinstance(leaf.part[1], int):
             continue  # parts of unequal widths (Phi-3's qkv_proj): no fused adapter for them
         name = leaf.keys[-1] if leaf.part is None else module.rsplit(".", 1)[-1]
@@ -77,9 +80,10 @@ def adapter_config(lora: LoraConfig, modules: list[str], base: str | None) -> di
             "init_lora_weights": True, "modules_to_save": None, "use_dora": False}
 
 
-def _tensors(stored: dict, names: dict) -> list[tuple[str, tuple[int, ...], tuple, int]]:
-    """(PEFT name, its shape, zjax keys, layer) of every adapter tensor, in file order: a
-    leaf's layers one after another (each leaf read once)."""
+def _tensors(stored: dict, names: dict) -> list[tuple[str, tuple[int, ...], tuple, tuple]]:
+    """(PEFT name, its shape, zjax keys, index: (layer,) or (layer, expert)) of every
+    adapter tensor, in file order: a leaf's layers one after another (each leaf read
+    once)."""
     out = []
     for keys, shape in stored.items():
         if keys not in names:
@@ -88,9 +92,12 @@ def _tensors(stored: dict, names: dict) -> list[tuple[str, tuple[int, ...], tupl
                 "name: not an adapter (not a LoRA run?), or one on part of a module this "
                 "architecture fuses with unequal parts (Phi-3's qkv_proj, gate_up_proj), "
                 "which PEFT adapts whole; export the merged model with --format hf")
-        per_layer = (int(np.prod(shape[2:])), shape[1])
-        for i in range(shape[0]):
-            out.append((names[keys].format(i=i), per_layer, keys, i))
+        name = names[keys]
+        lead = 2 if "{e}" in name else 1  # [L, E, ...]: a tensor per layer and expert
+        one = shape[lead:]
+        per_layer = (int(np.prod(one[1:])), one[0])
+        for index in np.ndindex(*shape[:lead]):
+            out.append((name.format(i=index[0], e=index[-1]), per_layer, keys, index))
     return out
 
 
@@ -119,10 +126,10 @@ def _writer(layout: Layout, model, lora: LoraConfig, base: str | None) -> Callab
 
         def values() -> Iterator[np.ndarray]:
             cache: dict = {}
-            for _, _, keys, i in tensors:
+            for _, _, keys, index in tensors:
                 if keys not in cache:  # the leaf's layers follow one another
                     cache = {keys: read_leaf(state_dir, keys, stored[keys], np.float32)}
-                yield peft_tensor(cache[keys][i]).astype(target)
+                yield peft_tensor(cache[keys][index]).astype(target)
 
         modules = sorted({n.split(".")[-3] for n, *_ in tensors})
         work = out.parent.resolve() / f".{out.name}.zjax-export"
@@ -161,22 +168,27 @@ def read_peft(directory: Path, layout: Layout, model) -> tuple[LoraConfig, dict]
                               f"{meta.get('peft_type') if isinstance(meta, dict) else meta!r}"
                               ", expected 'LORA'")
     targets = meta.get("target_modules")
+    if isinstance(targets, list):  # Mixtral's experts' names: the Llama family's
+        targets = sorted({_EXPERT_NAMES.get(t, t) for t in targets})
     lora = LoraConfig(rank=int(meta["r"]), alpha=float(meta.get("lora_alpha", 8)),
-                      rslora=bool(meta.get("use_rslora", False)),
-                      targets=sorted(targets) if isinstance(targets, list) else targets)
+                      rslora=bool(meta.get("use_rslora", False)), targets=targets)
     out, fused = {}, _fused_b(layout, model)
     for keys, name in peft_names(layout, model).items():
-        layers = [tensors.get(name.format(i=i)) for i in range(model.n_layers)]
-        if all(t is None for t in layers):
+        experts = getattr(model, "n_experts", 0) if "{e}" in name else 0
+        layers = [[tensors.get(name.format(i=i, e=e)) for e in range(max(experts, 1))]
+                  for i in range(model.n_layers)]
+        found = [t is not None for row in layers for t in row]
+        if not any(found):
             continue
-        if any(t is None for t in layers):
-            raise CheckpointError(f"--adapter: {directory}: {name.format(i='{i}')} is missing "
-                                  "for some layers")
+        if not all(found):
+            raise CheckpointError(f"--adapter: {directory}: {name} is missing for some "
+                                  "layers")
         parts = fused.get(keys)
-        out[keys] = np.stack([t.T if parts is None else t.T.reshape(t.shape[1], parts, -1)
-                              for t in layers]).astype(np.float32)
-    if not out or len(out) != sum(1 for n in tensors if n.endswith(".weight")) // \
-            model.n_layers:
+        one = lambda t, parts=parts: t.T if parts is None else t.T.reshape(t.shape[1], parts, -1)
+        out[keys] = np.stack([np.stack([one(t) for t in row]) if experts else one(row[0])
+                              for row in layers]).astype(np.float32)
+    expected = {re.sub(r"\.\d+\.", ".N.", n) for n in tensors if n.endswith(".weight")}
+    if not out or len(out) != len(expected):
         raise CheckpointError(f"--adapter: {directory}: its tensors are not the adapters of "
                               "this model's linear layers (another architecture?)")
     return lora, out

@@ -20,6 +20,7 @@ _LAZY = {
     "adapter_pair": "zjax.lora._adapters",
     "is_adapter": "zjax.lora._adapters",
     "lora_matmul": "zjax.lora._adapters",
+    "merged_weight": "zjax.lora._adapters",
     "BaseCodec": "zjax.lora._quant",
     "dequantize": "zjax.lora._quant",
     "quantize": "zjax.lora._quant",
@@ -37,6 +38,7 @@ __all__ = [
     "dequantize",
     "is_adapter",
     "lora_matmul",
+    "merged_weight",
     "quantize",
     "row_keys",
 ]
@@ -44,6 +46,12 @@ __all__ = [
 __getattr__ = exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
-    from zjax.lora._adapters import ADAPTER_SUFFIXES, adapter_pair, is_adapter, lora_matmul
+    from zjax.lora._adapters import (
+        ADAPTER_SUFFIXES,
+        adapter_pair,
+        is_adapter,
+        lora_matmul,
+        merged_weight,
+    )
     from zjax.lora._dropout import AdapterDropout, row_keys
     from zjax.lora._quant import BaseCodec, dequantize, quantize

@@ -26,7 +26,7 @@ from flax import nnx
 from zjax.lora.config import LoraConfig
 from zjax.nn import column_parallel_input
 
-__all__ = ["ADAPTER_SUFFIXES", "adapter_pair", "is_adapter", "lora_matmul"]
+__all__ = ["ADAPTER_SUFFIXES", "adapter_pair", "is_adapter", "lora_matmul", "merged_weight"]
 
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
@@ -38,17 +38,37 @@ def is_adapter(path: str) -> bool:
 
 
 def adapter_pair(rngs: nnx.Rngs, d_in: int, d_out: int, lora: LoraConfig,
-                 axes: tuple[str | None, str | None], *, parts: int = 0
+                 axes: tuple[str | None, ...], *, parts: int = 0, experts: int = 0
                  ) -> tuple[nnx.Param, nnx.Param]:
     """``(a [in, r], b [r, out])`` for a weight ``[in, out]`` whose dimensions are named
-    ``axes`` (``b [r, parts, out]`` for a module fusing ``parts`` weights): a uniform in
-    ``±1/sqrt(in)`` (PyTorch's ``kaiming_uniform_(a=sqrt(5))``, PEFT's default), b zeros."""
+    ``axes`` (``b [r, parts, out]`` for a module fusing ``parts`` weights; a mixture's
+    experts' weight ``[E, in, out]``, ``axes`` naming its three dimensions, gets
+    ``[E, in, r]`` and ``[E, r, out]``): a uniform in ``±1/sqrt(in)`` (PyTorch's
+    ``kaiming_uniform_(a=sqrt(5))``, PEFT's default), b zeros."""
     bound = 1.0 / math.sqrt(d_in)
-    a = jax.random.uniform(rngs.params(), (d_in, lora.rank), jnp.float32, -bound, bound)
-    shape, names = ((lora.rank, parts, d_out), (None, None, axes[1])) if parts \
-        else ((lora.rank, d_out), (None, axes[1]))
-    return (nnx.Param(a, out_sharding=(axes[0], None), eager_sharding=False),
+    lead, lead_axes = ((experts,), axes[:1]) if experts else ((), ())
+    d_in_axis, d_out_axis = axes[-2:]
+    a = jax.random.uniform(rngs.params(), (*lead, d_in, lora.rank), jnp.float32, -bound, bound)
+    shape, names = ((lora.rank, parts, d_out), (None, None, d_out_axis)) if parts \
+        else ((*lead, lora.rank, d_out), (*lead_axes, None, d_out_axis))
+    return (nnx.Param(a, out_sharding=(*lead_axes, d_in_axis, None), eager_sharding=False),
             nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names, eager_sharding=False))
+
+
+def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, *,
+                  row_parallel: bool = False) -> jax.Array:
+    """``w + scale * a @ b`` in ``w``'s dtype: a weight with its adapters' update merged in
+    (a mixture's experts: ``[E, in, out]`` with ``[E, in, r]`` and ``[E, r, out]``), for a
+    layer that cannot split its input's matmul (the experts' grouped matmuls). The update's
+    gradient reaches ``a`` and ``b``; under tensor parallelism the whole factor (``a`` of a
+    column-parallel weight, ``b`` of a row-parallel one) enters as a column-parallel input."""
+    if row_parallel:
+        b = column_parallel_input(b)
+    else:
+        a = column_parallel_input(a)
+    # in the weight's (gathered) dtype: a float32 update would be twice the experts' bytes
+    update = jnp.matmul(a.astype(w.dtype), b.astype(w.dtype))
+    return w + update * jnp.asarray(scale, w.dtype)
 
 
 def lora_matmul(y: jax.Array, w: jax.Array, a: jax.Array | None, b: jax.Array | None,

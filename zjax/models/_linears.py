@@ -13,7 +13,15 @@ import jax
 from flax import nnx
 
 from zjax.errors import ConfigError
-from zjax.lora import AdapterDropout, LoraConfig, adapter_pair, dequantize, lora_matmul, quantize
+from zjax.lora import (
+    AdapterDropout,
+    LoraConfig,
+    adapter_pair,
+    dequantize,
+    lora_matmul,
+    merged_weight,
+    quantize,
+)
 from zjax.models._batch import Packing
 from zjax.nn import model_axis_size
 
@@ -58,10 +66,11 @@ class AdaptedLinears:
         pairs = list(dict.fromkeys(name for name, _ in of.values()))  # drawn in this order
         for name in pairs:
             weights = [w for w, (n, _) in of.items() if n == name]
-            d_in, d_out = getattr(self, weights[0])[...].shape
-            d_in = widths.get(weights[0], d_in)  # a quantized weight's rows are not its inputs
-            a, b = adapter_pair(rngs, d_in, d_out, lora, axes[weights[0]],
-                                parts=len(weights) if of[weights[0]][1] >= 0 else 0)
+            shape = getattr(self, weights[0])[...].shape  # [in, out], or experts' [E, in, out]
+            d_in = widths.get(weights[0], shape[-2])  # a quantized weight's rows: not inputs
+            a, b = adapter_pair(rngs, d_in, shape[-1], lora, axes[weights[0]],
+                                parts=len(weights) if of[weights[0]][1] >= 0 else 0,
+                                experts=shape[0] if len(shape) == 3 else 0)
             setattr(self, f"{name}_lora_a", a)
             setattr(self, f"{name}_lora_b", b)
         # static: weight -> (adapter, part, module index: what its dropout mask is drawn for)
@@ -86,6 +95,16 @@ class AdaptedLinears:
         if not self.lora_rate or keys is None:
             return None
         return AdapterDropout(self.lora_rate, keys, 0 if layer is None else layer)
+
+    def _weight(self, name: str, *, row_parallel: bool = False) -> jax.Array:
+        """Weight ``name`` with its adapters' update merged in (a mixture's experts, whose
+        grouped matmuls take whole weights); the weight itself where it has none."""
+        w = getattr(self, name)[...]
+        entry = dict(self.lora_of).get(name)
+        if entry is None:
+            return w
+        a, b = (getattr(self, f"{entry[0]}{s}")[...] for s in ("_lora_a", "_lora_b"))
+        return merged_weight(w, a, b, self.lora_scale, row_parallel=row_parallel)
 
     def _linear(self, y, name: str, *, row_parallel: bool = False,
                 drop: AdapterDropout | None = None) -> jax.Array:

@@ -89,6 +89,8 @@ LINEAR_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed
                "wo": ("heads", "embed"), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
                "w_down": ("mlp", "embed")}
 LINEAR_WEIGHTS = tuple(LINEAR_AXES)
+EXPERT_AXES = {"w_gate": ("expert", "embed", "mlp"), "w_up": ("expert", "embed", "mlp"),
+               "w_down": ("expert", "mlp", "embed")}
 MODULES: Modules = {hf: ((w,),) for hf, w in LINEAR.items()}
 
 
@@ -136,21 +138,24 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         self._lora(cfg, lora, rngs)
 
     def _lora(self, cfg: LlamaConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
-        """The adapters (:class:`~zjax.models._linears.AdaptedLinears`); a mixture's experts
-        take none yet, nor is its base quantized."""
-        modules, axes = MODULES, LINEAR_AXES
+        """The adapters (:class:`~zjax.models._linears.AdaptedLinears`); a mixture's
+        experts' (``gate_proj``, ``up_proj``, ``down_proj``: ``[E, in, r]`` and
+        ``[E, r, out]``) are merged into their weights before the grouped matmuls, so they
+        take no dropout; a mixture's base is not quantized yet."""
+        axes = LINEAR_AXES
         if lora is not None and lora.enabled and cfg.n_experts:
             if lora.quantized:
                 raise ConfigError(f"lora.base_dtype: {lora.base_dtype} for a mixture of "
                                   "experts is not built yet; use bfloat16")
             experts = [n for n in lora.targets_in(tuple(MODULES), model="a Llama")
                        if n in ("gate_proj", "up_proj", "down_proj")]
-            if experts:
+            if experts and lora.dropout:
                 raise ConfigError(
-                    f"lora.targets: {lora.targets!r} adapts {', '.join(experts)}, a mixture's "
-                    "experts: adapters on the experts are not built yet; list the attention "
-                    "projections (q_proj, k_proj, v_proj, o_proj)")
-        self._init_adapters(lora, rngs, modules=modules, axes=axes, model="a Llama",
+                    f"lora.dropout: {lora.dropout} on a mixture's experts ({', '.join(experts)}"
+                    "), whose adapters are merged into the weights, is not built yet; set it "
+                    "to 0 or list the attention projections (q_proj, k_proj, v_proj, o_proj)")
+            axes = {**LINEAR_AXES, **EXPERT_AXES}
+        self._init_adapters(lora, rngs, modules=MODULES, axes=axes, model="a Llama",
                             mlp_chunk=cfg.mlp_chunk)
 
     def _init_experts(self, cfg: LlamaConfig, rngs: nnx.Rngs, out_std: float):
@@ -227,8 +232,8 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         mask = None if segments is None else (segments != 0).reshape(-1)
         moe = self.moe
         out, stats = moe_ffn(
-            flat, self.router[...], Experts(self.w_gate[...], self.w_up[...],
-                                            self.w_down[...]),
+            flat, self.router[...], Experts(self._weight("w_gate"), self._weight("w_up"),
+                                            self._weight("w_down", row_parallel=True)),
             k=moe.k, renormalize=moe.renormalize,
             capacity_factor=None if dropless else moe.capacity_factor,
             activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul)
