@@ -252,6 +252,7 @@ def test_a_random_base_run_is_refused_where_its_base_is_needed(lora_run, tmp_pat
     assert not (tmp_path / "merged").exists()
 
 
+@pytest.mark.slow
 def test_rank_16_adapters_of_llama3_8b_keep_under_2_percent_of_the_full_fine_tune_s_state():
     """``zjax plan configs/llama3-8b.yaml lora.rank=16`` (DeepSpeed's persistence threshold,
     1e5): gradients and optimizer state per device under 2% of the full fine-tune's. The

@@ -93,6 +93,7 @@ def test_dropout_masks_are_a_row_s_own_and_keep_the_mean():
     assert (out[0] != out[1]).mean() > 0.2
 
 
+@pytest.mark.slow
 def test_dropout_trains_alike_on_8_devices_and_on_one_and_leaves_evaluation_alone():
     """Masks follow the global row, not the device: stage 3 over 8 devices (2 micro-batches)
     and one device train the same losses; they are not the losses without dropout, and the
@@ -137,6 +138,7 @@ def gpt2_lora_run(tmp_path_factory):
     return directory, config, result, tmp / "run"
 
 
+@pytest.mark.slow
 def test_gpt2_adapters_export_in_peft_s_layout_and_read_back(gpt2_lora_run, tmp_path):
     from safetensors.numpy import load_file
 
@@ -171,6 +173,7 @@ def test_gpt2_adapters_export_in_peft_s_layout_and_read_back(gpt2_lora_run, tmp_
     assert len(adapters) == 8
 
 
+@pytest.mark.slow
 def test_gpt2_merged_export_is_base_plus_update_with_zjax_s_logits(gpt2_lora_run, tmp_path):
     from transformers import FlaxGPT2LMHeadModel
 

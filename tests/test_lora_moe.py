@@ -49,8 +49,8 @@ def _nest(flat: dict) -> dict:
 
 
 @pytest.mark.parametrize(("data", "expert"), [
-    pytest.param(8, 1),
-    pytest.param(4, 2, marks=pytest.mark.slow),  # the adapters split with their experts
+    pytest.param(8, 1, marks=pytest.mark.slow),
+    pytest.param(4, 2),  # the quick loop's: the adapters split with their experts
 ])
 def test_expert_adapters_train_as_single_device_optax(data, expert):
     batches = token_batches(3)
@@ -76,6 +76,7 @@ def test_expert_adapters_train_as_single_device_optax(data, expert):
     assert np.abs(moved).max() > 0  # the experts' adapters trained
 
 
+@pytest.mark.slow
 def test_expert_adapters_export_as_mixtral_s_peft_modules(tmp_path):
     """A 2-step run of a Mixtral-shaped model: ``experts.{e}.w1`` / ``w3`` / ``w2`` pairs for
     each layer and expert in the PEFT file, read back as the run's adapters; dropout on

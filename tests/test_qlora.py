@@ -148,6 +148,7 @@ def test_qlora_of_llama3_70b_fits(name, overrides, room):
     assert report.per_device["total_bytes"] <= room * report.per_device["capacity_bytes"]
 
 
+@pytest.mark.slow
 def test_the_budget_search_quantizes_the_base_only_where_allowed_and_needed():
     """``autotune(base_dtypes=...)`` on one device: a budget the bfloat16 base overflows takes
     the most precise allowed dtype that fits (int8 before nf4); without ``base_dtypes`` the
