@@ -50,7 +50,7 @@ def _nest(flat: dict) -> dict:
 
 @pytest.mark.parametrize(("data", "expert"), [
     pytest.param(8, 1, marks=pytest.mark.slow),
-    pytest.param(4, 2),  # the quick loop's: the adapters split with their experts
+    pytest.param(4, 2, marks=pytest.mark.slow),  # the adapters split with their experts
 ])
 def test_expert_adapters_train_as_single_device_optax(data, expert):
     batches = token_batches(3)
