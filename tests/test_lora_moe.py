@@ -1,7 +1,8 @@
 """LoRA on a mixture of experts: adapters on the attention and on every expert's gate, up and
 down projections (``[E, in, r]`` and ``[E, r, out]``, merged into the experts' weights before
-their grouped matmuls), trained as single-device optax trains them, and written in PEFT's
-layout (one pair per layer and expert, under Mixtral's ``block_sparse_moe.experts.{e}``).
+their grouped matmuls), trained as single-device optax trains them, over an nf4 base too, and
+written in PEFT's layout (one pair per layer and expert, under Mixtral's
+``block_sparse_moe.experts.{e}``).
 """
 
 from __future__ import annotations
@@ -132,6 +133,35 @@ def test_the_adapted_mixture_is_the_plain_mixture_of_merged_weights():
         lambda: Llama(MOE, rngs=nnx.Rngs(0), lora=LORA))),
         jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": layers}}))
     plain = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(MOE, rngs=nnx.Rngs(0)))),
+                      jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": merged}}))
+    np.testing.assert_allclose(np.asarray(adapted(tokens)), np.asarray(plain(tokens)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_an_nf4_mixture_is_its_dequantized_experts_plus_their_update():
+    """QLoRA of a mixture: the experts' weights ``[E, in, out]`` stored NormalFloat4 like the
+    attention's; the adapted model equals the plain one over the dequantized, merged weights."""
+    from zjax.lora import dequantize
+
+    moe = dataclasses.replace(MOE, d_model=64, moe_d_ff=64)
+    nf4 = dataclasses.replace(LORA, base_dtype="nf4")
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(
+        Llama(moe, rngs=nnx.Rngs(0), lora=nf4), nnx.Param)))
+    layers = dict(params["blocks"]["layers"])
+    assert layers["w_gate"].dtype == np.uint8 and layers["w_gate"].shape[:2] == (3, 4)
+    rng = np.random.default_rng(0)
+    merged = {k: v for k, v in layers.items() if not is_adapter(k)}
+    widths = {"wq": 64, "wk": 64, "wv": 64, "wo": 64, "w_gate": 64, "w_up": 64, "w_down": 64}
+    for w, d_in in widths.items():
+        layers[f"{w}_lora_b"] = rng.normal(0, 0.05, layers[f"{w}_lora_b"].shape).astype(
+            np.float32)
+        base = np.asarray(dequantize(jnp.asarray(layers[w]), "nf4", d_in, jnp.float32))
+        merged[w] = base + 2.0 * np.matmul(layers[f"{w}_lora_a"], layers[f"{w}_lora_b"])
+    tokens = np.asarray(token_batches(1)[0][:2, :-1])
+    adapted = nnx.merge(nnx.graphdef(nnx.eval_shape(
+        lambda: Llama(moe, rngs=nnx.Rngs(0), lora=nf4))),
+        jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": layers}}))
+    plain = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(moe, rngs=nnx.Rngs(0)))),
                       jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": merged}}))
     np.testing.assert_allclose(np.asarray(adapted(tokens)), np.asarray(plain(tokens)),
                                rtol=1e-4, atol=1e-4)

@@ -10,6 +10,7 @@ module: GPT-2's ``c_attn`` is ``wq``, ``wk``, ``wv``).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from zjax.errors import ConfigError
@@ -81,10 +82,11 @@ class AdaptedLinears:
         each (:mod:`zjax.lora._quant`), dequantized where the block uses it."""
         self.quant = kind
         shapes = {}
-        for name, names in axes.items():
+        for name, names in axes.items():  # [in, out], or a mixture's [E, in, out]
             w = getattr(self, name)[...]
-            shapes[name] = w.shape[0]
-            setattr(self, name, nnx.Param(quantize(w, kind), out_sharding=(None, names[1]),
+            shapes[name] = w.shape[-2]
+            setattr(self, name, nnx.Param(quantize(w, kind),
+                                          out_sharding=(*names[:-2], None, names[-1]),
                                           eager_sharding=False))
         self.lora_in = tuple(sorted(shapes.items()))  # static: the weights' input widths
 
@@ -96,10 +98,22 @@ class AdaptedLinears:
             return None
         return AdapterDropout(self.lora_rate, keys, 0 if layer is None else layer)
 
-    def _weight(self, name: str, *, row_parallel: bool = False) -> jax.Array:
+    def _base(self, name: str, *, row_parallel: bool = False, dtype=None) -> jax.Array:
+        """Weight ``name`` as the base holds it, dequantized (to ``dtype``: the activations',
+        or bfloat16) where the base is quantized."""
+        w = getattr(self, name)[...]
+        if self.quant is None:
+            return w
+        if row_parallel and model_axis_size() > 1:
+            raise ConfigError(f"lora.base_dtype: {self.quant} under tensor parallelism "
+                              "(mesh.model > 1) is not built yet; use bfloat16")
+        return dequantize(w, self.quant, dict(self.lora_in)[name],
+                          jnp.bfloat16 if dtype is None else dtype)
+
+    def _weight(self, name: str, *, row_parallel: bool = False, dtype=None) -> jax.Array:
         """Weight ``name`` with its adapters' update merged in (a mixture's experts, whose
         grouped matmuls take whole weights); the weight itself where it has none."""
-        w = getattr(self, name)[...]
+        w = self._base(name, row_parallel=row_parallel, dtype=dtype)
         entry = dict(self.lora_of).get(name)
         if entry is None:
             return w
@@ -109,12 +123,7 @@ class AdaptedLinears:
     def _linear(self, y, name: str, *, row_parallel: bool = False,
                 drop: AdapterDropout | None = None) -> jax.Array:
         """``y @ w`` for weight ``name``, with its adapters' update where it has them."""
-        w = getattr(self, name)[...]
-        if self.quant is not None:
-            if row_parallel and model_axis_size() > 1:
-                raise ConfigError(f"lora.base_dtype: {self.quant} under tensor parallelism "
-                                  "(mesh.model > 1) is not built yet; use bfloat16")
-            w = dequantize(w, self.quant, dict(self.lora_in)[name], y.dtype)
+        w = self._base(name, row_parallel=row_parallel, dtype=y.dtype)
         entry = dict(self.lora_of).get(name)
         if entry is None:
             return y @ w

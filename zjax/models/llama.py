@@ -141,12 +141,9 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         """The adapters (:class:`~zjax.models._linears.AdaptedLinears`); a mixture's
         experts' (``gate_proj``, ``up_proj``, ``down_proj``: ``[E, in, r]`` and
         ``[E, r, out]``) are merged into their weights before the grouped matmuls, so they
-        take no dropout; a mixture's base is not quantized yet."""
+        take no dropout; a quantized base quantizes the experts' weights too."""
         axes = LINEAR_AXES
         if lora is not None and lora.enabled and cfg.n_experts:
-            if lora.quantized:
-                raise ConfigError(f"lora.base_dtype: {lora.base_dtype} for a mixture of "
-                                  "experts is not built yet; use bfloat16")
             experts = [n for n in lora.targets_in(tuple(MODULES), model="a Llama")
                        if n in ("gate_proj", "up_proj", "down_proj")]
             if experts and lora.dropout:
@@ -232,8 +229,9 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         mask = None if segments is None else (segments != 0).reshape(-1)
         moe = self.moe
         out, stats = moe_ffn(
-            flat, self.router[...], Experts(self._weight("w_gate"), self._weight("w_up"),
-                                            self._weight("w_down", row_parallel=True)),
+            flat, self.router[...], Experts(*(self._weight(w, dtype=flat.dtype,
+                                                           row_parallel=w == "w_down")
+                                              for w in ("w_gate", "w_up", "w_down"))),
             k=moe.k, renormalize=moe.renormalize,
             capacity_factor=None if dropless else moe.capacity_factor,
             activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul)
