@@ -96,6 +96,25 @@ def adam_moments(opt_state):
     raise AssertionError("no Adam state found")
 
 
+def flat_paths(tree) -> dict:
+    """``{"a/b/c": leaf}`` of a params pytree (zjax's leaf paths)."""
+    from zjax.partition.plan import path_str
+
+    return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def nested_paths(flat: dict) -> dict:
+    """The pytree of nested dicts whose :func:`flat_paths` is ``flat``."""
+    out: dict = {}
+    for path, v in flat.items():
+        *head, last = path.split("/")
+        node = out
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = v
+    return out
+
+
 def train_steps(trainable, zero, batches, *, mesh=None, micro_batches=1):
     """``(zstep, state, losses)`` of ``make_tx()`` steps of ``trainable`` over ``batches``."""
     import zjax

@@ -19,6 +19,7 @@ from helpers import (
     assert_matches_reference,
     compile_on,
     make_tx,
+    nested_paths,
     reference_run,
     train_steps,
 )
@@ -46,16 +47,6 @@ def _split(params):
             {k: v for k, v in flat.items() if not is_adapter(k)})
 
 
-def _nested(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        *head, last = path.split("/")
-        node = out
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = v
-    return out
-
 
 @pytest.fixture(scope="module")
 def reference():
@@ -67,9 +58,9 @@ def reference():
                                                          lora=LORA)))
 
     def loss(adapters, batch):
-        return lm_loss(nnx.merge(graphdef, _nested({**base, **adapters})), batch)
+        return lm_loss(nnx.merge(graphdef, nested_paths({**base, **adapters})), batch)
 
-    init = lambda rng: _nested(_split(_lora_trainable().init(rng))[0])
+    init = lambda rng: nested_paths(_split(_lora_trainable().init(rng))[0])
     return batches, full, reference_run(init, lambda a, b: loss(_split(a)[0], b), make_tx(),
                                         batches)
 

@@ -17,14 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_matches_reference, make_tx, reference_run, train_steps
+from helpers import (
+    assert_matches_reference,
+    flat_paths,
+    make_tx,
+    nested_paths,
+    reference_run,
+    train_steps,
+)
 from hf_models import TINY_GPT2, hf_gpt2, hf_logits, write_hf
 from models import TINY, token_batches
 
 import zjax
 from zjax.lora import AdapterDropout, LoraConfig, is_adapter
 from zjax.models import GPT, lm_loss
-from zjax.partition.plan import path_str
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 F32 = dict(param_persistence_threshold=0, gather_dtype="float32", reduce_dtype="float32")
@@ -36,16 +42,13 @@ def _trainable(lora: LoraConfig = LORA, *, seed: int | None = None) -> zjax.Trai
     return dataclasses.replace(t, frozen=lambda path: not is_adapter(path), dropout_seed=seed)
 
 
-def _flat(tree) -> dict:
-    return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
 
 def test_gpt_adapters_train_as_single_device_optax():
     """c_attn's one pair (``a`` ``[D, r]``, ``b`` ``[r, 3, D]``) and the others', stage 3 over
     8 devices, against optax on the adapters alone."""
     batches = token_batches(4)
     full = _trainable().init(jax.random.key(0))
-    flat = _flat(full)
+    flat = flat_paths(full)
     base = {k: v for k, v in flat.items() if not is_adapter(k)}
     layers = full["blocks"]["layers"]
     assert layers["c_attn_lora_a"].shape == (3, 32, 4)
@@ -55,26 +58,16 @@ def test_gpt_adapters_train_as_single_device_optax():
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0), lora=LORA)))
 
     def loss(params, batch):
-        merged = {**base, **{k: v for k, v in _flat(params).items() if is_adapter(k)}}
-        return lm_loss(nnx.merge(graphdef, _nest(merged)), batch)
+        merged = {**base, **{k: v for k, v in flat_paths(params).items() if is_adapter(k)}}
+        return lm_loss(nnx.merge(graphdef, nested_paths(merged)), batch)
 
-    init = lambda rng: _nest({k: v for k, v in _flat(_trainable().init(rng)).items()
+    init = lambda rng: nested_paths({k: v for k, v in flat_paths(_trainable().init(rng)).items()
                               if is_adapter(k)})
     expected = reference_run(init, loss, make_tx(), batches)
     zero = zjax.ZeroConfig(stage=3, prefetch_layers=1, **F32)
     _, state, losses = train_steps(_trainable(), zero, batches)
     assert_matches_reference(losses, state, expected)
 
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        *head, last = path.split("/")
-        node = out
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = v
-    return out
 
 
 def test_dropout_masks_are_a_row_s_own_and_keep_the_mean():

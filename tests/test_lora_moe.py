@@ -15,13 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_matches_reference, make_tx, reference_run, train_steps
+from helpers import (
+    assert_matches_reference,
+    flat_paths,
+    make_tx,
+    nested_paths,
+    reference_run,
+    train_steps,
+)
 from models import TINY_LLAMA, token_batches
 
 import zjax
 from zjax.lora import LoraConfig, is_adapter
 from zjax.models import Llama, lm_loss
-from zjax.partition.plan import path_str
 
 MOE = dataclasses.replace(TINY_LLAMA, n_experts=4, experts_per_token=2, moe_d_ff=16)
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -34,19 +40,6 @@ def _trainable() -> zjax.Trainable:
     return dataclasses.replace(t, frozen=lambda path: not is_adapter(path))
 
 
-def _flat(tree) -> dict:
-    return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        *head, last = path.split("/")
-        node = out
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = v
-    return out
 
 
 @pytest.mark.parametrize(("data", "expert"), [
@@ -59,14 +52,14 @@ def test_expert_adapters_train_as_single_device_optax(data, expert):
     layers = full["blocks"]["layers"]
     assert layers["w_gate_lora_a"].shape == (3, 4, 32, 4)  # [L, E, D, r]
     assert layers["w_down_lora_b"].shape == (3, 4, 4, 32)  # [L, E, r, D]
-    base = {k: v for k, v in _flat(full).items() if not is_adapter(k)}
+    base = {k: v for k, v in flat_paths(full).items() if not is_adapter(k)}
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(MOE, rngs=nnx.Rngs(0), lora=LORA)))
 
     def loss(params, batch):
-        merged = {**base, **{k: v for k, v in _flat(params).items() if is_adapter(k)}}
-        return lm_loss(nnx.merge(graphdef, _nest(merged)), batch)[:2]
+        merged = {**base, **{k: v for k, v in flat_paths(params).items() if is_adapter(k)}}
+        return lm_loss(nnx.merge(graphdef, nested_paths(merged)), batch)[:2]
 
-    init = lambda rng: _nest({k: v for k, v in _flat(_trainable().init(rng)).items()
+    init = lambda rng: nested_paths({k: v for k, v in flat_paths(_trainable().init(rng)).items()
                               if is_adapter(k)})
     expected = reference_run(init, loss, make_tx(), batches)
     mesh = zjax.make_mesh(zjax.MeshConfig(data=data, expert=expert))
@@ -114,52 +107,32 @@ def test_expert_adapters_export_as_mixtral_s_peft_modules(tmp_path):
         zjax.build_step(dropped)
 
 
-def test_the_adapted_mixture_is_the_plain_mixture_of_merged_weights():
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
+def test_the_adapted_mixture_is_the_plain_mixture_of_merged_weights(base_dtype):
     """Random ``b`` factors: the adapted model's logits equal those of the model without
     adapters whose every targeted weight (attention and experts) is ``W + alpha/r * A @ B``,
-    merged in NumPy (float32)."""
-    params = _trainable().init(jax.random.key(0))
-    rng = np.random.default_rng(0)
-    layers = dict(params["blocks"]["layers"])
-    for k in layers:
-        if k.endswith("_lora_b"):
-            layers[k] = rng.normal(0, 0.05, layers[k].shape).astype(np.float32)
-    merged = {k: v for k, v in layers.items() if not is_adapter(k)}  # norms: nested dicts
-    for k in [k for k in layers if k.endswith("_lora_a")]:
-        w = k.removesuffix("_lora_a")
-        merged[w] = merged[w] + 2.0 * np.matmul(layers[k], layers[f"{w}_lora_b"])
-    tokens = np.asarray(token_batches(1)[0][:2, :-1])
-    adapted = nnx.merge(nnx.graphdef(nnx.eval_shape(
-        lambda: Llama(MOE, rngs=nnx.Rngs(0), lora=LORA))),
-        jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": layers}}))
-    plain = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(MOE, rngs=nnx.Rngs(0)))),
-                      jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": merged}}))
-    np.testing.assert_allclose(np.asarray(adapted(tokens)), np.asarray(plain(tokens)),
-                               rtol=1e-4, atol=1e-4)
-
-
-def test_an_nf4_mixture_is_its_dequantized_experts_plus_their_update():
-    """QLoRA of a mixture: the experts' weights ``[E, in, out]`` stored NormalFloat4 like the
-    attention's; the adapted model equals the plain one over the dequantized, merged weights."""
+    merged in NumPy (float32); over an nf4 base (QLoRA of a mixture: the experts' ``[E, in,
+    out]`` weights stored NormalFloat4 like the attention's), ``W`` dequantized."""
     from zjax.lora import dequantize
 
-    moe = dataclasses.replace(MOE, d_model=64, moe_d_ff=64)
-    nf4 = dataclasses.replace(LORA, base_dtype="nf4")
+    moe = dataclasses.replace(MOE, d_model=64, moe_d_ff=64)  # inputs: whole nf4 blocks
+    lora = dataclasses.replace(LORA, base_dtype=base_dtype)
     params = jax.device_get(nnx.to_pure_dict(nnx.state(
-        Llama(moe, rngs=nnx.Rngs(0), lora=nf4), nnx.Param)))
+        Llama(moe, rngs=nnx.Rngs(0), lora=lora), nnx.Param)))
     layers = dict(params["blocks"]["layers"])
-    assert layers["w_gate"].dtype == np.uint8 and layers["w_gate"].shape[:2] == (3, 4)
+    if lora.quantized:
+        assert layers["w_gate"].dtype == np.uint8 and layers["w_gate"].shape[:2] == (3, 4)
     rng = np.random.default_rng(0)
-    merged = {k: v for k, v in layers.items() if not is_adapter(k)}
-    widths = {"wq": 64, "wk": 64, "wv": 64, "wo": 64, "w_gate": 64, "w_up": 64, "w_down": 64}
-    for w, d_in in widths.items():
+    merged = {k: v for k, v in layers.items() if not is_adapter(k)}  # norms: nested dicts
+    for w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         layers[f"{w}_lora_b"] = rng.normal(0, 0.05, layers[f"{w}_lora_b"].shape).astype(
             np.float32)
-        base = np.asarray(dequantize(jnp.asarray(layers[w]), "nf4", d_in, jnp.float32))
+        base = np.asarray(dequantize(jnp.asarray(layers[w]), "nf4", 64, jnp.float32)) \
+            if lora.quantized else layers[w]
         merged[w] = base + 2.0 * np.matmul(layers[f"{w}_lora_a"], layers[f"{w}_lora_b"])
     tokens = np.asarray(token_batches(1)[0][:2, :-1])
     adapted = nnx.merge(nnx.graphdef(nnx.eval_shape(
-        lambda: Llama(moe, rngs=nnx.Rngs(0), lora=nf4))),
+        lambda: Llama(moe, rngs=nnx.Rngs(0), lora=lora))),
         jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": layers}}))
     plain = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(moe, rngs=nnx.Rngs(0)))),
                       jax.tree.map(jnp.asarray, {**params, "blocks": {"layers": merged}}))
