@@ -30,6 +30,8 @@ from typing import Any
 
 import jax
 
+from zjax.runtime._plugins import held_stderr
+
 __all__ = ["CompiledFigures", "compile_for_target"]
 
 _STATS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
@@ -131,6 +133,11 @@ def _write(path: Path, figures: CompiledFigures) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+# what XLA's GPU compiler logs for a program over the device's memory, which the plan then
+# reports as not fitting (with the figures): said once by zjax, not twice by the compiler
+_OVER_MEMORY = ("exceeds the base limit", "Can't reduce memory use below")
+
+
 def compile_for_target(lowered: jax.stages.Lowered, devices: list, *,
                        cache_dir: str | os.PathLike | None = None) -> CompiledFigures:
     """Compile ``lowered`` for the compile-only ``devices`` (a target's), or read the figures
@@ -153,7 +160,8 @@ def compile_for_target(lowered: jax.stages.Lowered, devices: list, *,
             if where is not None and options is not None else None)
     if path is not None and (kept := _read(path)) is not None:
         return kept
-    compiled: Any = lowered.compile()
+    with held_stderr(keep=lambda line: not any(m in line for m in _OVER_MEMORY)):
+        compiled: Any = lowered.compile()
     mem = compiled.memory_analysis()
     figures = CompiledFigures({k: int(getattr(mem, k)) for k in _STATS}, compiled.as_text(),
                               cached=False)
