@@ -264,7 +264,11 @@ def _peft_adapters(zstep: ZeroStep, config: Config) -> Any:
     lora = config.lora
     found, adapters = read_peft(Path(lora.init_adapter), layout_for_model(
         config.loop, config.model), config.model)
-    modules = tuple(model_class(config.model).LORA_MODULES)
+    cls = model_class(config.model)
+    if cls is None:
+        raise ConfigError(f"lora.init_adapter: PEFT adapters load into the built-in models "
+                          f"(loop lm, llama), not loop {config.loop!r}")
+    modules = tuple(cls.LORA_MODULES)
     for key in ("rank", "alpha", "rslora", "targets"):
         want, got = getattr(lora, key), getattr(found, key)
         if key == "targets":
