@@ -31,11 +31,13 @@ __all__ = ["AdaptedLinears", "Modules", "adapted_weights"]
 Modules = dict[str, tuple[tuple[str, ...], ...]]
 
 
-def adapted_weights(modules: Modules, lora: LoraConfig) -> dict[str, tuple[str, int]]:
+def adapted_weights(modules: Modules, lora: LoraConfig, *, model: str = "this model"
+                    ) -> dict[str, tuple[str, int]]:
     """Each adapted weight -> ``(adapter, part)``: its adapter pair's name (``{adapter}_lora_a``,
-    ``{adapter}_lora_b``) and its part of a fused module's ``b`` (-1: the weight's own)."""
+    ``{adapter}_lora_b``) and its part of a fused module's ``b`` (-1: the weight's own);
+    ``model`` names the model in the error for a target it does not have."""
     out = {}
-    for hf in lora.targets_in(tuple(modules)):
+    for hf in lora.targets_in(tuple(modules), model=model):
         for weights in modules[hf]:
             fused = len(weights) > 1
             for part, weight in enumerate(weights):
@@ -62,8 +64,7 @@ class AdaptedLinears:
             return
         if lora.quantized:
             self._quantize_base(lora.base_dtype, axes)
-        lora.targets_in(tuple(modules), model=model)  # names the model, where one is wrong
-        widths, of = dict(self.lora_in), adapted_weights(modules, lora)
+        widths, of = dict(self.lora_in), adapted_weights(modules, lora, model=model)
         pairs = list(dict.fromkeys(name for name, _ in of.values()))  # drawn in this order
         for name in pairs:
             weights = [w for w, (n, _) in of.items() if n == name]

@@ -155,8 +155,12 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
                run: RunDir | None, info) -> TrainResult:
     train_data, eval_data, put = _data(loop, config, zstep)
     start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, info)
-    # an adapters run's checkpoints name their base by its digests, checked on resume
-    base = {} if state.frozen is None else {"base_digests": tree_digests(state.frozen)}
+    # an adapters run's checkpoints name their base by its digests (computed once), checked
+    # on resume against the base read again
+    digests = None if state.frozen is None else tree_digests(state.frozen)
+    if resumed and digests is not None:
+        _check_base(digests, meta, config)
+    base = {} if digests is None else {"base_digests": digests}
     first = put(next(train_data))
     compiled = zstep.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                         first)).compile()
@@ -216,20 +220,18 @@ def _start(zstep: ZeroStep, config: Config, ckpt: Checkpointer | None, train_dat
     info("resuming from the checkpoint at step %d", start)
     if frozen_part(zstep.plan) is not None:  # checkpoints hold the trained leaves only
         state = state._replace(frozen=_initial_state(zstep, config, info).frozen)
-        _check_base(state.frozen, meta, config)
     for split, it in (("train", train_data), ("eval", eval_data)):
         if it is not None and data_state.get(split) is not None:
             _set_iterator(it, data_state[split], start, ckpt, split)
     return start, state, meta, True
 
 
-def _check_base(frozen: Any, meta: dict | None, config: Config) -> None:
-    """The base read again on resume must be the one the checkpoint's adapters trained over
-    (its digests, recorded in the checkpoint's meta)."""
+def _check_base(got: dict[str, str], meta: dict | None, config: Config) -> None:
+    """The base read again on resume (its digests ``got``) must be the one the checkpoint's
+    adapters trained over (the digests recorded in the checkpoint's meta)."""
     want = (meta or {}).get("base_digests")
     if not want:
         return
-    got = tree_digests(frozen)
     changed = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
     if changed:
         raise CheckpointError(
@@ -261,13 +263,12 @@ def _peft_adapters(zstep: ZeroStep, config: Config) -> Any:
     refused unless its rank, scaling and targets are the ``lora`` section's."""
     from zjax.hf import layout_for_model, read_peft
 
-    lora = config.lora
-    found, adapters = read_peft(Path(lora.init_adapter), layout_for_model(
-        config.loop, config.model), config.model)
-    cls = model_class(config.model)
+    lora, cls = config.lora, model_class(config.model)
     if cls is None:
         raise ConfigError(f"lora.init_adapter: PEFT adapters load into the built-in models "
                           f"(loop lm, llama), not loop {config.loop!r}")
+    found, adapters = read_peft(Path(lora.init_adapter), layout_for_model(
+        config.loop, config.model), config.model)
     modules = tuple(cls.LORA_MODULES)
     for key in ("rank", "alpha", "rslora", "targets"):
         want, got = getattr(lora, key), getattr(found, key)
