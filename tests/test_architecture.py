@@ -136,6 +136,7 @@ LAYERS = [
     ("zjax.nn",),
     ("zjax.lora",),
     ("zjax.models",),
+    ("zjax.preference",),
     ("zjax.step",),
     ("zjax.data",),
     ("zjax.checkpoint",),

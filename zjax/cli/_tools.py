@@ -60,6 +60,11 @@ def tool_parsers(sub) -> None:
     tk.add_argument("--eos-token", default=None, help="as data.eos_token: the token ending "
                     "each text record or completion (default: tokenizer_config.json's "
                     "eos_token; '' for none)")
+    tk.add_argument("--seq-len", type=int, default=None, help="as data.seq_len: --format "
+                    "preference cuts each sequence to seq_len + 1 tokens as it is tokenized "
+                    "(training then needs the same data.seq_len; default 128)")
+    tk.add_argument("--max-prompt-len", type=int, default=None, help="as "
+                    "data.max_prompt_len (--format preference; default seq_len // 2)")
     tk.add_argument("--workers", type=int, default=0, help="encoding processes (default: one "
                     "per core; 1 encodes in this process)")
     im = sub.add_parser("import-hf", help="a Hugging Face model (Llama, Mistral, Qwen2, "
@@ -198,9 +203,12 @@ def tokenize(args) -> int:
         bar.start()
     advance = None if bar is None else (lambda n: bar.advance(task, n))
     try:
+        cut = {k: v for k, v in (("seq_len", args.seq_len),
+                                 ("max_prompt_len", args.max_prompt_len)) if v is not None}
         data = DataConfig(tokenizer=args.tokenizer, format=args.format,
                           text_field=args.text_field, messages_field=args.messages_field,
-                          train_on_prompt=args.train_on_prompt, eos_token=args.eos_token)
+                          train_on_prompt=args.train_on_prompt, eos_token=args.eos_token,
+                          **cut)
         done = tokenize_records(args.inputs, args.output, data=data, progress=advance,
                                 workers=args.workers or os.cpu_count() or 1)
     finally:

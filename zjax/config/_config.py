@@ -19,6 +19,7 @@ from zjax.errors import ConfigError
 from zjax.lora.config import LoraConfig
 from zjax.models.config import GPTConfig
 from zjax.partition.config import ZeroConfig
+from zjax.preference.config import PreferenceConfig
 from zjax.runtime.config import MeshConfig
 from zjax.schema import (
     choices,
@@ -38,6 +39,7 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "OptimizerConfig",
+    "PreferenceConfig",
     "TrainConfig",
     "section_types",
 ]
@@ -143,6 +145,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
 
     def __post_init__(self):
         validate(self)

@@ -2,7 +2,8 @@
 ``tokenizer.json``, ``.npy`` token arrays) cut into windows, and documents (JSON lines, Parquet,
 Arrow and ``datasets`` directories, ``zjax tokenize`` output) in the ``text``, ``chat`` and
 ``prompt_completion`` formats, with loss masks, packed into windows with segment ids: the
-batches a loop's ``data`` yields.
+batches a loop's ``data`` yields; and ``preference`` pairs (TRL's layouts), a pair's chosen
+and rejected sequences side by side in each batch (:func:`preference_batches`).
 
 It owns the ``data`` section (``zjax.data.config``, light). It imports ``zjax.errors`` and
 ``zjax.schema`` only; the pipeline's names load on first use (Grain is not loaded by reading a
@@ -23,10 +24,15 @@ _LAZY = {
     "Documents": "zjax.data._store",
     "Encoder": "zjax.data._documents",
     "abstract_documents_batch": "zjax.data._records",
+    "abstract_preference_batch": "zjax.data._pairs",
     "document_batches": "zjax.data._records",
     "load_chat_template": "zjax.data._chat",
     "load_corpus": "zjax.data._records",
     "pack": "zjax.data._packing",
+    "PreferenceRows": "zjax.data._pairs",
+    "PreferenceStats": "zjax.data._preference",
+    "preference_batches": "zjax.data._pairs",
+    "preference_rows": "zjax.data._pairs",
     "special_token": "zjax.data._chat",
     "tokenizer_config": "zjax.data._chat",
     "read_store": "zjax.data._store",
@@ -52,8 +58,11 @@ __all__ = [
     "DataConfig",
     "Documents",
     "Encoder",
+    "PreferenceRows",
+    "PreferenceStats",
     "Tokens",
     "abstract_documents_batch",
+    "abstract_preference_batch",
     "check_fits",
     "document_batches",
     "encode_files",
@@ -63,6 +72,8 @@ __all__ = [
     "load_tokenizer",
     "load_tokens",
     "pack",
+    "preference_batches",
+    "preference_rows",
     "read_store",
     "special_token",
     "stdlib_files",
@@ -82,6 +93,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from zjax.data._chat import ChatTemplate, load_chat_template
     from zjax.data._documents import Encoder
     from zjax.data._packing import pack
+    from zjax.data._pairs import (
+        PreferenceRows,
+        abstract_preference_batch,
+        preference_batches,
+        preference_rows,
+    )
     from zjax.data._pipeline import (
         BYTE_VOCAB,
         Tokens,
@@ -90,6 +107,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         text_files,
         window_batches,
     )
+    from zjax.data._preference import PreferenceStats
     from zjax.data._records import (
         Corpus,
         abstract_documents_batch,

@@ -8,6 +8,9 @@
   transformers' ``apply_chat_template`` encodes it (no added special tokens: the template
   writes them); the loss is on the assistant turns' tokens, each turn's end-of-turn token
   included, as ``return_assistant_tokens_mask`` marks them.
+- ``preference``: two documents per row, its chosen sequence then its rejected one, the loss
+  on the answers only (:mod:`zjax.data._preference`: TRL's layouts, the cuts to fit
+  ``data.seq_len``, the rows refused or skipped).
 
 ``data.train_on_prompt`` trains on every token. Without ``data.tokenizer`` text is
 byte-level (UTF-8 bytes, no BOS or EOS). The EOS is ``data.eos_token``, else the
@@ -25,6 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from zjax.data._chat import ROLES, load_chat_template, special_token, tokenizer_config
+from zjax.data._preference import PreferenceStats, encode_pairs
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError, did_you_mean
 
@@ -40,19 +44,29 @@ class Encoder:
 
     Attributes:
       columns: the fields a row must have.
+      optional: the fields a row may have (``preference``'s ``prompt``).
       vocab_size: one past the largest id it can produce.
       eos_id: the end-of-sequence id appended to text and completions (None: byte-level or
         none known).
-      meta: what a ``zjax tokenize`` directory records of how it was made.
+      meta: what a ``zjax tokenize`` directory records of how it was made (for
+        ``preference``, also the ``seq_len`` and ``max_prompt_len`` its rows were cut to).
+      stats: ``preference``: what :meth:`documents` cut and skipped of the last source it
+        encoded (:class:`~zjax.data._preference.PreferenceStats`); None for the other formats.
     """
 
     def __init__(self, data: DataConfig):
         self.format, self.train_all = data.format, data.train_on_prompt
         self.columns = {"text": (data.text_field,), "chat": (data.messages_field,),
-                        "prompt_completion": ("prompt", "completion")}[data.format]
+                        "prompt_completion": ("prompt", "completion"),
+                        "preference": ("chosen", "rejected")}[data.format]
+        self.optional = ("prompt",) if data.format == "preference" else ()
         self.meta = {"format": data.format, "train_on_prompt": data.train_on_prompt,
                      "tokenizer": data.tokenizer, "text_field": data.text_field,
                      "messages_field": data.messages_field}
+        self.prompt_limit, self.room = data.prompt_limit, data.seq_len + 1
+        if data.format == "preference":
+            self.meta.update(seq_len=data.seq_len, max_prompt_len=data.prompt_limit)
+        self.stats: PreferenceStats | None = None
         self.tokenizer, self.eos_id, self.template = None, None, None
         self.vocab_size = 256
         self.meta["tokenizer_id"] = None  # bytes
@@ -72,39 +86,79 @@ class Encoder:
 
     def documents(self, rows: Iterable[tuple[str, dict]]) -> Iterator[tuple[np.ndarray,
                                                                             np.ndarray]]:
-        """``(ids int32, loss mask uint8)`` of each row, in order."""
+        """``(ids int32, loss mask uint8)`` of each row, in order (``preference``: two per
+        row, none for a row skipped; its cuts and skips are said in a warning at the end)."""
+        self.reset()
         for group in groups(rows):
             yield from self.encode_group(group)
+        self.report()
+
+    def reset(self) -> None:
+        """Start counting a new source's cuts and skips (``preference``)."""
+        self.stats = PreferenceStats() if self.format == "preference" else None
+
+    def report(self) -> None:
+        """Log what was cut and skipped of the rows since :meth:`reset` (one warning each)."""
+        if self.stats is not None:
+            self.stats.report(prompt_limit=self.prompt_limit, room=self.room)
 
     def encode_group(self, group: list[tuple[str, dict]]):
         """The documents of one group of rows (the tokenizer encodes it in parallel)."""
         if self.format == "text":
             texts = [_text(row, self.columns[0], where) for where, row in group]
-            for ids in self._encode(texts, special=True):
-                ids = self._with_eos(ids)
+            for ids in self.encode_texts(texts, special=True):
+                ids = self.with_eos(ids)
                 yield ids, np.ones(len(ids), np.uint8)
         elif self.format == "prompt_completion":
             yield from self._prompt_completion(group)
+        elif self.format == "preference":
+            if self.stats is None:
+                self.reset()
+            yield from encode_pairs(self, group, self.stats)
         else:
             yield from self._chat(group)
 
-    def _encode(self, texts: list[str], *, special: bool) -> list[np.ndarray]:
+    def encode_texts(self, texts: list[str], *, special: bool) -> list[np.ndarray]:
+        """The int32 ids of each text (``special``: with the tokenizer's special tokens)."""
         if self.tokenizer is None:
             return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
         encs = self.tokenizer.encode_batch(texts, add_special_tokens=special)
         return [np.asarray(e.ids, np.int32) for e in encs]
 
-    def _with_eos(self, ids: np.ndarray) -> np.ndarray:
+    def with_eos(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` ending with the EOS (appended unless it is there, or there is none)."""
         if self.eos_id is None or (len(ids) and ids[-1] == self.eos_id):
             return ids
         return np.append(ids, np.int32(self.eos_id))
 
+    # what _preference encodes with (it cannot import this module, which imports it)
+    @staticmethod
+    def messages(value, field: str, where: str) -> list[dict]:
+        """``value`` checked as a non-empty list of ``{role, content}`` messages (an error
+        names ``where`` and ``field``)."""
+        return _messages(value, field, where)
+
+    @staticmethod
+    def mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+        """:func:`span_mask`."""
+        return span_mask(encoding, spans)
+
+    def chat_template(self, where: str):
+        """The chat template (loaded on first use), for a conversational row at ``where``."""
+        if self.template is None:
+            if self.tokenizer is None:
+                raise ConfigError(f"{where}: a conversation (a list of messages) needs "
+                                  "data.tokenizer (a tokenizer.json with its chat template in "
+                                  "the tokenizer_config.json beside)")
+            self.template = load_chat_template(self.meta["tokenizer"])
+        return self.template
+
     def _prompt_completion(self, group):
         prompts = [_text(row, "prompt", where) for where, row in group]
         completions = [_text(row, "completion", where) for where, row in group]
-        for p, c in zip(self._encode(prompts, special=True),
-                        self._encode(completions, special=False), strict=True):
-            c = self._with_eos(c)
+        for p, c in zip(self.encode_texts(prompts, special=True),
+                        self.encode_texts(completions, special=False), strict=True):
+            c = self.with_eos(c)
             mask = np.concatenate([np.full(len(p), self.train_all, np.uint8),
                                    np.ones(len(c), np.uint8)])
             yield np.concatenate([p, c]), mask

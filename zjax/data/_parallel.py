@@ -4,7 +4,8 @@ in Python, so one process renders one conversation at a time whatever the cores.
 Groups of rows go to ``workers`` spawned processes, each with its own :class:`Encoder` of the
 same ``data`` section (and a single-threaded tokenizer: the processes are the parallelism);
 results come back in the rows' order, at most ``2 * workers`` groups in flight. The encoding
-of a group is the same function as in one process, so the output is the same bytes.
+of a group is the same function as in one process, so the output is the same bytes (and a
+``preference`` source's cuts and skips, counted in the workers, are added up here).
 
 The workers ignore SIGINT and end with this process (:func:`zjax.runtime.stop.worker_start`);
 when the encoding stops early (an error, an interrupt, the consumer closing the generator) the
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from zjax.data._documents import Encoder, groups
+from zjax.data._preference import PreferenceStats
 from zjax.data.config import DataConfig
 
 __all__ = ["encode_in_parallel"]
@@ -40,13 +42,17 @@ def _start(data: DataConfig) -> None:
     _ENCODER = Encoder(data)
 
 
-def _encode(group: list[tuple[str, dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    return list(_ENCODER.encode_group(group))
+def _encode(group: list[tuple[str, dict]]):
+    """The group's documents, and what was cut and skipped of it (``preference``)."""
+    _ENCODER.reset()
+    return list(_ENCODER.encode_group(group)), _ENCODER.stats
 
 
-def encode_in_parallel(data: DataConfig, rows: Iterable[tuple[str, dict]], *,
-                       workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``Encoder(data).documents(rows)``, encoded by ``workers`` processes."""
+def encode_in_parallel(data: DataConfig, rows: Iterable[tuple[str, dict]], *, workers: int,
+                       stats: PreferenceStats | None = None
+                       ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``Encoder(data).documents(rows)``, encoded by ``workers`` processes; ``stats`` (a
+    ``preference`` encoder's) counts what they cut and skipped."""
     context = multiprocessing.get_context("spawn")  # no fork of a threaded tokenizer
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
                                                   initializer=_start, initargs=(data,))
@@ -55,13 +61,20 @@ def encode_in_parallel(data: DataConfig, rows: Iterable[tuple[str, dict]], *,
         for group in groups(rows):
             pending.append(pool.submit(_encode, group))
             if len(pending) >= 2 * workers:
-                yield from pending.popleft().result()
+                yield from _done(pending.popleft(), stats)
         while pending:
-            yield from pending.popleft().result()
+            yield from _done(pending.popleft(), stats)
     except BaseException:
         _terminate(pool)
         raise
     pool.shutdown(wait=True)
+
+
+def _done(future: concurrent.futures.Future, stats: PreferenceStats | None):
+    docs, counted = future.result()
+    if stats is not None and counted is not None:
+        stats.add(counted)
+    return docs
 
 
 def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:

@@ -97,7 +97,23 @@ def _store(path: str, data: DataConfig) -> Documents:
             raise ConfigError(f"data.{key}: {getattr(data, key)!r}, but {path} was tokenized "
                               f"with {key} {made!r}; set data.{key}: {made!r} or tokenize "
                               "again")
+    if docs.meta.get("format") == "preference":
+        _check_cut(docs, path, data)
     return docs
+
+
+def _check_cut(docs: Documents, path: str, data: DataConfig) -> None:
+    """Refuse a ``preference`` directory whose rows were cut to another ``seq_len`` or
+    prompt length than ``data``'s (its sequences are cut as they are tokenized)."""
+    for key, want in (("seq_len", data.seq_len), ("max_prompt_len", data.prompt_limit)):
+        made = docs.meta.get(key)
+        if made != want:
+            unset = (" (data.seq_len // 2)"
+                     if key == "max_prompt_len" and data.max_prompt_len is None else "")
+            raise ConfigError(f"data.{key}: {want}{unset}, but {path} was tokenized with "
+                              f"{key} {made} (preference rows are cut to fit as they are "
+                              f"tokenized); set data.{key}: {made} or tokenize again with "
+                              f"--{key.replace('_', '-')} {want}")
 
 
 def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
@@ -111,8 +127,9 @@ def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
             loaded.append((_store(spec, data), weight))
             continue
         encoder = encoder or Encoder(data)
-        found = (object_rows(spec, encoder.columns) if source is not None
-                 else rows(record_files(spec), encoder.columns))
+        found = (object_rows(spec, encoder.columns, optional=encoder.optional)
+                 if source is not None
+                 else rows(record_files(spec), encoder.columns, optional=encoder.optional))
         name = type(spec).__name__ if source is not None else str(spec)
         loaded.append((build_documents(encoder.documents(found), vocab_size=encoder.vocab_size,
                                        source=name, meta=encoder.meta), weight))

@@ -106,8 +106,11 @@ def record_files(spec: str | Sequence[str], *, key: str = "data.path") -> list[P
     return [f for item in items for f in _expand(item, key)]
 
 
-def rows(files: Sequence[Path], columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
-    """``(where, row)`` for every row of ``files`` in order; ``row`` holds ``columns``.
+def rows(files: Sequence[Path], columns: Sequence[str], *, optional: Sequence[str] = ()
+         ) -> Iterator[tuple[str, dict]]:
+    """``(where, row)`` for every row of ``files`` in order; ``row`` holds ``columns``, and
+    those of the ``optional`` columns that its file has (a JSON line's own fields; Parquet's
+    and Arrow's columns, null in a row that has no value).
 
     Raises:
       ConfigError: a file that cannot be read, a row that is not a JSON object, a missing
@@ -115,13 +118,13 @@ def rows(files: Sequence[Path], columns: Sequence[str]) -> Iterator[tuple[str, d
     """
     for f in files:
         if f.is_dir():
-            yield from _dataset_dir(f, columns)
+            yield from _dataset_dir(f, columns, optional)
         elif f.name.lower().endswith(_JSONL):
-            yield from _jsonl(f, columns)
+            yield from _jsonl(f, columns, optional)
         elif f.name.lower().endswith(".parquet"):
-            yield from _parquet(f, columns)
+            yield from _parquet(f, columns, optional)
         else:
-            yield from _arrow(f, columns)
+            yield from _arrow(f, columns, optional)
 
 
 class _ZstdFrames(io.RawIOBase):
@@ -187,7 +190,8 @@ def _opened(path: Path) -> io.TextIOBase:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _jsonl(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
+def _jsonl(path: Path, columns: Sequence[str], optional: Sequence[str] = ()
+           ) -> Iterator[tuple[str, dict]]:
     n = 0
     try:
         with _opened(path) as lines:
@@ -204,7 +208,7 @@ def _jsonl(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
                     raise ConfigError(f"{where}: JSON nested too deeply to read") from None
                 row = _pick(row, columns, where)
                 if _SURROGATE_ESCAPE.search(line):
-                    check_text(row, columns, where)
+                    check_text(row, _present(row, columns, optional), where)
                 yield where, row
     except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:
         damage = "" if getattr(e, "errno", None) else "; the file is damaged or truncated"
@@ -248,12 +252,17 @@ def _pick(row: Any, columns: Sequence[str], where: str) -> dict:
     return row
 
 
+def _present(row: dict, columns: Sequence[str], optional: Sequence[str]) -> list[str]:
+    """``columns`` and those of ``optional`` that ``row`` has."""
+    return [*columns, *(c for c in optional if c in row and c not in columns)]
+
+
 def _names(columns: Sequence[str]) -> str:
     return " and ".join(repr(c) for c in columns)
 
 
-def _table_rows(batches, schema_names, columns, path: Path, *, validate: bool = False
-                ) -> Iterator[tuple[str, dict]]:
+def _table_rows(batches, schema_names, columns, path: Path, *, validate: bool = False,
+                optional: Sequence[str] = ()) -> Iterator[tuple[str, dict]]:
     import pyarrow as pa
 
     missing = [c for c in columns if c not in schema_names]
@@ -267,7 +276,8 @@ def _table_rows(batches, schema_names, columns, path: Path, *, validate: bool = 
             batch = next(batches, None)
             if batch is not None and validate:  # memory-mapped buffers, never checked
                 batch.validate(full=True)
-            picked = None if batch is None else batch.select(list(columns)).to_pylist()
+            wanted = [*columns, *(c for c in optional if c in schema_names)]
+            picked = None if batch is None else batch.select(wanted).to_pylist()
         except (OSError, pa.ArrowException, UnicodeDecodeError, EOFError) as e:
             raise ConfigError(f"data.path: cannot read {str(path)!r} (after row {n}): "
                               f"{_why(e)}; the file is damaged or truncated") from None
@@ -278,7 +288,8 @@ def _table_rows(batches, schema_names, columns, path: Path, *, validate: bool = 
             yield f"{path}, row {n}", _pick(row, columns, f"{path}, row {n}")
 
 
-def _parquet(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
+def _parquet(path: Path, columns: Sequence[str], optional: Sequence[str] = ()
+             ) -> Iterator[tuple[str, dict]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -288,9 +299,9 @@ def _parquet(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
         raise ConfigError(f"data.path: cannot read {str(path)!r} as Parquet: "
                           f"{_why(e)}") from None
     names = pf.schema_arrow.names
-    have = [c for c in columns if c in names]
+    have = [c for c in (*columns, *optional) if c in names]
     yield from _table_rows(pf.iter_batches(batch_size=_BATCH, columns=have or None),
-                           names, columns, path)
+                           names, columns, path, optional=optional)
 
 
 def _magic(path: Path) -> bool:
@@ -310,7 +321,8 @@ def _why(e: BaseException) -> str:
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow stream's end-of-stream marker
 
 
-def _arrow(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
+def _arrow(path: Path, columns: Sequence[str], optional: Sequence[str] = ()
+           ) -> Iterator[tuple[str, dict]]:
     import pyarrow as pa
 
     try:
@@ -332,10 +344,12 @@ def _arrow(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
         why = " (an Arrow file without its footer: truncated?)" if _magic(path) else ""
         raise ConfigError(f"data.path: cannot read {str(path)!r} as Arrow{why}: "
                           f"{_why(e)}") from None
-    yield from _table_rows(batches, reader.schema.names, columns, path, validate=True)
+    yield from _table_rows(batches, reader.schema.names, columns, path, validate=True,
+                           optional=optional)
 
 
-def _dataset_dir(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
+def _dataset_dir(path: Path, columns: Sequence[str], optional: Sequence[str] = ()
+                 ) -> Iterator[tuple[str, dict]]:
     """A ``datasets.save_to_disk`` directory: its ``state.json`` lists the Arrow files; of a
     ``DatasetDict``, the ``train`` split."""
     if (path / "dataset_dict.json").is_file():
@@ -357,12 +371,13 @@ def _dataset_dir(path: Path, columns: Sequence[str]) -> Iterator[tuple[str, dict
         raise ConfigError(f"data.path: {str(path)!r}: not a datasets.save_to_disk directory "
                           f"(state.json: {e})") from None
     for f in files:
-        yield from _arrow(f, columns)
+        yield from _arrow(f, columns, optional)
 
 
-def object_rows(source: Any, columns: Sequence[str]) -> Iterator[tuple[str, dict]]:
+def object_rows(source: Any, columns: Sequence[str], *, optional: Sequence[str] = ()
+                ) -> Iterator[tuple[str, dict]]:
     """The rows of a Python source: a ``datasets.Dataset``, a grain data source, or any
-    sequence of mappings (``len`` and integer indexing)."""
+    sequence of mappings (``len`` and integer indexing); ``optional`` as for :func:`rows`."""
     name = type(source).__name__
     try:
         n = len(source)
@@ -372,5 +387,5 @@ def object_rows(source: Any, columns: Sequence[str]) -> Iterator[tuple[str, dict
     for i in range(n):
         where = f"{name} row {i}"
         row = _pick(source[i], columns, where)
-        check_text(row, columns, where)
+        check_text(row, _present(row, columns, optional), where)
         yield where, row

@@ -12,7 +12,7 @@ from zjax.schema import choices, interval, positive, short, validate
 
 __all__ = ["FORMATS", "DataConfig"]
 
-FORMATS = ("text", "chat", "prompt_completion")
+FORMATS = ("text", "chat", "prompt_completion", "preference")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,19 +39,29 @@ class DataConfig:
         byte-level text.
       format: what a record holds: ``text`` (``data.text_field``), ``chat`` (a list of
         ``{role, content}`` messages in ``data.messages_field``, rendered with the
-        tokenizer's chat template) or ``prompt_completion`` (``prompt`` and ``completion``
-        fields).
+        tokenizer's chat template), ``prompt_completion`` (``prompt`` and ``completion``
+        fields) or ``preference`` (pairs for DPO-style training, in Hugging Face TRL's
+        layouts: ``chosen`` and ``rejected`` answers, as strings or lists of messages, with
+        an optional ``prompt``; without one, conversations' common prefix is the prompt).
+        Each pair gives two sequences, the chosen then the rejected, each in its own row of
+        ``seq_len + 1`` tokens: its prompt cut from the left to ``data.max_prompt_len``, its
+        answer cut at the end to fit (counted, and said in a warning).
       text_field: the column of a ``text`` record.
       messages_field: the column of a ``chat`` record's messages.
       packing: pack documents into each window (segment ids keep them apart); false gives
-        each document its own window, the rest padded (and masked).
+        each document its own window, the rest padded (and masked). Ignored by
+        ``preference``, whose every sequence has its own row.
       train_on_prompt: train on every token; by default a ``chat`` record trains only on
         its assistant turns and a ``prompt_completion`` record only on its completion.
+        Refused with ``preference``, which trains on the answers only.
       eos_token: the token that ends each ``text`` record and each completion (a token of
         ``data.tokenizer``); unset: the ``eos_token`` of its ``tokenizer_config.json``. A
         tokenizer without one (no config, or its ``eos_token`` is not in the vocabulary) is
         refused for these formats until this is set: to a token, or to ``""`` for documents
         with no end marker (packed documents are still kept apart by their segment ids).
+      max_prompt_len: the tokens a ``preference`` prompt keeps: a longer one is cut from the
+        left (its start dropped, TRL's ``truncation_mode="keep_end"``); below
+        ``data.seq_len``. Unset: ``seq_len // 2``.
     """
 
     batch_size: int = positive(16)
@@ -65,6 +75,7 @@ class DataConfig:
     packing: bool = True
     train_on_prompt: bool = False
     eos_token: str | None = None
+    max_prompt_len: int | None = positive(None, none_means="data.seq_len // 2")
 
     def __post_init__(self):
         validate(self, "data")
@@ -73,6 +84,20 @@ class DataConfig:
         for key in ("text_field", "messages_field"):
             if not getattr(self, key):
                 raise ConfigError(f"data.{key}: must name a field, got an empty string")
+        if self.max_prompt_len is not None and self.max_prompt_len >= self.seq_len:
+            raise ConfigError(f"data.max_prompt_len: {self.max_prompt_len}, but data.seq_len "
+                              f"is {self.seq_len}: a prompt must leave room for its answer "
+                              f"(expected < {self.seq_len})")
+        if self.format == "preference" and self.train_on_prompt:
+            raise ConfigError("data.train_on_prompt: true, but data.format preference trains "
+                              "on the answers only (the preference loss compares the "
+                              "answers' log-probabilities)")
+
+    @property
+    def prompt_limit(self) -> int:
+        """The tokens a ``preference`` prompt keeps: ``max_prompt_len``, else
+        ``seq_len // 2``."""
+        return self.seq_len // 2 if self.max_prompt_len is None else self.max_prompt_len
 
     @property
     def sources(self) -> tuple[tuple[str | list | None, float], ...]:

@@ -7,8 +7,11 @@ themselves. ``-o OUT.npy`` writes one flat ``.npy`` stream of ids that training 
 ``text`` records, each record's ids as training on the records encodes them (the tokenizer's
 special tokens, then the EOS), end to end. A flat stream has no loss mask, so records of
 ``chat`` or ``prompt_completion`` (whose prompts are not trained on) are refused there: they
-need a directory. ``data.tokenizer`` tokenizes a ``data.path`` as it is read instead. Files
-are encoded in batches by the tokenizer's own threads (Rust, all cores), in the order given.
+need a directory (``preference`` records too: a pair's two sequences are its documents
+``2k`` and ``2k + 1``, cut to ``data.seq_len`` as they are encoded, so training checks that
+its ``seq_len`` and ``max_prompt_len`` are the directory's). ``data.tokenizer`` tokenizes a
+``data.path`` as it is read instead. Files are encoded in batches by the tokenizer's own
+threads (Rust, all cores), in the order given.
 
 Every output records its tokenizer (:mod:`zjax.data._store`: a directory's
 ``zjax-tokens.json``, a ``.npy``'s ``OUT.npy.zjax-tokens.json``) and appears whole or not at
@@ -189,7 +192,8 @@ def tokenize_records(inputs: Sequence[str], out: str | os.PathLike, *, data: Dat
             f"directory instead: -o {str(out)[:-4]} (train with data.path set to it)")
     encoder = Encoder(data)
     if kind == "records":
-        found = rows(record_files(list(inputs), key="tokenize"), encoder.columns)
+        found = rows(record_files(list(inputs), key="tokenize"), encoder.columns,
+                     optional=encoder.optional)
     else:
         found = _text_rows(_checked_text_files(inputs), encoder.columns[0])
     out = _npy_output(out) if flat else new_output(out)
@@ -204,6 +208,8 @@ def _documents(encoder: Encoder, data: DataConfig, found, workers: int):
     if workers > 1:
         from zjax.data._parallel import encode_in_parallel
 
-        yield from encode_in_parallel(data, found, workers=workers)
+        encoder.reset()
+        yield from encode_in_parallel(data, found, workers=workers, stats=encoder.stats)
+        encoder.report()
     else:
         yield from encoder.documents(found)

@@ -23,10 +23,13 @@ __all__ = [
     "Packing",
     "Trainable",
     "adapted_weights",
+    "adapters_off",
     "from_nnx",
     "from_pytree",
     "lm_loss",
     "model_class",
+    "router_losses",
+    "sequence_logps",
     "split_batch",
     "with_adapters",
 ]
@@ -35,6 +38,8 @@ _LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.
          "Trainable": "zjax.models.trainable", "from_nnx": "zjax.models.trainable",
          "from_pytree": "zjax.models.trainable", "Packing": "zjax.models._batch",
          "DROPOUT_KEYS": "zjax.models._batch", "adapted_weights": "zjax.models._linears",
+         "adapters_off": "zjax.models._linears", "sequence_logps": "zjax.models._lm",
+         "router_losses": "zjax.models._lm",
          "split_batch": "zjax.models._batch", "with_adapters": "zjax.models._adapted"}
 
 
@@ -51,7 +56,8 @@ def model_class(config: Any) -> type | None:
 if TYPE_CHECKING:
     from zjax.models._adapted import with_adapters
     from zjax.models._batch import DROPOUT_KEYS, Packing, split_batch
-    from zjax.models._linears import adapted_weights
+    from zjax.models._linears import adapted_weights, adapters_off
+    from zjax.models._lm import router_losses, sequence_logps
     from zjax.models.gpt import GPT, lm_loss
     from zjax.models.llama import Llama
     from zjax.models.trainable import Trainable, from_nnx, from_pytree

@@ -9,6 +9,9 @@ module: GPT-2's ``c_attn`` is ``wq``, ``wk``, ``wv``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,7 +29,7 @@ from zjax.lora import (
 from zjax.models._batch import Packing
 from zjax.nn import model_axis_size
 
-__all__ = ["AdaptedLinears", "Modules", "adapted_weights"]
+__all__ = ["AdaptedLinears", "Modules", "adapted_weights", "adapters_off"]
 
 Modules = dict[str, tuple[tuple[str, ...], ...]]
 
@@ -43,6 +46,24 @@ def adapted_weights(modules: Modules, lora: LoraConfig, *, model: str = "this mo
             for part, weight in enumerate(weights):
                 out[weight] = (hf if fused else weight, part if fused else -1)
     return out
+
+
+@contextlib.contextmanager
+def adapters_off(model: nnx.Module) -> Iterator[nnx.Module]:
+    """``model`` computing as its base while the block is open: every adapted block's
+    adapters are left out (a preference loss's reference, with no second copy of the
+    weights). The blocks' static adapter tables are emptied and put back after (a ``Stack``
+    reads its blocks' tables each time it runs)."""
+    blocks = [node for _, node in nnx.iter_graph(model)
+              if isinstance(node, AdaptedLinears) and node.lora_of]
+    saved = [node.lora_of for node in blocks]
+    for node in blocks:
+        node.lora_of = ()
+    try:
+        yield model
+    finally:
+        for node, table in zip(blocks, saved, strict=True):
+            node.lora_of = table
 
 
 class AdaptedLinears:

@@ -10,10 +10,12 @@ from jax import lax
 
 from zjax.models._batch import split_batch
 from zjax.models._layers import check_length
+from zjax.nn import model_axis_size
 from zjax.nn.loss import chunked_cross_entropy
 from zjax.nn.moe import RouterStats, batch_sum
+from zjax.runtime.mesh import CONTEXT
 
-__all__ = ["lm_loss", "router_losses"]
+__all__ = ["lm_loss", "router_losses", "sequence_logps", "token_losses"]
 
 
 def lm_loss(model, batch) -> tuple:
@@ -30,6 +32,20 @@ def lm_loss(model, batch) -> tuple:
       ``(sum of token losses, token count)``: zjax divides by the global count, so a sharded
       run equals a single-device one; a mixture adds ``{metric: sum}`` (its router losses).
     """
+    losses, weights, stats = token_losses(model, batch)
+    if weights is None:
+        loss_sum, count = jnp.sum(losses), jnp.asarray(losses.size, jnp.float32)
+    else:
+        loss_sum, count = jnp.sum(losses * weights), jnp.sum(weights)
+    if stats is None:
+        return loss_sum, count
+    return router_losses(stats, loss_sum, count, model.cfg)
+
+
+def token_losses(model, batch) -> tuple[jax.Array, jax.Array | None, RouterStats | None]:
+    """``(losses [B, T] float32, weights [B, T] or None, router statistics or None)``: each
+    target's ``-log p`` under ``model`` and whether it counts (:func:`lm_loss`'s parts; this
+    device's share of each sequence under a ``context`` axis)."""
     tokens = batch["tokens"] if isinstance(batch, Mapping) else batch
     check_length(tokens[:, 1:], model.cfg.max_seq_len)  # the whole sequence, not a shard's
     inputs, targets, weights, packing = split_batch(batch)
@@ -40,13 +56,21 @@ def lm_loss(model, batch) -> tuple:
     losses = chunked_cross_entropy(hidden, model.head_weight(), targets,
                                    chunk=model.cfg.loss_chunk,
                                    softcap=getattr(model.cfg, "final_softcap", None))
+    return losses, weights, stats
+
+
+def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+    """``(log-probs [B], token counts [B], router statistics or None)``: each row's summed
+    log-probability of its counted targets (an answer under its loss mask) and how many
+    there are, float32; whole sequences' sums also under a ``context`` axis (summed over
+    it)."""
+    losses, weights, stats = token_losses(model, batch)
     if weights is None:
-        loss_sum, count = jnp.sum(losses), jnp.asarray(targets.size, jnp.float32)
-    else:
-        loss_sum, count = jnp.sum(losses * weights), jnp.sum(weights)
-    if stats is None:
-        return loss_sum, count
-    return router_losses(stats, loss_sum, count, model.cfg)
+        weights = jnp.ones_like(losses)
+    logps, counts = -jnp.sum(losses * weights, axis=1), jnp.sum(weights, axis=1)
+    if model_axis_size(CONTEXT) > 1:  # each device holds a stripe of every sequence
+        logps, counts = lax.psum((logps, counts), CONTEXT)
+    return logps, counts, stats
 
 
 def router_losses(stats: RouterStats, loss_sum: jax.Array, count: jax.Array, cfg) -> tuple:

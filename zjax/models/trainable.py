@@ -60,6 +60,12 @@ class Trainable:
       dropout_seed: for a model with dropout (on adapters' inputs), the seed of its masks:
         the training step adds per-row keys to each batch (``dropout_keys``,
         :func:`zjax.lora.row_keys` of this seed and the step); None: no dropout.
+      frozen_from: for frozen leaves that are a function of the trained ones at the start
+        (a preference loss's reference: a copy of the starting weights),
+        ``frozen_from(trained) -> frozen`` (both as :mod:`zjax.partition`'s parts): a run's
+        start then gives the trained leaves only; None otherwise.
+      score: ``score(params, batch, plan) -> [rows]`` per-row values (the reference
+        log-probabilities a preference run precomputes), run like ``loss``; None: none.
     """
 
     init: Callable[[jax.Array], Params]
@@ -69,6 +75,8 @@ class Trainable:
     frozen: Callable[[str], bool] = lambda path: False
     codec: Any = None
     dropout_seed: int | None = None
+    frozen_from: Callable[[Params], Params] | None = None
+    score: Callable[[Params, Any, ShardPlan], jax.Array] | None = None
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:

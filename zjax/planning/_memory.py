@@ -104,10 +104,16 @@ def n_params_of(zstep: ZeroStep) -> int:
 
 def frozen_figures(zstep: ZeroStep, trained: int) -> dict[str, Any]:
     """A report's ``frozen``: the adapters' count and the frozen base's, its bytes per
-    device and dtypes; empty when nothing is frozen."""
+    device and dtypes (``frozen_kind`` ``reference``: a preference loss's frozen copy of the
+    trained weights, not counted in Ψ); empty when nothing is frozen."""
     base = [leaf for leaf in zstep.plan.leaves if leaf.frozen]
     if not base:
         return {}
+    if zstep.derived_frozen:  # a preference loss's reference: a copy of the trained leaves
+        return {"trained_params": trained, "frozen_params": sum(leaf.size for leaf in base),
+                "frozen_bytes": nbytes(zstep.abstract_state.frozen),
+                "frozen_dtypes": sorted({leaf.dtype.name for leaf in base}),
+                "frozen_kind": "reference"}
     return {"trained_params": trained, "frozen_params": _frozen_params(zstep),
             "frozen_bytes": nbytes(zstep.abstract_state.frozen),
             "frozen_dtypes": sorted({leaf.dtype.name for leaf in base})}

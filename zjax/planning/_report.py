@@ -123,7 +123,8 @@ class PlanReport:
         """``N parameters (M active per token; T trained) on D devices``."""
         parts = ([] if self.active_params is None else
                  [f"{self.active_params:,} active per token"]) + (
-            [f"{self.frozen['trained_params']:,} trained"] if self.frozen else [])
+            [f"{self.frozen['trained_params']:,} trained"]
+            if self.frozen and self.frozen.get("frozen_kind") != "reference" else [])
         return (f"{self.n_params:,} parameters{' (' + '; '.join(parts) + ')' if parts else ''}"
                 f" on {self.n_devices} devices")
 
@@ -137,6 +138,16 @@ class PlanReport:
         if self.experts:
             lines.append(_experts_line(self.experts))
         return lines
+
+    def _frozen_lines(self) -> list[str]:
+        """The frozen leaves' row under params: an adapters' base or a preference loss's
+        reference copy."""
+        fz = self.frozen
+        if not fz:
+            return []
+        kind = "reference (frozen)" if fz.get("frozen_kind") == "reference" else "frozen base"
+        return [f"    {kind:<20}{_size(fz['frozen_bytes']):>14}  "
+                f"({fz['frozen_params']:,} params, {', '.join(fz['frozen_dtypes'])})"]
 
     def table(self) -> str:
         """The human-readable report."""
@@ -157,10 +168,7 @@ class PlanReport:
                           ("optimizer_bytes", "optimizer state"),
                           ("model_state_bytes", "model states")]:
             lines.append(f"  {name:<22}{_size(d[key]):>14}{_size(f[key]):>14}")
-        if self.frozen:
-            fz = self.frozen
-            lines.append(f"    {'frozen base':<20}{_size(fz['frozen_bytes']):>14}  "
-                         f"({fz['frozen_params']:,} params, {', '.join(fz['frozen_dtypes'])})")
+        lines += self._frozen_lines()
         if "hpz_secondary_bytes" in f:  # part of the temp: kept from forward to backward
             lines.append(f"  {'hpZ secondary (temp)':<22}{'':>14}"
                          f"{_size(f['hpz_secondary_bytes']):>14}")

@@ -33,7 +33,7 @@ from zjax.partition.plan import ShardPlan
 from zjax.runtime.mesh import REPLICA, batch_axes, describe_batch_split, token_axes
 
 __all__ = ["accumulate", "loss_parts", "metric_values", "reduce_grads", "sharded_grads",
-           "sharded_loss"]
+           "sharded_loss", "sharded_score"]
 
 
 def loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
@@ -164,16 +164,31 @@ def sharded_grads(trainable: Trainable, plan: ShardPlan, mesh: Mesh, *,
 
 
 def sharded_loss(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
-    """``(params, frozen, global batch) -> mean loss``: the same sharded forward, no
-    gradients."""
+    """``(params, frozen, global batch) -> (mean loss, {metric: value})``: the same sharded
+    forward, no gradients (the metrics as the step reports them)."""
 
     def local_loss(params, frozen, batch):
         loss = trainable.loss(merge_parts(plan, params, frozen), batch, plan)
-        loss_sum, count, _ = lax.psum(loss_parts(loss), token_axes(mesh))
-        return loss_sum / count
+        loss_sum, count, extra = lax.psum(loss_parts(loss), token_axes(mesh))
+        return loss_sum / count, metric_values(extra, count)
 
     trained, frozen = trained_part(plan), frozen_part(plan)
     return jax.shard_map(local_loss, mesh=mesh,
                          in_specs=(trained.param_specs, frozen and frozen.param_specs,
                                    P(batch_axes(mesh))),
                          out_specs=P(), axis_names=set(mesh.axis_names), check_vma=False)
+
+
+def sharded_score(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
+    """``(params, frozen, global batch) -> [rows]``: ``trainable.score`` of every row (float32,
+    split over the batch's axes like the rows)."""
+
+    def local_score(params, frozen, batch):
+        out = trainable.score(merge_parts(plan, params, frozen), batch, plan)
+        return out.astype(jnp.float32)
+
+    trained, frozen = trained_part(plan), frozen_part(plan)
+    rows = P(batch_axes(mesh))
+    return jax.shard_map(local_score, mesh=mesh,
+                         in_specs=(trained.param_specs, frozen and frozen.param_specs, rows),
+                         out_specs=rows, axis_names=set(mesh.axis_names), check_vma=False)

@@ -30,7 +30,7 @@ from zjax.partition import frozen_part, merge_parts, split_parts, trained_part
 from zjax.partition.config import ZeroConfig
 from zjax.partition.plan import ShardPlan, make_plan
 from zjax.runtime.mesh import batch_axes, describe_batch_split
-from zjax.step._grads import metric_values, sharded_grads, sharded_loss
+from zjax.step._grads import metric_values, sharded_grads, sharded_loss, sharded_score
 from zjax.step._nvme import NvmeOptimizer, nvme_parts
 from zjax.step._nvme_io import NvmeStorage
 from zjax.step._state import TrainState, make_init, state_from, state_layout
@@ -56,6 +56,15 @@ class ZeroStep:
         and the loss's own.
       evaluate: ``evaluate(params, batch, frozen=None) -> mean loss``, the same sharded
         forward, no update (``frozen``: the state's frozen leaves, if any).
+      evaluate_metrics: ``evaluate_metrics(params, batch, frozen=None) -> (mean loss,
+        {metric: value})``: :attr:`evaluate` with the loss's own metrics, as the step reports
+        them (one compile serves both).
+      derived_frozen: the frozen leaves are made from the trained ones at the start
+        (``Trainable.frozen_from``): :attr:`from_params` and :attr:`params_target` are the
+        trained leaves'.
+      score: with ``Trainable.score``, ``score(params, batch, frozen=None) -> [rows]``
+        float32 per-row values (a preference run's precomputed reference log-probs); else
+        None.
       from_params: ``from_params(params) -> TrainState`` at step 0 from given params (a
         fine-tune's start), placed as :attr:`params_shardings` says; they are donated.
       params_shardings: where :attr:`from_params` takes its params: float32 shards placed as
@@ -65,7 +74,8 @@ class ZeroStep:
       from_base: with frozen leaves (adapters over a base), ``from_base(base, rng)`` at step
         0: the base given as :attr:`base_target` says (donated; a quantized base's linear
         weights as float weights, quantized here), the trained leaves initialised from
-        ``rng``; else None.
+        ``rng``; else None (also where the frozen leaves are made from the trained ones,
+        ``Trainable.frozen_from``: :attr:`from_params` then takes the trained leaves only).
       base_target: the frozen leaves :attr:`from_base` takes, abstract (float32, placed), or
         None.
       nvme: with ``zero.offload_optimizer.device: nvme``, the
@@ -86,6 +96,9 @@ class ZeroStep:
     nvme: NvmeOptimizer | None = None
     from_base: Callable[[Any, jax.Array], TrainState] | None = None
     base_target: Any = None
+    evaluate_metrics: Callable | None = None
+    score: Callable | None = None
+    derived_frozen: bool = False
 
     def close(self) -> None:
         """Release what the step holds outside the state (NVMe swap files: removed)."""
@@ -105,9 +118,10 @@ class ZeroStep:
     def params_target(self) -> Any:
         """The params :attr:`from_params` takes, abstract: float32 ``ShapeDtypeStruct`` with
         :attr:`params_shardings` (an Orbax restore target, or the shapes to fill)."""
+        plan = trained_part(self.plan) if self.derived_frozen else self.plan
         return jax.tree.map(
             lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=s),
-            self.plan.tree(self.plan.leaves), self.params_shardings)
+            plan.tree(plan.leaves), self.params_shardings)
 
     def check_batch(self, shape) -> None:
         """Raise ConfigError unless the data axis divides the global batch."""
@@ -238,21 +252,56 @@ def make_step(
         return store(state.step, updated, layout, trained)._replace(frozen=state.frozen), \
             metrics
 
-    loss = jax.jit(sharded_loss(trainable, plan, mesh),
-                   in_shardings=(shardings.params, shardings.frozen, batch_sharding))
-    evaluate = lambda params, batch, frozen=None: loss(params, frozen, batch)
+    evaluation = _evaluation(trainable, plan, mesh, (shardings.params, shardings.frozen,
+                                                       batch_sharding))
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0,
                    compiler_options=dict(plan.backend.compiler_options))
-    from_params = jax.jit(state_from(tx, plan), in_shardings=(params_shardings,),
-                          out_shardings=shardings, donate_argnums=0)
+    from_params, params_shardings, start = _from_params(trainable, tx, plan,
+                                                        params_shardings, shardings)
     a = layout.abstract
     canonical = {"step": a.step, "params": a.master if trained.has_master else a.params,
                  "opt_state": a.opt_state}
     return ZeroStep(plan, shardings, layout.abstract, batch_sharding,
-                    jax.jit(init, out_shardings=shardings), step, evaluate, from_params,
-                    params_shardings, canonical, **_from_base(
-                        trainable, plan, state_from(tx, plan), params_shardings, shardings))
+                    jax.jit(init, out_shardings=shardings), step, evaluation["evaluate"],
+                    from_params, params_shardings, canonical, **start,
+                    **{k: v for k, v in evaluation.items() if k != "evaluate"})
+
+
+def _evaluation(trainable: Trainable, plan: ShardPlan, mesh: Mesh, in_shardings: tuple
+                ) -> dict[str, Any]:
+    """``{evaluate, evaluate_metrics, score}``: the sharded forward's mean loss, with its
+    metrics, and the per-row score (None without ``Trainable.score``)."""
+    forward = jax.jit(sharded_loss(trainable, plan, mesh), in_shardings=in_shardings)
+    score = None
+    if trainable.score is not None:
+        scored = jax.jit(sharded_score(trainable, plan, mesh), in_shardings=in_shardings)
+        score = lambda params, batch, frozen=None: scored(params, frozen, batch)
+    return {"evaluate": lambda params, batch, frozen=None: forward(params, frozen, batch)[0],
+            "evaluate_metrics": lambda params, batch, frozen=None: forward(params, frozen,
+                                                                           batch),
+            "score": score}
+
+
+def _from_params(trainable: Trainable, tx, plan: ShardPlan, params_shardings: Any,
+                 shardings: TrainState) -> tuple[Callable, Any, dict[str, Any]]:
+    """``(from_params, its params' shardings, {from_base, base_target, derived_frozen})``:
+    the state at step 0 from given params; with ``Trainable.frozen_from``, from the trained
+    leaves only (the frozen ones made from them)."""
+    make = state_from(tx, plan)
+    if trainable.frozen_from is None:
+        from_params = jax.jit(make, in_shardings=(params_shardings,), out_shardings=shardings,
+                              donate_argnums=0)
+        return from_params, params_shardings, _from_base(trainable, plan, make,
+                                                         params_shardings, shardings)
+    trained_shardings = split_parts(plan, params_shardings)[0]
+
+    def from_trained(trained):
+        return make(merge_parts(plan, trained, trainable.frozen_from(trained)))
+
+    from_params = jax.jit(from_trained, in_shardings=(trained_shardings,),
+                          out_shardings=shardings, donate_argnums=0)
+    return from_params, trained_shardings, {"derived_frozen": True}
 
 
 def _from_base(trainable: Trainable, plan: ShardPlan, from_params: Callable,
@@ -297,16 +346,16 @@ def _nvme_step(trainable: Trainable, tx: optax.GradientTransformation, plan: Sha
                clip_norm: float | None, skip_nonfinite: bool) -> ZeroStep:
     """The step with the master and optimizer state on NVMe (:mod:`zjax.step._nvme`)."""
     if trained_part(plan) is not plan:
-        raise ConfigError("zero.offload_optimizer.device: nvme does not train adapters over "
-                          "a frozen base (lora.rank > 0); use device: cpu or none")
+        raise ConfigError("zero.offload_optimizer.device: nvme does not train beside frozen "
+                          "weights (adapters over a base, lora.rank > 0, or a preference "
+                          "reference); use device: cpu or none")
     param_shardings = plan.shardings(plan.param_specs)
     if plan.params_on_host:
         param_shardings = on_host(param_shardings, plan.zero.offload_param.memory_kind)
     parts = nvme_parts(trainable.init, tx, plan, grads_fn, param_shardings, batch_sharding,
                        clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
-    loss = jax.jit(sharded_loss(trainable, plan, plan.mesh),
-                   in_shardings=(param_shardings, None, batch_sharding))
-    evaluate = lambda params, batch, frozen=None: loss(params, frozen, batch)
+    evaluation = _evaluation(trainable, plan, plan.mesh,
+                             (param_shardings, None, batch_sharding))
     return ZeroStep(plan, parts.shardings, parts.abstract, batch_sharding, parts.init,
-                    parts.step, evaluate, parts.from_params, params_shardings,
-                    parts.canonical, parts.engine)
+                    parts.step, evaluation.pop("evaluate"), parts.from_params,
+                    params_shardings, parts.canonical, parts.engine, **evaluation)

@@ -75,18 +75,29 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
 
 def _trainable(loop: Loop, config: Config):
     """The loop's model; with ``lora.rank`` > 0, its adapters over the frozen base (a loop
-    that takes a ``lora`` section builds them)."""
+    that takes a ``lora`` section builds them); with ``preference.method``, trained on that
+    preference loss (a loop that takes a ``preference`` section)."""
     if config.lora.init_adapter is not None and not (config.lora.enabled
                                                      and config.train.init_from):
         raise ConfigError(f"lora.init_adapter: {config.lora.init_adapter} continues an "
                           "adapter over its base: set lora.rank (the adapter's) and "
                           "train.init_from (the base it was trained on)")
-    if not config.lora.enabled:
-        return loop.trainable(config.model)
-    if "lora" not in inspect.signature(loop.trainable).parameters:
-        raise ConfigError(f"lora.rank: {config.lora.rank}, but loop {config.loop!r} builds no "
-                          "adapters (its trainable() takes no lora section); set lora.rank=0")
-    trainable = loop.trainable(config.model, lora=config.lora)
+    kwargs = {}
+    takes = inspect.signature(loop.trainable).parameters
+    if config.lora.enabled:
+        if "lora" not in takes:
+            raise ConfigError(f"lora.rank: {config.lora.rank}, but loop {config.loop!r} builds "
+                              "no adapters (its trainable() takes no lora section); set "
+                              "lora.rank=0")
+        kwargs["lora"] = config.lora
+    if config.preference.enabled:
+        if "preference" not in takes:
+            raise ConfigError(f"preference.method: {config.preference.method}, but loop "
+                              f"{config.loop!r} has no preference loss (its trainable() takes "
+                              "no preference section); use loop lm or llama")
+        kwargs |= {"preference": config.preference,
+                   "reference_dtype": config.zero.gather_dtype}
+    trainable = loop.trainable(config.model, **kwargs)
     if trainable.dropout_seed is not None:  # the adapters' dropout masks follow train.seed
         trainable = dataclasses.replace(trainable, dropout_seed=config.train.seed)
     return trainable
@@ -108,6 +119,11 @@ def abstract_batch(config: Config, *, loop: Loop | None = None) -> jax.ShapeDtyp
     """The global batch of ``config``'s data as a ``ShapeDtypeStruct`` (nothing loaded when
     the loop knows its shape; a user's loop gives its first batch)."""
     loop = loop if loop is not None else resolve_loop(config.loop)
+    if config.preference.enabled:  # pairs, whatever the data section's format
+        from zjax.data import abstract_preference_batch
+
+        return abstract_preference_batch(
+            config.data, ref_logps=config.preference.source == "precompute")
     if hasattr(loop, "abstract_batch"):
         return loop.abstract_batch(config.data)
     first = next(iter(loop.data(config.data, split="train", seed=0)))

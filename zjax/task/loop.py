@@ -26,6 +26,8 @@ from zjax.data import (
     document_batches,
     load_corpus,
     load_tokens,
+    preference_batches,
+    preference_rows,
     uses_documents,
     window_batches,
 )
@@ -35,6 +37,7 @@ from zjax.models import with_adapters
 from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.models.llama import Llama, LlamaConfig
 from zjax.models.trainable import Trainable, from_nnx
+from zjax.preference import PreferenceConfig, preference_trainable
 from zjax.schema import short
 
 __all__ = ["LanguageModel", "LlamaLanguageModel", "Loop", "resolve_loop"]
@@ -72,6 +75,7 @@ class LanguageModel:
     """
 
     model_config = GPTConfig
+    model_class: type = GPT
 
     def __init__(self, source: Any = None) -> None:
         self.source = source
@@ -84,19 +88,31 @@ class LanguageModel:
     def tokens(self, data: DataConfig) -> Tokens | Corpus:
         """The data's tokens (read once per distinct source)."""
         key = repr((data.path, data.tokenizer, data.format, data.text_field,
-                    data.messages_field, data.train_on_prompt, data.eval_fraction))
+                    data.messages_field, data.train_on_prompt, data.eval_fraction,
+                    data.seq_len, data.max_prompt_len))
         if key not in self._tokens:  # the files are looked at only here
             self._tokens[key] = (load_corpus(data, self.source) if self.documents(data)
                                  else load_tokens(data.path, eval_fraction=data.eval_fraction,
                                                   tokenizer=data.tokenizer))
         return self._tokens[key]
 
-    def trainable(self, model: GPTConfig, *, lora: LoraConfig | None = None) -> Trainable:
-        """The GPT; with ``lora`` enabled, its adapters trained over the frozen base."""
-        if lora is None or not lora.enabled:
-            return from_nnx(lambda rngs: GPT(model, rngs=rngs), lm_loss)
-        return with_adapters(from_nnx(lambda rngs: GPT(model, rngs=rngs, lora=lora), lm_loss),
-                             lora, names=GPT.LINEAR_WEIGHTS)
+    def trainable(self, model: GPTConfig, *, lora: LoraConfig | None = None,
+                  preference: PreferenceConfig | None = None,
+                  reference_dtype: str = "bfloat16") -> Trainable:
+        """The model; with ``lora`` enabled, its adapters trained over the frozen base; with
+        a ``preference`` method, trained on that loss (the reference copy, if it has one,
+        stored in ``reference_dtype``)."""
+        cls = self.model_class
+        adapters = lora is not None and lora.enabled
+        make = (lambda rngs: cls(model, rngs=rngs, lora=lora)) if adapters \
+            else (lambda rngs: cls(model, rngs=rngs))
+        if preference is not None and preference.enabled:
+            return preference_trainable(make, preference, lora=lora if adapters else None,
+                                        linear_weights=cls.LINEAR_WEIGHTS,
+                                        reference_dtype=reference_dtype)
+        if not adapters:
+            return from_nnx(make, lm_loss)
+        return with_adapters(from_nnx(make, lm_loss), lora, names=cls.LINEAR_WEIGHTS)
 
     def check(self, model: GPTConfig, data: DataConfig) -> None:
         """Cross-section checks: the vocabulary must cover the data's tokens."""
@@ -115,29 +131,33 @@ class LanguageModel:
         return jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), np.int32)
 
     def data(self, data: DataConfig, *, split: str, seed: int, process_index: int = 0,
-             process_count: int = 1) -> Iterator[Any] | None:
+             process_count: int = 1, ref_logps: tuple | None = None
+             ) -> Iterator[Any] | None:
         """This process's batches of ``split``: a short eval split is one padded batch,
-        masked; an empty one is None (no evaluation, one warning)."""
+        masked; an empty one is None (no evaluation, one warning). Preference pairs
+        (``data.format: preference``) come as interleaved rows, with ``ref_logps`` (each
+        train document's precomputed reference log-prob, per source) where given."""
         shard = dict(split=split, seed=seed, process_index=process_index,
                      process_count=process_count)
         tokens = self.tokens(data)
+        if data.format == "preference":
+            return preference_batches(tokens, data, ref_logps=ref_logps, **shard)
         if isinstance(tokens, Corpus):
             return document_batches(tokens, data, **shard)
         return window_batches(tokens.split(split), global_batch=data.batch_size,
                               seq_len=data.seq_len, **shard)
+
+    def preference_rows(self, data: DataConfig) -> Any:
+        """The train split's preference rows in order (what a reference is precomputed
+        on): :func:`zjax.data.preference_rows`."""
+        return preference_rows(self.tokens(data), data, split="train")
 
 
 class LlamaLanguageModel(LanguageModel):
     """The built-in ``loop: llama``: the reference Llama on the same data as ``lm``."""
 
     model_config = LlamaConfig
-
-    def trainable(self, model: LlamaConfig, *, lora: LoraConfig | None = None) -> Trainable:
-        """The Llama; with ``lora`` enabled, its adapters trained over the frozen base."""
-        if lora is None or not lora.enabled:
-            return from_nnx(lambda rngs: Llama(model, rngs=rngs), lm_loss)
-        return with_adapters(from_nnx(lambda rngs: Llama(model, rngs=rngs, lora=lora),
-                                      lm_loss), lora, names=Llama.LINEAR_WEIGHTS)
+    model_class = Llama
 
 
 def resolve_loop(name: str) -> Loop:

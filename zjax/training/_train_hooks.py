@@ -123,6 +123,8 @@ class MetricsLog:
         self.history.append(row)
         self.writer.write(row)  # process 0 with a run directory; else a no-op
         evals = f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+        if "eval_rewards/accuracies" in row:  # a preference run's
+            evals += f" (reward accuracy {row['eval_rewards/accuracies']:.3f})"
         if "loss" in row:
             nvme = (f" | NVMe read {row['nvme_read_gbs']:.2f} / write "
                     f"{row['nvme_write_gbs']:.2f} GB/s" if "nvme_read_gbs" in row else "")
@@ -133,10 +135,12 @@ class MetricsLog:
 
 
 class Evaluation:
-    """Every ``train.eval_every`` steps: the mean loss over ``n_batches`` held-out batches.
+    """Every ``train.eval_every`` steps: the mean loss over ``n_batches`` held-out batches
+    (``eval_loss``) and of the loss's own metrics (``eval_<name>``: a preference run's
+    ``eval_rewards/accuracies``, as Hugging Face's trainers name them).
 
     Args:
-      evaluate: ``evaluate(params, batch) -> mean loss``.
+      evaluate: ``evaluate(params, batch, frozen) -> (mean loss, {metric: value})``.
       batches: the held-out global batches.
       n_batches: batches per evaluation.
       log: its time is taken out of the throughput interval.
@@ -149,9 +153,11 @@ class Evaluation:
     def __call__(self, s: StepInfo) -> None:
         t0 = time.perf_counter()
         state = s.state
-        losses = [float(self.evaluate(state.params, next(self.batches), state.frozen))
-                  for _ in range(self.n)]
-        s.row["eval_loss"] = float(np.mean(losses))
+        rows = [self.evaluate(state.params, next(self.batches), state.frozen)
+                for _ in range(self.n)]
+        s.row["eval_loss"] = float(np.mean([float(loss) for loss, _ in rows]))
+        for name in rows[0][1]:
+            s.row[f"eval_{name}"] = float(np.mean([float(m[name]) for _, m in rows]))
         self.log.pause(time.perf_counter() - t0)
 
 

@@ -34,6 +34,7 @@ from zjax.training._hooks import Hook, run_hooks, training_steps
 from zjax.training._metrics import MetricsWriter
 from zjax.training._nonfinite import FiniteWatch
 from zjax.training._preempt import PreemptionGuard
+from zjax.training._reference import check_pairs, precomputed_reference
 from zjax.training._rundir import RunDir
 from zjax.training._train_hooks import Checkpoints, Evaluation, MetricsLog, Progress, preemption
 
@@ -93,6 +94,8 @@ def train(loop: Loop | str | None, config: Config | Mapping[str, Any] | str | os
     config = as_config(config, model_config=model_config)
     if loop is None or isinstance(loop, str):
         loop = resolve_loop(loop or config.loop)
+    if config.preference.enabled:
+        check_pairs(config)  # before any data is read
     if hasattr(loop, "check"):
         loop.check(config.model, config.data)
     # before anything touches a device: join the multi-process job the environment describes
@@ -153,7 +156,7 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
 
 def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer | None,
                run: RunDir | None, info) -> TrainResult:
-    train_data, eval_data, put = _data(loop, config, zstep)
+    train_data, eval_data, put = _data(loop, config, zstep, run=run, info=info)
     start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, info)
     # an adapters run's checkpoints name their base by its digests (computed once), checked
     # on resume against the base read again
@@ -195,7 +198,7 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
             hooks.append(Hook(checkpoints, every=config.checkpoint.every))
         hooks.append(Hook(log.metrics, every=train.log_every))
         if eval_data is not None:
-            evaluation = Evaluation(zstep.evaluate, (put(b) for b in eval_data),
+            evaluation = Evaluation(zstep.evaluate_metrics, (put(b) for b in eval_data),
                                     n_batches=train.eval_batches, log=log)
             hooks.append(Hook(evaluation, every=train.eval_every))
         hooks += [Hook(log.write), Hook(progress.update), Hook(preemption(guard, checkpoints))]
@@ -236,8 +239,8 @@ def _check_base(got: dict[str, str], meta: dict | None, config: Config) -> None:
     if changed:
         raise CheckpointError(
             f"train.init_from: {config.train.init_from} is not the base the checkpoint's "
-            f"adapters were trained over ({changed[0]} differs, of {len(changed)} leaves); "
-            "point train.init_from at that base, or train in a new run directory")
+            f"run was trained over (its frozen {changed[0]} differs, of {len(changed)} "
+            "leaves); point train.init_from at that base, or train in a new run directory")
 
 
 def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
@@ -291,16 +294,13 @@ def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:
     return watch
 
 
-def _data(loop: Loop, config: Config, zstep: ZeroStep):
+def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None, info):
     """``(train iterator, eval iterator or None, put)``: ``put`` makes a global array of this
-    process's rows."""
+    process's rows. A preference run with ``reference: precompute`` computes its reference
+    log-probs first (:mod:`zjax.training._reference`)."""
     # processes that share data rows (a model axis across processes) load the same slice
     index, count = process_batch_slice(zstep.plan.mesh)
     shard = dict(process_index=index, process_count=count, seed=config.train.seed)
-    train_data = loop.data(config.data, split="train", **shard)
-    # None: nothing held out to evaluate on (the loop has warned); the run goes on without
-    eval_data = loop.data(config.data, split="eval", **shard) if config.train.eval_every \
-        else None
 
     def put_one(local: Any) -> jax.Array:
         local = np.asarray(local)
@@ -311,6 +311,16 @@ def _data(loop: Loop, config: Config, zstep: ZeroStep):
     def put(local: Any) -> Any:  # an array, or a dict of them (packed documents)
         return jax.tree.map(put_one, local) if isinstance(local, dict) else put_one(local)
 
+    extra = {}
+    if config.preference.source == "precompute" and config.preference.enabled:
+        extra["ref_logps"] = precomputed_reference(
+            zstep, loop.preference_rows(config.data), config,
+            start=lambda: _initial_state(zstep, config, info), put=put,
+            process=(index, count), run_dir=run.path if run else None, info=info)
+    train_data = loop.data(config.data, split="train", **shard, **extra)
+    # None: nothing held out to evaluate on (the loop has warned); the run goes on without
+    eval_data = loop.data(config.data, split="eval", **shard) if config.train.eval_every \
+        else None
     return train_data, eval_data, put
 
 

@@ -1,0 +1,133 @@
+"""Preference tuning in the step: DPO's first loss is ln 2 whichever reference (a frozen copy,
+precomputed log-probs, the base with adapters off), IPO's is (1 / (2 beta))^2, the copy and
+the precomputed values train the same, and ZeRO-3 on 8 devices equals one device.
+
+Batches are built by hand here (rows 2i chosen, 2i + 1 rejected, a shared prompt, the loss
+mask on the answers); ``tests/test_preference_data.py`` covers the data format.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import zjax
+from zjax.config import Config, OptimizerConfig, TrainConfig
+from zjax.data import DataConfig
+from zjax.lora import LoraConfig
+from zjax.models import LlamaConfig
+from zjax.partition import nbytes
+from zjax.preference import REFERENCE, PreferenceConfig
+
+TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                   max_seq_len=32)
+SEQ = 16
+
+
+def pair_batch(rows: int, *, seed: int = 0, ref: bool = False) -> dict:
+    """``rows`` rows of ``rows / 2`` pairs: a shared prompt, two answers, padding after."""
+    rng = np.random.default_rng(seed)
+    out = {k: np.zeros((rows, SEQ + 1), np.int32)
+           for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+    for i in range(0, rows, 2):
+        prompt = rng.integers(1, 64, rng.integers(2, 6))
+        for j in (i, i + 1):
+            answer = rng.integers(1, 64, rng.integers(2, SEQ + 1 - len(prompt)))
+            n = len(prompt) + len(answer)
+            out["tokens"][j, :n] = np.concatenate([prompt, answer])
+            out["segment_ids"][j, :n] = 1
+            out["positions"][j, :n] = np.arange(n)
+            out["loss_mask"][j, len(prompt):n] = 1
+    if ref:
+        out["ref_logps"] = np.zeros(rows, np.float32)
+    return out
+
+
+def make(method="dpo", reference=None, *, data=8, stage=3, gather="bfloat16", rows=16,
+         micro=1, lora=0, **pref):
+    config = Config(
+        loop="llama", model=TINY, mesh=zjax.MeshConfig(data=data),
+        zero=zjax.ZeroConfig(stage=stage, param_persistence_threshold=0, gather_dtype=gather,
+                             reduce_dtype="float32"),
+        data=DataConfig(batch_size=rows, seq_len=SEQ, format="preference"),
+        train=TrainConfig(grad_accum=micro, eval_every=0),
+        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0, schedule="constant"),
+        lora=LoraConfig(rank=lora, alpha=2.0 * lora) if lora else LoraConfig(),
+        preference=PreferenceConfig(method=method, reference=reference, **pref))
+    return zjax.build_step(config, devices=jax.devices()[:data])
+
+
+def run(zstep, batches, *, precompute: bool = False) -> tuple[list[dict], object]:
+    """Steps from seed 0 over ``batches``; with ``precompute`` the reference's log-probs are
+    scored by the starting weights first (as the trainer does) and carried in the batch."""
+    state = zstep.init(jax.random.key(0))
+    if precompute:
+        batches = [dict(b, ref_logps=np.asarray(zstep.score(state.params, zstep.put_batch(b),
+                                                            state.frozen)))
+                   for b in batches]
+    out = []
+    for b in batches:
+        state, m = zstep.step(state, zstep.put_batch(b))
+        out.append({k: float(v) for k, v in m.items()})
+    return out, state
+
+
+BATCHES = [pair_batch(16, seed=s) for s in range(3)]
+
+
+@pytest.fixture(scope="module")
+def copy_run():
+    """DPO at stage 3 on 8 devices, the reference a frozen bfloat16 copy."""
+    zstep = make()
+    metrics, state = run(zstep, BATCHES)
+    return zstep, metrics, state
+
+
+def test_dpo_starts_at_ln2_with_a_frozen_copy_and_with_precomputed_logps(copy_run):
+    _, copied, state = copy_run
+    assert copied[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert copied[0]["rewards/accuracies"] == 0.0  # no reward differs yet
+    assert copied[-1]["loss"] < copied[0]["loss"]
+    # the copy: frozen, bfloat16, sharded like the policy, never in the trained state
+    frozen = jax.tree.leaves(state.frozen)
+    assert {x.dtype for x in frozen} == {np.dtype("bfloat16")}
+    assert REFERENCE not in state.params
+    n = sum(x.size for x in jax.tree.leaves(state.params))
+    assert nbytes(state.frozen) == pytest.approx(2 * n / 8, rel=0.01)  # per device
+    precomputed, _ = run(make(reference="precompute"), BATCHES, precompute=True)
+    assert precomputed[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    for a, b in zip(copied, precomputed, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=1e-4)
+
+
+def test_ipo_starts_at_its_target_margin_squared():
+    metrics, _ = run(make("ipo", "precompute", data=1, beta=0.25), BATCHES[:1],
+                     precompute=True)
+    assert metrics[0]["loss"] == pytest.approx((1 / (2 * 0.25)) ** 2, rel=1e-5)
+
+
+def test_lora_reference_is_the_base_with_adapters_off():
+    zstep = make(lora=4, data=8)
+    assert REFERENCE not in zstep.abstract_state.frozen  # no second copy
+    metrics, _ = run(zstep, BATCHES)  # (the schedule's first step has lr 0)
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_zero3_on_8_devices_equals_one_device(method):
+    batches = [pair_batch(32, seed=s) for s in range(3)]
+    one, _ = run(make(method, data=1, stage=0, gather="float32", rows=32), batches)
+    eight, _ = run(make(method, data=8, stage=3, gather="float32", rows=32, micro=2), batches)
+    for a, b in zip(one, eight, strict=True):
+        for key in ("loss", "rewards/chosen", "rewards/accuracies", "logps/rejected"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_pair_split_across_micro_batches_is_refused():
+    with pytest.raises(zjax.ConfigError, match=r"data\.batch_size"):
+        run(make(rows=16, micro=2), BATCHES[:1])
