@@ -47,9 +47,9 @@ def pair_batch(rows: int, *, seed: int = 0, ref: bool = False) -> dict:
 
 
 def make(method="dpo", reference=None, *, data=8, stage=3, gather="bfloat16", rows=16,
-         micro=1, lora=0, **pref):
+         micro=1, lora=0, context=1, **pref):
     config = Config(
-        loop="llama", model=TINY, mesh=zjax.MeshConfig(data=data),
+        loop="llama", model=TINY, mesh=zjax.MeshConfig(data=data, context=context),
         zero=zjax.ZeroConfig(stage=stage, param_persistence_threshold=0, gather_dtype=gather,
                              reduce_dtype="float32"),
         data=DataConfig(batch_size=rows, seq_len=SEQ, format="preference"),
@@ -57,7 +57,7 @@ def make(method="dpo", reference=None, *, data=8, stage=3, gather="bfloat16", ro
         optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0, schedule="constant"),
         lora=LoraConfig(rank=lora, alpha=2.0 * lora) if lora else LoraConfig(),
         preference=PreferenceConfig(method=method, reference=reference, **pref))
-    return zjax.build_step(config, devices=jax.devices()[:data])
+    return zjax.build_step(config, devices=jax.devices()[:data * context])
 
 
 def run(zstep, batches, *, precompute: bool = False) -> tuple[list[dict], object]:
@@ -76,6 +76,31 @@ def run(zstep, batches, *, precompute: bool = False) -> tuple[list[dict], object
 
 
 BATCHES = [pair_batch(16, seed=s) for s in range(3)]
+
+
+def test_the_loss_pairs_even_rows_with_the_next_and_skips_empty_pairs():
+    """``preference_loss`` on a plain model: pair i is rows 2i (chosen) and 2i + 1, only
+    answer tokens count, a pair with no answer token (eval padding) counts for nothing."""
+    from flax import nnx
+
+    from zjax.models import Llama, sequence_logps
+    from zjax.preference import preference_loss
+
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    batch = pair_batch(8, seed=7)
+    for k in batch:  # the last pair is padding
+        batch[k][6:] = 0
+    logps, counts, _ = sequence_logps(model, batch)
+    logps = np.asarray(logps, np.float64)
+    ref = logps + np.random.default_rng(1).normal(0, 1, 8)
+    cfg = PreferenceConfig(method="dpo", beta=0.3)
+    loss, count, sums = preference_loss(model, dict(batch, ref_logps=ref), config=cfg,
+                                        reference=None)
+    z = 0.3 * ((logps[0:6:2] - ref[0:6:2]) - (logps[1:6:2] - ref[1:6:2]))
+    assert float(count) == 3 and np.asarray(counts)[6:].sum() == 0
+    assert float(loss) == pytest.approx(np.sum(np.logaddexp(0, -z)), rel=1e-5)
+    assert float(sums["logps/chosen"]) == pytest.approx(logps[0:6:2].sum(), rel=1e-5)
+    assert float(sums["logps/rejected"]) == pytest.approx(logps[1:6:2].sum(), rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +143,15 @@ def test_lora_reference_is_the_base_with_adapters_off():
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
-@pytest.mark.parametrize("method", ["dpo", "orpo"])
-def test_zero3_on_8_devices_equals_one_device(method):
+@pytest.mark.parametrize(("method", "data", "context", "micro"), [
+    ("dpo", 8, 1, 2), ("orpo", 8, 1, 2),
+    ("ipo", 4, 2, 1),  # each sequence striped over a context axis of 2
+])
+def test_zero3_on_8_devices_equals_one_device(method, data, context, micro):
     batches = [pair_batch(32, seed=s) for s in range(3)]
     one, _ = run(make(method, data=1, stage=0, gather="float32", rows=32), batches)
-    eight, _ = run(make(method, data=8, stage=3, gather="float32", rows=32, micro=2), batches)
+    eight, _ = run(make(method, data=data, context=context, stage=3, gather="float32",
+                        rows=32, micro=micro), batches)
     for a, b in zip(one, eight, strict=True):
         for key in ("loss", "rewards/chosen", "rewards/accuracies", "logps/rejected"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
@@ -131,3 +160,21 @@ def test_zero3_on_8_devices_equals_one_device(method):
 def test_a_pair_split_across_micro_batches_is_refused():
     with pytest.raises(zjax.ConfigError, match=r"data\.batch_size"):
         run(make(rows=16, micro=2), BATCHES[:1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tgt", ["h100:8", "v5p:2x2x2"])
+def test_the_reference_of_llama3_8b_adds_its_bf16_shards_and_nothing_else(tgt):
+    """``zjax plan configs/llama3-8b.yaml preference.method=dpo --target h100:8``: the frozen
+    copy adds its bfloat16 shards (2 bytes x 8.03e9 / 8 devices) to the step and no temp (its
+    forward runs before the policy's, outside the backward); precomputed, it adds nothing.
+    (XLA:CPU's figures are not a GPU's or TPU's: its schedule does not minimise memory.)"""
+    small = ["data.batch_size=16", "data.seq_len=256", "data.path="]
+    plan = lambda *extra: zjax.plan(zjax.load_config("configs/llama3-8b.yaml",
+                                                      [*small, *extra]), target=tgt).per_device
+    plain, dpo = plan(), plan("preference.method=dpo")
+    shards = 2 * 8_030_261_248 / 8
+    assert dpo["params_bytes"] - plain["params_bytes"] == pytest.approx(shards, rel=1e-3)
+    assert dpo["total_bytes"] - plain["total_bytes"] <= shards * 1.001
+    precomputed = plan("preference.method=dpo", "preference.reference=precompute")
+    assert precomputed["params_bytes"] == plain["params_bytes"]

@@ -66,6 +66,10 @@ class Trainable:
         start then gives the trained leaves only; None otherwise.
       score: ``score(params, batch, plan) -> [rows]`` per-row values (the reference
         log-probabilities a preference run precomputes), run like ``loss``; None: none.
+      prepare: ``prepare(params, batch, plan) -> batch``: what the loss reads besides the
+        data, computed from the params before the loss and outside its differentiation
+        (a preference loss's reference log-probs: never recomputed in the backward, its
+        working set freed before the loss's forward); None: the batch as it is.
     """
 
     init: Callable[[jax.Array], Params]
@@ -77,6 +81,7 @@ class Trainable:
     dropout_seed: int | None = None
     frozen_from: Callable[[Params], Params] | None = None
     score: Callable[[Params, Any, ShardPlan], jax.Array] | None = None
+    prepare: Callable[[Params, Any, ShardPlan], Any] | None = None
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:

@@ -19,7 +19,8 @@ from zjax.preference._losses import Pairs, pair_losses
 from zjax.preference.config import PreferenceConfig
 from zjax.runtime.mesh import CONTEXT
 
-__all__ = ["REFERENCE_KEY", "preference_loss", "reference_logps", "without_reference"]
+__all__ = ["REFERENCE_KEY", "preference_loss", "reference_logps", "with_reference",
+           "without_reference"]
 
 REFERENCE_KEY = "ref_logps"  # a batch's precomputed reference log-probs, float32 [rows]
 
@@ -40,6 +41,12 @@ def reference_logps(model, batch: Mapping, *, copy: bool) -> jax.Array:
         with adapters_off(model):
             logps = sequence_logps(model, batch)[0]
     return lax.stop_gradient(logps)
+
+
+def with_reference(model, batch: Mapping, *, copy: bool) -> dict:
+    """``batch`` with the reference's log-probs of its rows (``ref_logps``)."""
+    batch, _ = without_reference(batch)
+    return {**batch, REFERENCE_KEY: reference_logps(model, batch, copy=copy)}
 
 
 def _pairs_of(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -66,9 +73,9 @@ def preference_loss(model, batch: Mapping, *, config: PreferenceConfig,
     """
     batch, ref = without_reference(batch)
     _check_rows(batch["tokens"].shape[0])
-    logps, counts, stats = sequence_logps(model, batch)
-    if ref is None and config.source != "none":
+    if ref is None and config.source != "none":  # (a trainable's step adds them first)
         ref = reference(model, batch)
+    logps, counts, stats = sequence_logps(model, batch)
     (c, r), (nc, nr) = _pairs_of(logps), _pairs_of(counts)
     refs = (None, None) if config.source == "none" else _pairs_of(ref.astype(jnp.float32))
     losses, metrics = pair_losses(Pairs(c, r, nc, nr, *refs), config)

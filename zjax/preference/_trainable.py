@@ -14,7 +14,12 @@ from flax import nnx
 
 from zjax.lora import LoraConfig
 from zjax.models import Trainable, from_nnx, with_adapters
-from zjax.preference._objective import preference_loss, reference_logps, without_reference
+from zjax.preference._objective import (
+    preference_loss,
+    reference_logps,
+    with_reference,
+    without_reference,
+)
 from zjax.preference.config import PreferenceConfig
 
 __all__ = ["REFERENCE", "preference_trainable"]
@@ -73,8 +78,9 @@ def preference_trainable(make_model: Callable[[nnx.Rngs], nnx.Module],
     Returns:
       A :class:`~zjax.models.Trainable` whose loss is the preference loss; with
       ``reference: model`` and no adapters its params hold the copy under ``reference``
-      (frozen, ``frozen_from`` the trained leaves); ``score`` gives the reference's per-row
-      log-probs where they are precomputed.
+      (frozen, ``frozen_from`` the trained leaves); ``prepare`` adds the reference's
+      log-probs to each batch (``reference: model``); ``score`` gives them per row where they
+      are precomputed.
     """
     adapters = lora is not None and lora.enabled
     copy = config.source == "model" and not adapters
@@ -83,8 +89,12 @@ def preference_trainable(make_model: Callable[[nnx.Rngs], nnx.Module],
                              reference=functools.partial(reference_logps, copy=copy))
     trainable = from_nnx(build, loss)
     score = None if copy else from_nnx(make_model, _score).loss
+    # the reference's log-probs are computed by the step before the loss and outside its
+    # differentiation (so never recomputed in the backward), then read from the batch
+    prepare = None if config.source != "model" else from_nnx(
+        build, functools.partial(with_reference, copy=copy)).loss
     if adapters:
         trainable = with_adapters(trainable, lora, names=linear_weights)
     if copy:
         trainable = _frozen_copy(trainable, jnp.dtype(reference_dtype))
-    return dataclasses.replace(trainable, score=score)
+    return dataclasses.replace(trainable, score=score, prepare=prepare)

@@ -114,6 +114,7 @@ def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
 
     def grads(params, frozen, batch):
         def one(mb):
+            mb = prepared(trainable, full, params, frozen, mb)
             g, sums = grad_fn(params, frozen, mb)
             if reduce_each:
                 g = reduce_grads(g, plan, reduced_in_backward=True)
@@ -133,6 +134,16 @@ def _local_grads(trainable: Trainable, plan: ShardPlan, micro_batches: int):
         return g, lax.psum(sums, token_axes(plan.mesh))
 
     return grads
+
+
+def prepared(trainable: Trainable, plan: ShardPlan, params, frozen, batch):
+    """``batch`` with what ``trainable.prepare`` adds (a preference loss's reference
+    log-probs), complete before the loss starts (the barrier keeps the loss's forward from
+    interleaving with it); ``batch`` itself without ``prepare``."""
+    if trainable.prepare is None:
+        return batch
+    out = trainable.prepare(merge_parts(plan, params, frozen), batch, plan)
+    return lax.optimization_barrier(out)
 
 
 def _check_micro_batches(local: int, plan: ShardPlan, micro_batches: int) -> None:
@@ -168,6 +179,7 @@ def sharded_loss(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
     forward, no gradients (the metrics as the step reports them)."""
 
     def local_loss(params, frozen, batch):
+        batch = prepared(trainable, plan, params, frozen, batch)
         loss = trainable.loss(merge_parts(plan, params, frozen), batch, plan)
         loss_sum, count, extra = lax.psum(loss_parts(loss), token_axes(mesh))
         return loss_sum / count, metric_values(extra, count)
