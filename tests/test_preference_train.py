@@ -61,6 +61,46 @@ def test_a_text_format_with_a_preference_method_is_refused(pairs):
         zjax.train("llama", _config(pairs, "data.format=text", "train.steps=1"))
 
 
+def _chat_pairs(path: Path, n: int) -> Path:
+    """Conversational pairs: an explicit prompt (lists of messages), and whole conversations
+    whose shared first turns are the prompt (TRL's implicit prompt)."""
+    rows = []
+    for i in range(n):
+        a, b = i % 10, (3 * i) % 10
+        ask = [{"role": "user", "content": f"Compute {a} plus {b}."}]
+        say = lambda v: [{"role": "assistant", "content": f"That makes {v}."}]
+        if i % 2:
+            rows.append({"prompt": ask, "chosen": say(a + b), "rejected": say(a + b + 1)})
+        else:
+            rows.append({"chosen": ask + say(a + b), "rejected": ask + say(a - b - 1)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_an_imported_hf_model_tunes_on_chat_pairs_and_exports_as_itself(tmp_path):
+    """DPO from a Hugging Face directory (the reference a copy of its weights) on pairs
+    rendered with its chat template; the export is the plain model, no reference in it."""
+    from safetensors import safe_open
+
+    from zjax.export import export
+
+    base = ROOT / "tests" / "data" / "lora_base"
+    pairs = _chat_pairs(tmp_path / "chat_pairs.jsonl", 64)
+    config = load_config(ROOT / "configs/lora-llama.yaml", [
+        "lora.rank=0", "lora.dropout=0", f"train.init_from={base}", f"data.path={pairs}",
+        f"data.tokenizer={base / 'tokenizer.json'}", "data.format=preference",
+        "data.seq_len=48", "preference.method=dpo", "train.steps=3", "train.eval_every=0",
+        "checkpoint.every=3", "train.log_every=1", "logging.progress=false"])
+    result = zjax.train("llama", config, run_dir=tmp_path / "run")
+    losses = [r["loss"] for r in result.history if "loss" in r]
+    assert losses[0] == pytest.approx(0.6931, abs=1e-4)
+    out = export(tmp_path / "run", tmp_path / "hf", format="hf")
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    with safe_open(str(base / "model.safetensors"), "np") as f:
+        assert names == set(f.keys())
+
+
 @pytest.mark.slow
 def test_dpo_learns_the_rule_the_rejected_answers_break(tmp_path):
     """The README's example at full size: eval rewards/accuracies >= 0.95 on pairs the
