@@ -144,8 +144,9 @@ def test_lora_reference_is_the_base_with_adapters_off():
 
 
 @pytest.mark.parametrize(("method", "data", "context", "micro"), [
-    ("dpo", 8, 1, 2), ("orpo", 8, 1, 2),
-    ("ipo", 4, 2, 1),  # each sequence striped over a context axis of 2
+    ("dpo", 8, 1, 2), pytest.param("orpo", 8, 1, 2, marks=pytest.mark.slow),
+    # each sequence striped over a context axis of 2
+    pytest.param("ipo", 4, 2, 1, marks=pytest.mark.slow),
 ])
 def test_zero3_on_8_devices_equals_one_device(method, data, context, micro):
     batches = [pair_batch(32, seed=s) for s in range(3)]

@@ -51,6 +51,9 @@ def test_precomputed_reference_resumes_exactly(pairs, tmp_path):
     again = [r["loss"] for r in resumed.history if "loss" in r]
     assert again == losses[2:]  # bit for bit, the reference read back, not recomputed
     last = _rows(cut)[-1]
+    # the eval split's reference is precomputed too (not the policy itself: margins 0, ln 2)
+    assert abs(last["eval_loss"] - 0.6931471805599453) > 1e-4
+    assert last["eval_rewards/accuracies"] > 0.5
     for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins",
                 "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         assert key in last, key

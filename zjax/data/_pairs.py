@@ -13,8 +13,8 @@ whose pairs are interleaved: row ``2i`` is pair ``i``'s chosen sequence, row ``2
 rejected one. ``data.batch_size`` counts rows (two per pair). The iterator is grain's, so its
 ``get_state()`` / ``set_state()`` resume at the exact next batch.
 
-Reference log-probabilities (``ref_logps``: one float32 per document of each source's train
-split, computed over :func:`preference_rows`) ride along as a float32 ``[rows]`` array aligned
+Reference log-probabilities (``ref_logps``: one float32 per document of each source's split,
+computed over :func:`preference_rows`) ride along as a float32 ``[rows]`` array aligned
 with the rows.
 """
 
@@ -126,7 +126,10 @@ class _PaddedPairs:
             if k < len(part):
                 return part[k]
             k -= len(part)
-        return {f: np.zeros((2, self.seq_len + 1), np.int32) for f in BATCH_FIELDS}
+        out = {f: np.zeros((2, self.seq_len + 1), np.int32) for f in BATCH_FIELDS}
+        if self.parts and self.parts[0].ref is not None:
+            out["ref_logps"] = np.zeros(2, np.float32)
+        return out
 
 
 def _interleave(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -190,9 +193,9 @@ def _sources(corpus: Corpus, data: DataConfig, split: str, ref_logps) -> list:
     """``(k, pairs, weight)`` of each source with a pair; a train split short of one batch
     is refused."""
     splits = _split(corpus, data, split)
-    if ref_logps is not None and (split != "train" or len(ref_logps) != len(splits)):
+    if ref_logps is not None and len(ref_logps) != len(splits):
         raise ValueError(f"ref_logps: {len(ref_logps)} arrays for the {split} split; expected "
-                         f"one per source ({len(splits)}) of the train split")
+                         f"one per source ({len(splits)})")
     found = []
     for k, (docs, weight) in enumerate(splits):
         pairs = _Pairs(SequenceRows(docs, data.seq_len),
@@ -216,9 +219,9 @@ def preference_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: in
     interleaved), pairs reshuffled every epoch from ``seed``.
 
     Args:
-      ref_logps: per source of ``corpus`` (its order), one float32 per document of its train
-        split (``preference_rows(...).counts``); each batch then has float32 ``ref_logps``
-        ``[rows]``, aligned with its rows. ``split="train"`` only.
+      ref_logps: per source of ``corpus`` (its order), one float32 per document of its
+        ``split`` (``preference_rows(...).counts``); each batch then has float32
+        ``ref_logps`` ``[rows]``, aligned with its rows (0 on an eval batch's padding).
 
     An ``eval`` split with fewer pairs than one batch gives that one batch again and again,
     padded with rows of zeros (loss mask 0), its pairs interleaved; one with no pair gives None

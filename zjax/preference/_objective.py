@@ -74,6 +74,10 @@ def preference_loss(model, batch: Mapping, *, config: PreferenceConfig,
     batch, ref = without_reference(batch)
     _check_rows(batch["tokens"].shape[0])
     if ref is None and config.source != "none":  # (a trainable's step adds them first)
+        if reference is None:
+            raise ConfigError(
+                "preference.reference: precompute, but the batch carries no precomputed "
+                f"{REFERENCE_KEY} (a loop's data must add them; the built-in loops do)")
         ref = reference(model, batch)
     logps, counts, stats = sequence_logps(model, batch)
     (c, r), (nc, nr) = _pairs_of(logps), _pairs_of(counts)

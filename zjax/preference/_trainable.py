@@ -85,8 +85,10 @@ def preference_trainable(make_model: Callable[[nnx.Rngs], nnx.Module],
     adapters = lora is not None and lora.enabled
     copy = config.source == "model" and not adapters
     build = functools.partial(_with_copy, make_model) if copy else make_model
-    loss = functools.partial(preference_loss, config=config,
-                             reference=functools.partial(reference_logps, copy=copy))
+    # precomputed log-probs come in the batch: none is ever computed in the loss
+    reference = (functools.partial(reference_logps, copy=copy) if config.source == "model"
+                 else None)
+    loss = functools.partial(preference_loss, config=config, reference=reference)
     trainable = from_nnx(build, loss)
     score = None if copy else from_nnx(make_model, _score).loss
     # the reference's log-probs are computed by the step before the loss and outside its

@@ -136,7 +136,8 @@ class LanguageModel:
         """This process's batches of ``split``: a short eval split is one padded batch,
         masked; an empty one is None (no evaluation, one warning). Preference pairs
         (``data.format: preference``) come as interleaved rows, with ``ref_logps`` (each
-        train document's precomputed reference log-prob, per source) where given."""
+        of the split's documents' precomputed reference log-prob, per source) where
+        given."""
         shard = dict(split=split, seed=seed, process_index=process_index,
                      process_count=process_count)
         tokens = self.tokens(data)
@@ -147,10 +148,10 @@ class LanguageModel:
         return window_batches(tokens.split(split), global_batch=data.batch_size,
                               seq_len=data.seq_len, **shard)
 
-    def preference_rows(self, data: DataConfig) -> Any:
-        """The train split's preference rows in order (what a reference is precomputed
-        on): :func:`zjax.data.preference_rows`."""
-        return preference_rows(self.tokens(data), data, split="train")
+    def preference_rows(self, data: DataConfig, *, split: str = "train") -> Any:
+        """``split``'s preference rows in order (what a reference is precomputed on):
+        :func:`zjax.data.preference_rows`."""
+        return preference_rows(self.tokens(data), data, split=split)
 
 
 class LlamaLanguageModel(LanguageModel):

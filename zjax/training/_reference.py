@@ -1,6 +1,6 @@
-"""``preference.reference: precompute``: the reference's log-probability of every train
-sequence, computed once by the starting weights before training and carried in the batches
-(``ref_logps``), so no reference is held while training.
+"""``preference.reference: precompute``: the reference's log-probability of every sequence
+of the train and eval splits, computed once by the starting weights before training and
+carried in the batches (``ref_logps``), so no reference is held while training.
 
 The values are written to the run directory (``reference_logps.npz``, beside what they were
 computed for: the data section, ``train.init_from`` and each source's row count) and read
@@ -26,30 +26,32 @@ __all__ = ["FILE", "check_pairs", "precomputed_reference"]
 FILE = "reference_logps.npz"
 
 
-def _identity(config, counts: Sequence[int]) -> str:
+def _identity(config, counts: dict) -> str:
     """What the values depend on: the data, the starting weights, the model."""
     whole = config.to_dict()
     return json.dumps({**{k: whole[k] for k in ("data", "model", "lora", "zero")},
                        "init_from": config.train.init_from, "seed": config.train.seed,
-                       "counts": list(counts)}, sort_keys=True, default=str)
+                       "counts": counts}, sort_keys=True, default=str)
 
 
-def _read(path: Path | None, identity: str) -> tuple[np.ndarray, ...] | None:
+def _read(path: Path | None, identity: str, splits) -> dict | None:
     if path is None or not path.is_file():
         return None
     try:
         with np.load(path) as f:
             if str(f["identity"]) != identity:
                 return None
-            return tuple(f[f"source_{k}"] for k in range(int(f["sources"])))
+            return {split: tuple(f[f"{split}_{k}"] for k in range(int(f[f"{split}_sources"])))
+                    for split in splits}
     except (OSError, ValueError, KeyError):  # damaged: computed again
         return None
 
 
-def _write(path: Path, identity: str, values: Sequence[np.ndarray]) -> None:
+def _write(path: Path, identity: str, values: dict) -> None:
+    arrays = {f"{split}_{k}": v for split, vs in values.items() for k, v in enumerate(vs)}
+    counts = {f"{split}_sources": np.asarray(len(vs)) for split, vs in values.items()}
     tmp = path.with_name(path.name + ".partial.npz")
-    np.savez(tmp, identity=np.asarray(identity), sources=np.asarray(len(values)),
-             **{f"source_{k}": v for k, v in enumerate(values)})
+    np.savez(tmp, identity=np.asarray(identity), **counts, **arrays)
     tmp.replace(path)  # whole or not at all
 
 
@@ -78,14 +80,14 @@ def _score_source(zstep: ZeroStep, state, rows: Sequence[dict], size: int, put: 
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def precomputed_reference(zstep: ZeroStep, rows: Any, config, *, start: Callable[[], Any],
-                          put: Callable, process: tuple[int, int], run_dir: Path | None,
-                          info: Callable) -> tuple[np.ndarray, ...]:
-    """Each train source's per-sequence reference log-probs (float32, in document order).
+def precomputed_reference(zstep: ZeroStep, rows: dict[str, Any], config, *,
+                          start: Callable[[], Any], put: Callable, process: tuple[int, int],
+                          run_dir: Path | None, info: Callable) -> dict[str, tuple]:
+    """Per split, each source's per-sequence reference log-probs (float32, document order).
 
     Args:
       zstep: the step (its ``score``: the sequences' log-probs under given weights).
-      rows: :func:`zjax.data.preference_rows` of the train split.
+      rows: per split, :func:`zjax.data.preference_rows` of it.
       config: the run's config.
       start: ``start() -> TrainState`` at step 0 (the starting weights).
       put: a process's rows of a global batch -> the global batch.
@@ -93,18 +95,18 @@ def precomputed_reference(zstep: ZeroStep, rows: Any, config, *, start: Callable
       run_dir: where the values are kept for a resume (None: not kept).
       info: the run's progress log.
     """
-    sources = list(rows.sources)
-    identity = _identity(config, [len(s) for s in sources])
+    sources = {split: list(r.sources) for split, r in rows.items()}
+    identity = _identity(config, {split: [len(x) for x in s] for split, s in sources.items()})
     path = None if run_dir is None else Path(run_dir) / FILE
-    found = _read(path, identity)
+    found = _read(path, identity, sources)
     if found is not None:
-        info("reference log-probs of %d sequences read from %s", sum(map(len, found)), path)
+        info("reference log-probs read from %s", path)
         return found
-    info("precomputing the reference's log-probs of %d train sequences",
-         sum(len(s) for s in sources))
+    info("precomputing the reference's log-probs of %d sequences",
+         sum(len(x) for s in sources.values() for x in s))
     state = start()
-    values = tuple(_score_source(zstep, state, s, config.data.batch_size, put, process)
-                   for s in sources)
+    values = {split: tuple(_score_source(zstep, state, x, config.data.batch_size, put, process)
+                           for x in s) for split, s in sources.items()}
     del state
     if path is not None and jax.process_index() == 0:
         _write(path, identity, values)

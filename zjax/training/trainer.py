@@ -311,16 +311,18 @@ def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None, in
     def put(local: Any) -> Any:  # an array, or a dict of them (packed documents)
         return jax.tree.map(put_one, local) if isinstance(local, dict) else put_one(local)
 
-    extra = {}
+    splits = ("train", "eval") if config.train.eval_every else ("train",)
+    refs = {split: {} for split in splits}
     if config.preference.source == "precompute" and config.preference.enabled:
-        extra["ref_logps"] = precomputed_reference(
-            zstep, loop.preference_rows(config.data), config,
-            start=lambda: _initial_state(zstep, config, info), put=put,
+        found = precomputed_reference(
+            zstep, {split: loop.preference_rows(config.data, split=split) for split in splits},
+            config, start=lambda: _initial_state(zstep, config, info), put=put,
             process=(index, count), run_dir=run.path if run else None, info=info)
-    train_data = loop.data(config.data, split="train", **shard, **extra)
+        refs = {split: {"ref_logps": found[split]} for split in splits}
+    train_data = loop.data(config.data, split="train", **shard, **refs["train"])
     # None: nothing held out to evaluate on (the loop has warned); the run goes on without
-    eval_data = loop.data(config.data, split="eval", **shard) if config.train.eval_every \
-        else None
+    eval_data = loop.data(config.data, split="eval", **shard, **refs["eval"]) \
+        if config.train.eval_every else None
     return train_data, eval_data, put
 
 
