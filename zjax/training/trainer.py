@@ -236,11 +236,13 @@ def _check_base(got: dict[str, str], meta: dict | None, config: Config) -> None:
     if not want:
         return
     changed = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    what = ("adapters were trained over" if config.lora.enabled
+            else "preference reference was copied from")
     if changed:
         raise CheckpointError(
             f"train.init_from: {config.train.init_from} is not the base the checkpoint's "
-            f"run was trained over (its frozen {changed[0]} differs, of {len(changed)} "
-            "leaves); point train.init_from at that base, or train in a new run directory")
+            f"{what} ({changed[0]} differs, of {len(changed)} frozen leaves); point "
+            "train.init_from at that base, or train in a new run directory")
 
 
 def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
