@@ -125,3 +125,13 @@ def test_defaults_follow_the_method():
     assert PreferenceConfig(method="orpo").nll_weight == 1.0
     assert PreferenceConfig(method="dpo").nll_weight == 0.0
     assert not PreferenceConfig().enabled
+
+
+def test_orpo_gradients_stay_finite_for_a_certain_answer():
+    """ORPO's ``log(1 - p)`` at an average log-prob float32 rounds to 0 (a certain answer):
+    neither branch of its ``where`` may put a NaN into the gradient."""
+    cfg = PreferenceConfig(method="orpo")
+    c = jnp.asarray([0.0, -1e-9, -3.0, -0.5])
+    grad = jax.grad(lambda c: jnp.sum(_jax_loss(cfg, c, c - 1, [1.0] * 4, [1.0] * 4, None,
+                                                None)[0]))(c)
+    assert np.all(np.isfinite(np.asarray(grad)))

@@ -37,14 +37,18 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_precomputed_reference_resumes_exactly(pairs, tmp_path):
-    common = ["preference.reference=precompute", "checkpoint.every=2", "train.eval_every=4",
-              "data.eval_fraction=0.1"]
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["precompute", "model"])
+def test_a_resumed_run_trains_as_one_that_never_stopped(pairs, tmp_path, reference):
+    """``precompute``: the values are read back, not computed again; ``model``: the frozen
+    copy is made again from the starting weights alone."""
+    common = [f"preference.reference={reference}", "checkpoint.every=2",
+              "train.eval_every=4", "data.eval_fraction=0.1"]
     whole = zjax.train("llama", _config(pairs, "train.steps=4", *common),
                        run_dir=tmp_path / "whole")
     losses = [r["loss"] for r in whole.history if "loss" in r]
     assert losses[0] == pytest.approx(0.6931, abs=1e-4)  # ln 2: the reference is the start
-    assert (tmp_path / "whole" / "reference_logps.npz").is_file()
+    assert (tmp_path / "whole" / "reference_logps.npz").is_file() == (reference == "precompute")
     cut = tmp_path / "cut"
     zjax.train("llama", _config(pairs, "train.steps=2", *common), run_dir=cut)
     resumed = zjax.train("llama", _config(pairs, "train.steps=4", *common), run_dir=cut)
@@ -62,6 +66,9 @@ def test_precomputed_reference_resumes_exactly(pairs, tmp_path):
 def test_a_text_format_with_a_preference_method_is_refused(pairs):
     with pytest.raises(zjax.ConfigError, match=r"data\.format"):
         zjax.train("llama", _config(pairs, "data.format=text", "train.steps=1"))
+    # and pairs without a method would train next-token prediction on the rejected answers
+    with pytest.raises(zjax.ConfigError, match=r"preference\.method"):
+        zjax.train("llama", _config(pairs, "preference.method=null", "train.steps=1"))
 
 
 def _chat_pairs(path: Path, n: int) -> Path:

@@ -185,7 +185,7 @@ def _ref(ref_logps: Sequence[np.ndarray], k: int, docs: Documents) -> np.ndarray
     values = np.asarray(ref_logps[k], np.float32)
     if values.shape != (len(docs),):
         raise ValueError(f"ref_logps[{k}] has shape {values.shape}, expected ({len(docs)},): "
-                         f"one value per train document of {docs.source}")
+                         f"one value per document of {docs.source}'s split")
     return values
 
 

@@ -44,9 +44,14 @@ def _smoothed(logits: jax.Array, eps: float) -> jax.Array:
 
 
 def _log1mexp(x: jax.Array) -> jax.Array:
-    """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of ``-ln 2``."""
-    return jnp.where(x > -0.6931471805599453, jnp.log(-jnp.expm1(x)),
-                     jnp.log1p(-jnp.exp(x)))
+    """``log(1 - exp(x))`` for ``x < 0``, accurate on both sides of ``-ln 2``. ``x`` is
+    held at or below ``-1e-7`` (an average log-prob that float32 rounds to 0: a certain
+    answer) and each branch sees only inputs it is finite on, so that neither ``where``
+    branch's gradient is ``0 / 0`` (NaN, even where the branch is not taken)."""
+    x = jnp.minimum(x, -1e-7)
+    near = x > -0.6931471805599453
+    return jnp.where(near, jnp.log(-jnp.expm1(jnp.where(near, x, -1.0))),
+                     jnp.log1p(-jnp.exp(jnp.where(near, -1.0, x))))
 
 
 def _dpo(p: Pairs, cfg: PreferenceConfig, *, averaged: bool):

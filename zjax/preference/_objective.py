@@ -82,8 +82,12 @@ def preference_loss(model, batch: Mapping, *, config: PreferenceConfig,
     logps, counts, stats = sequence_logps(model, batch)
     (c, r), (nc, nr) = _pairs_of(logps), _pairs_of(counts)
     refs = (None, None) if config.source == "none" else _pairs_of(ref.astype(jnp.float32))
-    losses, metrics = pair_losses(Pairs(c, r, nc, nr, *refs), config)
     valid = ((nc > 0) & (nr > 0)).astype(jnp.float32)
+    # a pair with no answer token (eval padding) gets harmless stand-ins: its loss is dropped
+    # below, but a NaN in the branch it takes would still reach the gradient
+    safe = lambda x: None if x is None else jnp.where(valid > 0, x, -1.0)
+    c, r, refs = safe(c), safe(r), tuple(map(safe, refs))
+    losses, metrics = pair_losses(Pairs(c, r, nc, nr, *refs), config)
     share = 1.0 / model_axis_size(CONTEXT)
     loss_sum = jnp.sum(jnp.where(valid > 0, losses, 0.0)) * share
     count = jnp.sum(valid) * share

@@ -61,7 +61,8 @@ class ZeroStep:
         them (one compile serves both).
       derived_frozen: the frozen leaves are made from the trained ones at the start
         (``Trainable.frozen_from``): :attr:`from_params` and :attr:`params_target` are the
-        trained leaves'.
+        trained leaves'; ``frozen_init(rng)`` and ``frozen_of(trained)`` give the frozen
+        leaves alone, placed (a resume's); else those two are None.
       score: with ``Trainable.score``, ``score(params, batch, frozen=None) -> [rows]``
         float32 per-row values (a preference run's precomputed reference log-probs); else
         None.
@@ -99,6 +100,8 @@ class ZeroStep:
     evaluate_metrics: Callable | None = None
     score: Callable | None = None
     derived_frozen: bool = False
+    frozen_init: Callable | None = None
+    frozen_of: Callable | None = None
 
     def close(self) -> None:
         """Release what the step holds outside the state (NVMe swap files: removed)."""
@@ -301,7 +304,14 @@ def _from_params(trainable: Trainable, tx, plan: ShardPlan, params_shardings: An
 
     from_params = jax.jit(from_trained, in_shardings=(trained_shardings,),
                           out_shardings=shardings, donate_argnums=0)
-    return from_params, trained_shardings, {"derived_frozen": True}
+    # the frozen leaves alone (a resume: the checkpoint holds the trained ones), never a
+    # second optimizer state beside the restored one
+    frozen_init = jax.jit(lambda rng: split_parts(plan, trainable.init(rng))[1],
+                          out_shardings=shardings.frozen)
+    frozen_of = jax.jit(trainable.frozen_from, in_shardings=(trained_shardings,),
+                        out_shardings=shardings.frozen)
+    return from_params, trained_shardings, {"derived_frozen": True,
+                                            "frozen_init": frozen_init, "frozen_of": frozen_of}
 
 
 def _from_base(trainable: Trainable, plan: ShardPlan, from_params: Callable,

@@ -10,6 +10,7 @@ second pass.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,17 +22,17 @@ import numpy as np
 from zjax.errors import ConfigError
 from zjax.step import ZeroStep
 
-__all__ = ["FILE", "check_pairs", "precomputed_reference"]
+__all__ = ["FILE", "StartState", "check_pairs", "precomputed_reference"]
 
 FILE = "reference_logps.npz"
 
 
-def _identity(config, counts: dict) -> str:
-    """What the values depend on: the data, the starting weights, the model."""
+def _identity(config, data: dict) -> str:
+    """What the values depend on: the data (its digest), the starting weights, the model."""
     whole = config.to_dict()
     return json.dumps({**{k: whole[k] for k in ("data", "model", "lora", "zero")},
                        "init_from": config.train.init_from, "seed": config.train.seed,
-                       "counts": counts}, sort_keys=True, default=str)
+                       "rows": data}, sort_keys=True, default=str)
 
 
 def _read(path: Path | None, identity: str, splits) -> dict | None:
@@ -66,24 +67,57 @@ def _batches(rows: Sequence[dict], size: int):
 
 def _score_source(zstep: ZeroStep, state, rows: Sequence[dict], size: int, put: Callable,
                   process: tuple[int, int]) -> np.ndarray:
+    """``zstep.score`` of every row, in order. Each process feeds block ``index`` of each
+    global batch and reads back its own rows' values from its addressable shards (in the
+    order it fed them, whatever the devices' layout), then the processes exchange theirs."""
     out = []
     index, count = process
+    per = size // count  # this process's rows of the global batch
     for n, batch in _batches(rows, size):
-        per = size // count  # this process's rows of the global batch
         local = {k: v[index * per:(index + 1) * per] for k, v in batch.items()}
-        values = zstep.score(state.params, put(local), state.frozen)
+        values = _local_values(zstep.score(state.params, put(local), state.frozen))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            values = multihost_utils.process_allgather(values, tiled=True)
-        out.append(np.asarray(values, np.float32)[:n])
+            blocks = multihost_utils.process_allgather(values)  # [processes, per]
+            slots = multihost_utils.process_allgather(np.asarray(index))
+            values = np.empty(size, np.float32)
+            for block, slot in zip(blocks, slots, strict=True):
+                values[int(slot) * per:(int(slot) + 1) * per] = block
+        out.append(values[:n])
     return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def _local_values(values: jax.Array) -> np.ndarray:
+    """This process's rows of a row-split global array, in global order (one copy of each)."""
+    seen = {}
+    for shard in values.addressable_shards:
+        start = shard.index[0].start or 0
+        seen.setdefault(start, np.asarray(shard.data, np.float32))
+    return np.concatenate([seen[k] for k in sorted(seen)])
+
+
+def _digest(sources: dict[str, list]) -> str:
+    """The data the values are of: each split's sources' tokens and loss masks."""
+    h = hashlib.sha256()
+    for split in sorted(sources):
+        for rows in sources[split]:
+            docs = rows.docs
+            lo, hi = int(docs.offsets[0]), int(docs.offsets[-1])  # the split's own tokens
+            for arr in (np.asarray(docs.offsets) - lo, docs.tokens[lo:hi],
+                        docs.loss_mask[lo:hi]):
+                for lo in range(0, len(arr), 1 << 24):  # memory-mapped: read by chunks
+                    h.update(np.ascontiguousarray(arr[lo:lo + (1 << 24)]).tobytes())
+    return h.hexdigest()
 
 
 def precomputed_reference(zstep: ZeroStep, rows: dict[str, Any], config, *,
                           start: Callable[[], Any], put: Callable, process: tuple[int, int],
-                          run_dir: Path | None, info: Callable) -> dict[str, tuple]:
-    """Per split, each source's per-sequence reference log-probs (float32, document order).
+                          run_dir: Path | None, info: Callable
+                          ) -> tuple[dict[str, tuple], Callable[[Path], None]]:
+    """``(values, keep)``: per split, each source's per-sequence reference log-probs
+    (float32, document order), and ``keep(run_dir)``, which writes newly computed values
+    there for a resume (the trainer calls it once the run's checks have passed).
 
     Args:
       zstep: the step (its ``score``: the sequences' log-probs under given weights).
@@ -92,29 +126,65 @@ def precomputed_reference(zstep: ZeroStep, rows: dict[str, Any], config, *,
       start: ``start() -> TrainState`` at step 0 (the starting weights).
       put: a process's rows of a global batch -> the global batch.
       process: ``(index, count)`` of the processes the batch's rows are split over.
-      run_dir: where the values are kept for a resume (None: not kept).
+      run_dir: where values kept by an earlier start of this run are read from (None: none).
       info: the run's progress log.
     """
     sources = {split: list(r.sources) for split, r in rows.items()}
-    identity = _identity(config, {split: [len(x) for x in s] for split, s in sources.items()})
+    counts = {split: [len(x) for x in s] for split, s in sources.items()}
+    identity = _identity(config, {"counts": counts, "data": _digest(sources)})
     path = None if run_dir is None else Path(run_dir) / FILE
     found = _read(path, identity, sources)
+    if jax.process_count() > 1:  # every process scores, or none: a collective
+        from jax.experimental import multihost_utils
+
+        if not np.all(multihost_utils.process_allgather(np.asarray(found is not None))):
+            found = None
     if found is not None:
         info("reference log-probs read from %s", path)
-        return found
+        return found, lambda run_dir: None
     info("precomputing the reference's log-probs of %d sequences",
-         sum(len(x) for s in sources.values() for x in s))
+         sum(sum(c) for c in counts.values()))
     state = start()
     values = {split: tuple(_score_source(zstep, state, x, config.data.batch_size, put, process)
                            for x in s) for split, s in sources.items()}
     del state
-    if path is not None and jax.process_index() == 0:
-        _write(path, identity, values)
-    return values
+
+    def keep(run_dir: Path) -> None:
+        if jax.process_index() == 0:
+            _write(Path(run_dir) / FILE, identity, values)
+
+    return values, keep
+
+
+class StartState:
+    """A run's initial state, made on first use and kept until the start takes it (the
+    precompute pass and the start share one; a resume drops it)."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self._make, self._state = make, None
+
+    def peek(self) -> Any:
+        if self._state is None:
+            self._state = self._make()
+        return self._state
+
+    def take(self) -> Any:
+        state, self._state = self.peek(), None
+        return state
+
+    def drop(self) -> None:
+        self._state = None
 
 
 def check_pairs(config) -> None:
-    """A preference method trains on pairs: the data must be in the preference format."""
+    """A preference method trains on pairs, and pairs are for a preference method."""
+    if not config.preference.enabled:
+        if config.data.format == "preference":
+            raise ConfigError("preference.method: empty, but data.format preference holds "
+                              "pairs of a chosen and a rejected answer (next-token training "
+                              "would learn the rejected ones too); set preference.method: "
+                              "dpo, ipo, simpo or orpo")
+        return
     if config.data.format != "preference":
         raise ConfigError(f"data.format: {config.data.format}, but preference.method "
                           f"{config.preference.method} trains on pairs of a chosen and a "

@@ -34,7 +34,7 @@ from zjax.training._hooks import Hook, run_hooks, training_steps
 from zjax.training._metrics import MetricsWriter
 from zjax.training._nonfinite import FiniteWatch
 from zjax.training._preempt import PreemptionGuard
-from zjax.training._reference import check_pairs, precomputed_reference
+from zjax.training._reference import StartState, check_pairs, precomputed_reference
 from zjax.training._rundir import RunDir
 from zjax.training._train_hooks import Checkpoints, Evaluation, MetricsLog, Progress, preemption
 
@@ -94,8 +94,7 @@ def train(loop: Loop | str | None, config: Config | Mapping[str, Any] | str | os
     config = as_config(config, model_config=model_config)
     if loop is None or isinstance(loop, str):
         loop = resolve_loop(loop or config.loop)
-    if config.preference.enabled:
-        check_pairs(config)  # before any data is read
+    check_pairs(config)  # before any data is read
     if hasattr(loop, "check"):
         loop.check(config.model, config.data)
     # before anything touches a device: join the multi-process job the environment describes
@@ -156,8 +155,12 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
 
 def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer | None,
                run: RunDir | None, info) -> TrainResult:
-    train_data, eval_data, put = _data(loop, config, zstep, run=run, info=info)
-    start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, info)
+    # the initial state, made once: by the precompute pass if it needs it, then the start
+    initial = StartState(lambda: _initial_state(zstep, config, info))
+    train_data, eval_data, put, keep = _data(loop, config, zstep, run=run, initial=initial,
+                                             info=info)
+    start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, initial,
+                                         info)
     # an adapters run's checkpoints name their base by its digests (computed once), checked
     # on resume against the base read again
     digests = None if state.frozen is None else tree_digests(state.frozen)
@@ -172,6 +175,7 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
         run.truncate_metrics(start)  # rows after the resumed step (all, starting afresh)
         run.write_config(config.to_dict())
         run.write_plan(planned.to_json())
+        keep(run.path)  # a precomputed reference, for a resume
     watch = _finite_watch(config, meta)
 
     def save(step: int, state: TrainState) -> None:
@@ -212,17 +216,18 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
 
 
 def _start(zstep: ZeroStep, config: Config, ckpt: Checkpointer | None, train_data, eval_data,
-           info) -> tuple[int, TrainState, dict, bool]:
+           initial: StartState, info) -> tuple[int, TrainState, dict, bool]:
     """``(start step, state, checkpoint meta, resumed)``: the newest checkpoint's state with
     the data iterators set where it left them, else the initial state."""
     # before compiling: a checkpoint of another model or optimizer is an error at once
     restored = ckpt.restore_latest(zstep, config=config.to_dict()) if ckpt else None
     if restored is None:
-        return 0, _initial_state(zstep, config, info), {}, False
+        return 0, initial.take(), {}, False
+    initial.drop()
     start, state, data_state, meta = restored
     info("resuming from the checkpoint at step %d", start)
     if frozen_part(zstep.plan) is not None:  # checkpoints hold the trained leaves only
-        state = state._replace(frozen=_initial_state(zstep, config, info).frozen)
+        state = state._replace(frozen=_initial_frozen(zstep, config, info))
     for split, it in (("train", train_data), ("eval", eval_data)):
         if it is not None and data_state.get(split) is not None:
             _set_iterator(it, data_state[split], start, ckpt, split)
@@ -243,6 +248,20 @@ def _check_base(got: dict[str, str], meta: dict | None, config: Config) -> None:
             f"train.init_from: {config.train.init_from} is not the base the checkpoint's "
             f"{what} ({changed[0]} differs, of {len(changed)} frozen leaves); point "
             "train.init_from at that base, or train in a new run directory")
+
+
+def _initial_frozen(zstep: ZeroStep, config: Config, info) -> Any:
+    """The frozen leaves at the start, read again for a resume: a preference reference from
+    the starting weights alone (no optimizer state beside the restored one), an adapters'
+    base as the start reads it."""
+    if not zstep.derived_frozen:
+        return _initial_state(zstep, config, info).frozen
+    if config.train.init_from is None:
+        return zstep.frozen_init(jax.random.key(config.train.seed))
+    from zjax.hf import initial_params
+
+    return zstep.frozen_of(initial_params(config.train.init_from, zstep.params_target,
+                                          config.model))
 
 
 def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
@@ -296,10 +315,12 @@ def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:
     return watch
 
 
-def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None, info):
-    """``(train iterator, eval iterator or None, put)``: ``put`` makes a global array of this
-    process's rows. A preference run with ``reference: precompute`` computes its reference
-    log-probs first (:mod:`zjax.training._reference`)."""
+def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None,
+          initial: StartState, info):
+    """``(train iterator, eval iterator or None, put, keep)``: ``put`` makes a global array of
+    this process's rows. A preference run with ``reference: precompute`` computes its
+    reference log-probs first (:mod:`zjax.training._reference`): ``keep(run_dir)`` writes
+    them there once the run's checks have passed (a no-op otherwise)."""
     # processes that share data rows (a model axis across processes) load the same slice
     index, count = process_batch_slice(zstep.plan.mesh)
     shard = dict(process_index=index, process_count=count, seed=config.train.seed)
@@ -314,18 +335,18 @@ def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None, in
         return jax.tree.map(put_one, local) if isinstance(local, dict) else put_one(local)
 
     splits = ("train", "eval") if config.train.eval_every else ("train",)
-    refs = {split: {} for split in splits}
+    refs, keep = {split: {} for split in splits}, lambda run_dir: None
     if config.preference.source == "precompute" and config.preference.enabled:
-        found = precomputed_reference(
+        found, keep = precomputed_reference(
             zstep, {split: loop.preference_rows(config.data, split=split) for split in splits},
-            config, start=lambda: _initial_state(zstep, config, info), put=put,
-            process=(index, count), run_dir=run.path if run else None, info=info)
+            config, start=initial.peek, put=put, process=(index, count),
+            run_dir=run.path if run else None, info=info)
         refs = {split: {"ref_logps": found[split]} for split in splits}
     train_data = loop.data(config.data, split="train", **shard, **refs["train"])
     # None: nothing held out to evaluate on (the loop has warned); the run goes on without
     eval_data = loop.data(config.data, split="eval", **shard, **refs["eval"]) \
         if config.train.eval_every else None
-    return train_data, eval_data, put
+    return train_data, eval_data, put, keep
 
 
 def _memory_row(zstep: ZeroStep, compiled, config: Config, info) -> tuple[dict, PlanReport]:
