@@ -21,14 +21,13 @@ with the rows.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 
 import grain
 import jax
 import numpy as np
 
-from zjax.data._records import BATCH_FIELDS, Corpus
+from zjax.data._records import BATCH_FIELDS, Corpus, warn_no_eval
 from zjax.data._store import Documents
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError
@@ -230,10 +229,7 @@ def preference_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: in
     pairs = _check_batch(data, process_count)
     found = _sources(corpus, data, split, ref_logps)
     if not found:
-        logging.getLogger("zjax").warning(
-            "data.eval_fraction: the eval split (%s of %s) holds no preference pair to "
-            "evaluate on; training without evaluation (raise data.eval_fraction, or set "
-            "train.eval_every=0)", data.eval_fraction, corpus.source)
+        warn_no_eval(data, corpus.source, "preference pair")
         return None
     if split == "eval" and sum(len(p) for _, p, _ in found) < pairs:
         ds = grain.MapDataset.source(_PaddedPairs([p for _, p, _ in found], pairs,

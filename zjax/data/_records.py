@@ -171,10 +171,7 @@ def document_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: int,
         found.append((k, windows, weight))
     shard = dict(process_index=process_index, process_count=process_count)
     if not found:
-        logging.getLogger("zjax").warning(
-            "data.eval_fraction: the eval split (%s of %s) holds no document to evaluate on; "
-            "training without evaluation (raise data.eval_fraction, or set "
-            "train.eval_every=0)", data.eval_fraction, corpus.source)
+        warn_no_eval(data, corpus.source, "document")
         return None
     if split == "eval" and sum(len(w) for _, w, _ in found) < data.batch_size:
         rows = PaddedWindows([w for _, w, _ in found], data.batch_size, data.seq_len,
@@ -186,6 +183,15 @@ def document_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: int,
     ds = ds.slice(slice(process_index, None, process_count))
     ds = ds.batch(data.batch_size // process_count, drop_remainder=True)
     return iter(ds.to_iter_dataset())
+
+
+def warn_no_eval(data: DataConfig, source: str, what: str) -> None:
+    """The one warning of an eval split with no ``what`` (document, preference pair) in it:
+    the run goes on without evaluation."""
+    logging.getLogger("zjax").warning(
+        "data.eval_fraction: the eval split (%s of %s) holds no %s to evaluate on; training "
+        "without evaluation (raise data.eval_fraction, or set train.eval_every=0)",
+        data.eval_fraction, source, what)
 
 
 def _eval_windows(docs: Documents, data: DataConfig):
