@@ -186,6 +186,8 @@ def test_the_reference_of_llama3_8b_adds_its_bf16_shards_and_nothing_else(tgt):
         pytest.approx(shards, rel=1e-3)
     assert dpo.per_device["total_bytes"] - plain.per_device["total_bytes"] <= shards * 1.001
     assert dpo.frozen["frozen_kind"] == "reference"
+    # model FLOPs count the reference's forward: a third of training's 6N (and attention)
+    assert dpo.flops["per_token"] == pytest.approx(plain.flops["per_token"] * 4 / 3)
     if tgt == "h100:8":
         precomputed = plan("preference.method=dpo", "preference.reference=precompute")
         assert precomputed.per_device["params_bytes"] == plain.per_device["params_bytes"]

@@ -30,7 +30,7 @@ def peak_flops(device_kind: str) -> float | None:
 def flops_per_token(n_params: int, *, n_layers: int | None = None, d_model: int | None = None,
                     seq_len: int | None = None, attn_width: int | None = None,
                     window: int | None = None, windowed_layers: int = 0,
-                    inactive_params: int = 0) -> float:
+                    inactive_params: int = 0, reference_forwards: int = 0) -> float:
     """Model FLOPs to train on one token: ``6 N`` (forward and backward of every parameter's
     matmul) plus, for a transformer whose shape is given, ``12 L H Q T`` for attention's
     scores and weighted sum over ``T`` positions (PaLM's; ``H Q`` is ``attn_width``, the
@@ -39,11 +39,14 @@ def flops_per_token(n_params: int, *, n_layers: int | None = None, d_model: int 
 
     ``N`` counts every parameter a token uses, the embedding table included (for a tied
     embedding it is the output projection too): a mixture's ``inactive_params`` (the experts
-    a token is not routed to) are left out.
+    a token is not routed to) are left out. ``reference_forwards``: forward passes of a
+    model of the same shape the step needs besides (a preference loss's reference): a third
+    of the above each.
     """
     n_params = n_params - inactive_params
+    scale = 1.0 + reference_forwards / 3.0
     if None in (n_layers, d_model, seq_len):
-        return 6.0 * n_params
+        return 6.0 * n_params * scale
     windowed = windowed_layers if window is not None else 0
     attended = (n_layers - windowed) * seq_len + windowed * min(seq_len, window or seq_len)
-    return 6.0 * n_params + 12 * (attn_width or d_model) * attended
+    return (6.0 * n_params + 12 * (attn_width or d_model) * attended) * scale

@@ -136,7 +136,8 @@ def flops_shape(config: Config) -> dict:
     the model section names them (a user's model may not: then 6N only), with a Llama's
     attention width, windowed layers and, for a mixture, the parameters of the experts a
     token is not routed to (``inactive_params``: model FLOPs count active parameters) and
-    its ``n_experts``."""
+    its ``n_experts``; a preference loss with a reference model, its forward
+    (``reference_forwards``)."""
     model = config.model
     shape = {"n_layers": getattr(model, "n_layers", None),
              "d_model": getattr(model, "d_model", None), "seq_len": config.data.seq_len}
@@ -151,5 +152,7 @@ def flops_shape(config: Config) -> dict:
             shape["inactive_params"] = (model.n_layers * (model.n_experts
                                                           - model.experts_per_token)
                                         * 3 * model.d_model * model.expert_ff)
+    if config.preference.enabled and config.preference.source == "model" and shape:
+        shape["reference_forwards"] = 1  # the reference's forward over every sequence
     return {"tokens_per_step": config.data.batch_size * config.data.seq_len,
             "model_shape": shape}
