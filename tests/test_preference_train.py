@@ -87,6 +87,7 @@ def _chat_pairs(path: Path, n: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_an_imported_hf_model_tunes_on_chat_pairs_and_exports_as_itself(tmp_path):
     """DPO from a Hugging Face directory (the reference a copy of its weights) on pairs
     rendered with its chat template; the export is the plain model, no reference in it."""
