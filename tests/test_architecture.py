@@ -137,6 +137,7 @@ LAYERS = [
     ("zjax.lora",),
     ("zjax.models",),
     ("zjax.preference",),
+    ("zjax.rl",),
     ("zjax.step",),
     ("zjax.data",),
     ("zjax.checkpoint",),

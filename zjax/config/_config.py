@@ -20,6 +20,7 @@ from zjax.lora.config import LoraConfig
 from zjax.models.config import GPTConfig
 from zjax.partition.config import ZeroConfig
 from zjax.preference.config import PreferenceConfig
+from zjax.rl.config import RLConfig
 from zjax.runtime.config import MeshConfig
 from zjax.schema import (
     choices,
@@ -40,6 +41,7 @@ __all__ = [
     "LoraConfig",
     "OptimizerConfig",
     "PreferenceConfig",
+    "RLConfig",
     "TrainConfig",
     "section_types",
 ]
@@ -146,6 +148,7 @@ class Config:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
 
     def __post_init__(self):
         validate(self)
@@ -157,6 +160,9 @@ class Config:
             raise ConfigError(
                 f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len {max_len}"
             )
+        if self.rl.enabled and self.preference.enabled:
+            raise ConfigError(f"rl.method: {self.rl.method} and preference.method "
+                              f"{self.preference.method} are two objectives; set one")
         if self.train.eval_every and self.data.eval_fraction == 0:
             raise ConfigError(
                 "data.eval_fraction: 0 holds out no data to evaluate on, but train.eval_every "

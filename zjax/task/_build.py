@@ -82,6 +82,10 @@ def _trainable(loop: Loop, config: Config):
         raise ConfigError(f"lora.init_adapter: {config.lora.init_adapter} continues an "
                           "adapter over its base: set lora.rank (the adapter's) and "
                           "train.init_from (the base it was trained on)")
+    if config.rl.enabled:  # never next-token training in its place
+        raise ConfigError(f"rl.method: {config.rl.method}: the rollout loop (generation from "
+                          "the training shards, scoring, the GRPO step) is not built yet; "
+                          "zjax.rl has its loss, advantages and reward functions")
     kwargs = {}
     takes = inspect.signature(loop.trainable).parameters
     if config.lora.enabled:
