@@ -138,6 +138,7 @@ LAYERS = [
     ("zjax.models",),
     ("zjax.preference",),
     ("zjax.rl",),
+    ("zjax.generate",),
     ("zjax.step",),
     ("zjax.data",),
     ("zjax.checkpoint",),

@@ -1,15 +1,13 @@
 """``zjax sample``: text from a run's newest checkpoint or a Hugging Face directory.
 
-Generation keeps a key/value cache: the prompt runs once (``decode`` at position 0), then each
-new token attends to the cached keys and values, so a step costs one token's forward pass, not
-the whole sequence's. The loop over new tokens is a ``lax.scan`` inside one ``jit``. Sampling is
-by temperature and nucleus (top-p); temperature 0 is greedy. Inference runs on one device
-(params whole: an export-sized model), not under ZeRO.
+Generation is :mod:`zjax.generate`'s (a key/value cache, one ``jit``, temperature and nucleus
+sampling; temperature 0 is greedy). Inference runs on one device (params whole: an
+export-sized model), not under ZeRO. ``generate``, ``pick`` and ``until_stop`` are re-exported
+here for the callers that import them from this module.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +20,7 @@ from flax import nnx
 
 from zjax.checkpoint import nested
 from zjax.errors import CheckpointError, ConfigError
+from zjax.generate import generate, pick, until_stop
 
 __all__ = ["SEED_LIMIT", "Sampler", "check_seed", "generate", "load_sampler", "pick",
            "until_stop", "utf8"]
@@ -54,85 +53,6 @@ def utf8(text: str) -> bytes:
                 else f"the lone surrogate U+{bad:04X}")
         raise ConfigError(f"--prompt: not valid UTF-8 ({what} at character {e.start}); "
                           "give the text in UTF-8") from None
-
-
-def pick(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float) -> jax.Array:
-    """Token ids ``[B]`` drawn from float32 ``logits`` ``[B, V]``.
-
-    ``temperature`` 0 takes the most likely token; otherwise the logits are divided by it and
-    the draw is from the smallest set of tokens whose probability reaches ``top_p`` (at least
-    the most likely one).
-    """
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1)
-    logits = logits / temperature
-    if top_p < 1:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
-        kept = jnp.where(before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
-        logits = jnp.where(logits >= kept, logits, -jnp.inf)
-    return jax.random.categorical(key, logits, axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "new", "temperature", "top_p"))
-def _generate(graphdef, params, prompt, key, stop, *, new: int, temperature: float,
-              top_p: float):
-    model = nnx.merge(graphdef, params)
-    b, t = prompt.shape
-    cache = model.init_cache(b, t + new)
-    logits, cache = model.decode(prompt, cache, 0)
-    keys = jax.random.split(key, new)
-
-    def running(carry):  # tokens left, and a row that has not drawn a stop id
-        return (carry[0] < new) & ~carry[4].all()
-
-    def step(carry):
-        i, last, cache, out, done = carry
-        token = pick(last, keys[i], temperature=temperature, top_p=top_p).astype(prompt.dtype)
-        done = done | jnp.isin(token, stop)
-        logits, cache = model.decode(token[:, None], cache, t + i)
-        return i + 1, logits[:, -1], cache, out.at[:, i].set(token), done
-
-    out = jnp.full((b, new), -1, prompt.dtype)
-    start = (jnp.int32(0), logits[:, -1], cache, out, jnp.zeros((b,), bool))
-    return jax.lax.while_loop(running, step, start)[3]
-
-
-def generate(model: nnx.Module, prompt: np.ndarray, *, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, key: jax.Array,
-             stop: Sequence[int] = ()) -> np.ndarray:
-    """``max_new_tokens`` tokens after each row of ``prompt`` ``[B, T]`` (int), ``[B, N]``.
-
-    Args:
-      model: a model with ``init_cache(batch, length)`` and ``decode(tokens, cache, start)``
-        (:class:`zjax.models.GPT`, :class:`zjax.models.Llama`).
-      key: the RNG key of the draws (token ``i`` of every row draws with the ``i``-th of
-        ``max_new_tokens`` keys split from it, stops or not).
-      stop: ids that end a row, as transformers' ``eos_token_id``: generation ends once every
-        row has drawn one; the positions after that are -1 (cut each row at its first stop id
-        with :func:`until_stop`).
-    """
-    limit = model.cfg.max_seq_len
-    if prompt.shape[1] + max_new_tokens > limit:
-        raise ConfigError(f"--max-new-tokens: a prompt of {prompt.shape[1]} tokens and "
-                          f"{max_new_tokens} new ones exceed the model's max_seq_len {limit}")
-    graphdef, params = nnx.split(model)
-    stop_ids = jnp.asarray(sorted({int(i) for i in stop}) or [-1], jnp.int32)
-    return np.asarray(_generate(graphdef, params, jnp.asarray(prompt, jnp.int32), key,
-                                stop_ids, new=max_new_tokens, temperature=float(temperature),
-                                top_p=float(top_p)))
-
-
-def until_stop(row: Sequence[int], stop: Sequence[int] | set[int]) -> list[int]:
-    """``row`` up to (not including) its first id in ``stop``, without the -1 of positions
-    never generated."""
-    out = []
-    for token in (int(t) for t in row):
-        if token in stop or token < 0:
-            break
-        out.append(token)
-    return out
 
 
 class Sampler:
