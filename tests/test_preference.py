@@ -103,26 +103,31 @@ def test_the_loss_pairs_even_rows_with_the_next_and_skips_empty_pairs():
     assert float(sums["logps/rejected"]) == pytest.approx(logps[1:6:2].sum(), rel=1e-5)
 
 
+# the quick loop's three DPO steps, shared: one device (stage 0), and 8 devices at stage 3
+# with 2 micro-batches, the reference a frozen copy or precomputed (float32 gathers: the
+# comparison with one device is exact to float32 rounding)
+ZERO3 = dict(data=8, stage=3, gather="float32", rows=32, micro=2)
+BATCHES_32 = [pair_batch(32, seed=s) for s in range(3)]
+
+
 @pytest.fixture(scope="module")
-def copy_run():
-    """DPO at stage 3 on 8 devices, the reference a frozen bfloat16 copy."""
-    zstep = make()
-    metrics, state = run(zstep, BATCHES)
-    return zstep, metrics, state
+def dpo_runs():
+    one, _ = run(make("dpo", data=1, stage=0, gather="float32", rows=32), BATCHES_32)
+    copied, state = run(make("dpo", **ZERO3), BATCHES_32)
+    precomputed, _ = run(make("dpo", "precompute", **ZERO3), BATCHES_32, precompute=True)
+    return one, copied, state, precomputed
 
 
-def test_dpo_starts_at_ln2_with_a_frozen_copy_and_with_precomputed_logps(copy_run):
-    _, copied, state = copy_run
+def test_dpo_starts_at_ln2_with_a_frozen_copy_and_with_precomputed_logps(dpo_runs):
+    _, copied, state, precomputed = dpo_runs
     assert copied[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert copied[0]["rewards/accuracies"] == 0.0  # no reward differs yet
     assert copied[-1]["loss"] < copied[0]["loss"]
-    # the copy: frozen, bfloat16, sharded like the policy, never in the trained state
-    frozen = jax.tree.leaves(state.frozen)
-    assert {x.dtype for x in frozen} == {np.dtype("bfloat16")}
+    # the copy: frozen, in the gather dtype, sharded like the policy, never trained
+    assert {x.dtype for x in jax.tree.leaves(state.frozen)} == {np.dtype("float32")}
     assert REFERENCE not in state.params
     n = sum(x.size for x in jax.tree.leaves(state.params))
-    assert nbytes(state.frozen) == pytest.approx(2 * n / 8, rel=0.01)  # per device
-    precomputed, _ = run(make(reference="precompute"), BATCHES, precompute=True)
+    assert nbytes(state.frozen) == pytest.approx(4 * n / 8, rel=0.01)  # per device
     assert precomputed[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
     for a, b in zip(copied, precomputed, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
@@ -143,19 +148,27 @@ def test_lora_reference_is_the_base_with_adapters_off():
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
-@pytest.mark.parametrize(("method", "data", "context", "micro"), [
-    ("dpo", 8, 1, 2), pytest.param("orpo", 8, 1, 2, marks=pytest.mark.slow),
-    # each sequence striped over a context axis of 2
-    pytest.param("ipo", 4, 2, 1, marks=pytest.mark.slow),
-])
-def test_zero3_on_8_devices_equals_one_device(method, data, context, micro):
-    batches = [pair_batch(32, seed=s) for s in range(3)]
-    one, _ = run(make(method, data=1, stage=0, gather="float32", rows=32), batches)
-    eight, _ = run(make(method, data=data, context=context, stage=3, gather="float32",
-                        rows=32, micro=micro), batches)
+def _same_steps(one, eight):
     for a, b in zip(one, eight, strict=True):
         for key in ("loss", "rewards/chosen", "rewards/accuracies", "logps/rejected"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def test_zero3_dpo_on_8_devices_equals_one_device(dpo_runs):
+    one, copied, _, _ = dpo_runs
+    _same_steps(one, copied)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "data", "context", "micro"), [
+    ("orpo", 8, 1, 2),
+    ("ipo", 4, 2, 1),  # each sequence striped over a context axis of 2
+])
+def test_zero3_on_8_devices_equals_one_device(method, data, context, micro):
+    one, _ = run(make(method, data=1, stage=0, gather="float32", rows=32), BATCHES_32)
+    eight, _ = run(make(method, data=data, context=context, stage=3, gather="float32",
+                        rows=32, micro=micro), BATCHES_32)
+    _same_steps(one, eight)
 
 
 def test_a_pair_split_across_micro_batches_is_refused():
@@ -186,6 +199,7 @@ def test_the_reference_of_llama3_8b_adds_its_bf16_shards_and_nothing_else(tgt):
         pytest.approx(shards, rel=1e-3)
     assert dpo.per_device["total_bytes"] - plain.per_device["total_bytes"] <= shards * 1.001
     assert dpo.frozen["frozen_kind"] == "reference"
+    assert dpo.frozen["frozen_dtypes"] == ["bfloat16"]  # zero.gather_dtype's
     # model FLOPs count the reference's forward: a third of training's 6N (and attention)
     assert dpo.flops["per_token"] == pytest.approx(plain.flops["per_token"] * 4 / 3)
     if tgt == "h100:8":
