@@ -2,8 +2,11 @@
 ``tokenizer.json``, ``.npy`` token arrays) cut into windows, and documents (JSON lines, Parquet,
 Arrow and ``datasets`` directories, ``zjax tokenize`` output) in the ``text``, ``chat`` and
 ``prompt_completion`` formats, with loss masks, packed into windows with segment ids: the
-batches a loop's ``data`` yields; and ``preference`` pairs (TRL's layouts), a pair's chosen
-and rejected sequences side by side in each batch (:func:`preference_batches`).
+batches a loop's ``data`` yields; ``preference`` pairs (TRL's layouts), a pair's chosen
+and rejected sequences side by side in each batch (:func:`preference_batches`); and
+``prompt`` rows for reinforcement learning (TRL's ``GRPOTrainer`` datasets: the prompts'
+ids and their other columns, :func:`load_prompts`, in batches of indices,
+:func:`prompt_batches`).
 
 It owns the ``data`` section (``zjax.data.config``, light). It imports ``zjax.errors`` and
 ``zjax.schema`` only; the pipeline's names load on first use (Grain is not loaded by reading a
@@ -31,6 +34,11 @@ _LAZY = {
     "pack": "zjax.data._packing",
     "PreferenceRows": "zjax.data._pairs",
     "PreferenceStats": "zjax.data._preference",
+    "PromptSet": "zjax.data._prompts",
+    "gather_columns": "zjax.data._prompts",
+    "left_padded": "zjax.data._prompts",
+    "load_prompts": "zjax.data._prompts",
+    "prompt_batches": "zjax.data._prompts",
     "preference_batches": "zjax.data._pairs",
     "preference_rows": "zjax.data._pairs",
     "special_token": "zjax.data._chat",
@@ -60,20 +68,25 @@ __all__ = [
     "Encoder",
     "PreferenceRows",
     "PreferenceStats",
+    "PromptSet",
     "Tokens",
     "abstract_documents_batch",
     "abstract_preference_batch",
     "check_fits",
     "document_batches",
     "encode_files",
+    "gather_columns",
     "id_bound",
+    "left_padded",
     "load_chat_template",
     "load_corpus",
+    "load_prompts",
     "load_tokenizer",
     "load_tokens",
     "pack",
     "preference_batches",
     "preference_rows",
+    "prompt_batches",
     "read_store",
     "special_token",
     "stdlib_files",
@@ -108,6 +121,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         window_batches,
     )
     from zjax.data._preference import PreferenceStats
+    from zjax.data._prompts import (
+        PromptSet,
+        gather_columns,
+        left_padded,
+        load_prompts,
+        prompt_batches,
+    )
     from zjax.data._records import (
         Corpus,
         abstract_documents_batch,

@@ -11,6 +11,8 @@
 - ``preference``: two documents per row, its chosen sequence then its rejected one, the loss
   on the answers only (:mod:`zjax.data._preference`: TRL's layouts, the cuts to fit
   ``data.seq_len``, the rows refused or skipped).
+- ``prompt``: no documents (nothing is trained on a prompt's tokens); refused here, read by
+  :mod:`zjax.data._prompts`.
 
 ``data.train_on_prompt`` trains on every token. Without ``data.tokenizer`` text is
 byte-level (UTF-8 bytes, no BOS or EOS). The EOS is ``data.eos_token``, else the
@@ -55,6 +57,11 @@ class Encoder:
     """
 
     def __init__(self, data: DataConfig):
+        if data.format == "prompt":  # (load_corpus refuses it first, in its own words)
+            raise ConfigError("--format prompt: prompts are read from their records at the "
+                              "start of the run (the reward functions need their other "
+                              "columns); tokenize is for text, chat, prompt_completion and "
+                              "preference")
         self.format, self.train_all = data.format, data.train_on_prompt
         self.columns = {"text": (data.text_field,), "chat": (data.messages_field,),
                         "prompt_completion": ("prompt", "completion"),
@@ -189,7 +196,8 @@ _EOS_LIKE = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", 
 
 def eos_id(tokenizer, data: DataConfig) -> int | None:
     """The id ``data``'s documents end with: ``data.eos_token``, else the tokenizer config's
-    ``eos_token`` (None: ``data.eos_token`` is ``""``, or a chat, whose template ends turns).
+    ``eos_token`` (None: ``data.eos_token`` is ``""``, or none is named for a chat, whose
+    template ends turns, or for prompts, whose completions are generated).
 
     Raises:
       ConfigError: the token named is not in the vocabulary, or none is named for ``text``
@@ -208,7 +216,7 @@ def eos_id(tokenizer, data: DataConfig) -> int | None:
     config = Path(data.tokenizer).parent / "tokenizer_config.json"
     eos = special_token(tokenizer_config(data.tokenizer), "eos_token")
     found = None if eos is None else tokenizer.token_to_id(eos)
-    if found is not None or data.format == "chat":
+    if found is not None or data.format in ("chat", "prompt"):
         return found
     why = (f"there is no {config}" if not config.is_file()
            else f"{config} names no eos_token" if eos is None

@@ -120,6 +120,7 @@ def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
     """The documents of ``data.path`` (or of ``source``, a Python dataset: a
     ``datasets.Dataset``, a grain source or a list of records), tokenized with ``data``'s
     format and tokenizer."""
+    _not_prompts(data)
     encoder, loaded = None, []
     specs = [(source, 1.0)] if source is not None else data.sources
     for spec, weight in specs:
@@ -142,6 +143,14 @@ def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
     return Corpus(tuple(loaded), vocab)
 
 
+def _not_prompts(data: DataConfig) -> None:
+    """Refuse ``data.format: prompt``: prompts are what completions are generated from."""
+    if data.format == "prompt":
+        raise ConfigError("data.format: prompt holds prompts to generate completions from, "
+                          "not documents to train on; read them with zjax.data.load_prompts "
+                          "and batch them with zjax.data.prompt_batches")
+
+
 def document_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: int,
                      process_index: int = 0, process_count: int = 1
                      ) -> grain.DatasetIterator | None:
@@ -153,6 +162,7 @@ def document_batches(corpus: Corpus, data: DataConfig, *, split: str, seed: int,
     None (no evaluation) and logs a warning. Only a ``train`` split too small for one batch
     is refused.
     """
+    _not_prompts(data)
     if data.batch_size % process_count:
         raise ConfigError(f"data.batch_size: {data.batch_size} is not divisible by the "
                           f"{process_count} processes")

@@ -110,7 +110,8 @@ def rows(files: Sequence[Path], columns: Sequence[str], *, optional: Sequence[st
          ) -> Iterator[tuple[str, dict]]:
     """``(where, row)`` for every row of ``files`` in order; ``row`` holds ``columns``, and
     those of the ``optional`` columns that its file has (a JSON line's own fields; Parquet's
-    and Arrow's columns, null in a row that has no value).
+    and Arrow's columns, null in a row that has no value); ``optional`` ``("*",)``: every
+    column.
 
     Raises:
       ConfigError: a file that cannot be read, a row that is not a JSON object, a missing
@@ -257,6 +258,12 @@ def _present(row: dict, columns: Sequence[str], optional: Sequence[str]) -> list
     return [*columns, *(c for c in optional if c in row and c not in columns)]
 
 
+def _wanted(columns: Sequence[str], optional: Sequence[str], names: Sequence[str]) -> list:
+    """The columns of ``names`` to read: ``columns`` and ``optional`` (``"*"``: all)."""
+    extra = names if "*" in optional else optional
+    return [c for c in dict.fromkeys([*columns, *extra]) if c in names]
+
+
 def _names(columns: Sequence[str]) -> str:
     return " and ".join(repr(c) for c in columns)
 
@@ -276,7 +283,7 @@ def _table_rows(batches, schema_names, columns, path: Path, *, validate: bool = 
             batch = next(batches, None)
             if batch is not None and validate:  # memory-mapped buffers, never checked
                 batch.validate(full=True)
-            wanted = [*columns, *(c for c in optional if c in schema_names)]
+            wanted = _wanted(columns, optional, schema_names)
             picked = None if batch is None else batch.select(wanted).to_pylist()
         except (OSError, pa.ArrowException, UnicodeDecodeError, EOFError) as e:
             raise ConfigError(f"data.path: cannot read {str(path)!r} (after row {n}): "
@@ -299,7 +306,7 @@ def _parquet(path: Path, columns: Sequence[str], optional: Sequence[str] = ()
         raise ConfigError(f"data.path: cannot read {str(path)!r} as Parquet: "
                           f"{_why(e)}") from None
     names = pf.schema_arrow.names
-    have = [c for c in (*columns, *optional) if c in names]
+    have = _wanted(columns, optional, names)
     yield from _table_rows(pf.iter_batches(batch_size=_BATCH, columns=have or None),
                            names, columns, path, optional=optional)
 

@@ -12,7 +12,7 @@ from zjax.schema import choices, interval, positive, short, validate
 
 __all__ = ["FORMATS", "DataConfig"]
 
-FORMATS = ("text", "chat", "prompt_completion", "preference")
+FORMATS = ("text", "chat", "prompt_completion", "preference", "prompt")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,27 +40,34 @@ class DataConfig:
       format: what a record holds: ``text`` (``data.text_field``), ``chat`` (a list of
         ``{role, content}`` messages in ``data.messages_field``, rendered with the
         tokenizer's chat template), ``prompt_completion`` (``prompt`` and ``completion``
-        fields) or ``preference`` (pairs for DPO-style training, in Hugging Face TRL's
+        fields), ``preference`` (pairs for DPO-style training, in Hugging Face TRL's
         layouts: ``chosen`` and ``rejected`` answers, as strings or lists of messages, with
         an optional ``prompt``; without one, conversations' common prefix is the prompt).
         Each pair gives two sequences, the chosen then the rejected, each in its own row of
         ``seq_len + 1`` tokens: its prompt cut from the left to ``data.max_prompt_len``, its
-        answer cut at the end to fit (counted, and said in a warning).
+        answer cut at the end to fit (counted, and said in a warning). Or ``prompt``: prompts
+        to generate completions from (reinforcement learning with verifiable rewards, the
+        datasets of TRL's ``GRPOTrainer``): a ``prompt`` field, text (encoded with the
+        tokenizer's special tokens) or a list of messages (rendered with the chat template
+        and its generation prompt), cut from the left to ``data.max_prompt_len``; the row's
+        other fields are handed unchanged to the reward functions. Read with
+        :func:`zjax.data.load_prompts`, never packed nor tokenized ahead.
       text_field: the column of a ``text`` record.
       messages_field: the column of a ``chat`` record's messages.
       packing: pack documents into each window (segment ids keep them apart); false gives
         each document its own window, the rest padded (and masked). Ignored by
-        ``preference``, whose every sequence has its own row.
+        ``preference``, whose every sequence has its own row, and by ``prompt``.
       train_on_prompt: train on every token; by default a ``chat`` record trains only on
         its assistant turns and a ``prompt_completion`` record only on its completion.
-        Refused with ``preference``, which trains on the answers only.
+        Refused with ``preference``, which trains on the answers only, and with
+        ``prompt``, which trains on generated completions only.
       eos_token: the token that ends each ``text`` record and each completion (a token of
         ``data.tokenizer``); unset: the ``eos_token`` of its ``tokenizer_config.json``. A
         tokenizer without one (no config, or its ``eos_token`` is not in the vocabulary) is
         refused for these formats until this is set: to a token, or to ``""`` for documents
         with no end marker (packed documents are still kept apart by their segment ids).
-      max_prompt_len: the tokens a ``preference`` prompt keeps: a longer one is cut from the
-        left (its start dropped, TRL's ``truncation_mode="keep_end"``); below
+      max_prompt_len: the tokens a ``preference`` or ``prompt`` prompt keeps: a longer one is
+        cut from the left (its start dropped, TRL's ``truncation_mode="keep_end"``); below
         ``data.seq_len``. Unset: ``seq_len // 2``.
     """
 
@@ -92,10 +99,14 @@ class DataConfig:
             raise ConfigError("data.train_on_prompt: true, but data.format preference trains "
                               "on the answers only (the preference loss compares the "
                               "answers' log-probabilities)")
+        if self.format == "prompt" and self.train_on_prompt:
+            raise ConfigError("data.train_on_prompt: true, but data.format prompt trains on "
+                              "nothing of a prompt's tokens (the completions generated from "
+                              "it are what is trained on)")
 
     @property
     def prompt_limit(self) -> int:
-        """The tokens a ``preference`` prompt keeps: ``max_prompt_len``, else
+        """The tokens a ``preference`` or ``prompt`` prompt keeps: ``max_prompt_len``, else
         ``seq_len // 2``."""
         return self.seq_len // 2 if self.max_prompt_len is None else self.max_prompt_len
 
