@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,24 +56,17 @@ def _write(path: Path, identity: str, values: dict) -> None:
     tmp.replace(path)  # whole or not at all
 
 
-def _batches(rows: Sequence[dict], size: int):
-    """``rows`` in global batches of ``size`` (the last one padded with all-zero rows)."""
-    for lo in range(0, len(rows), size):
-        chunk = [rows[i] for i in range(lo, min(lo + size, len(rows)))]
-        n = len(chunk)
-        chunk += [{k: np.zeros_like(v) for k, v in chunk[0].items()}] * (size - n)
-        yield n, {k: np.stack([r[k] for r in chunk]) for k in chunk[0]}
-
-
-def _score_source(zstep: ZeroStep, state, rows: Sequence[dict], size: int, put: Callable,
+def _score_source(zstep: ZeroStep, state, rows: Any, size: int, put: Callable,
                   process: tuple[int, int]) -> np.ndarray:
-    """``zstep.score`` of every row, in order. Each process feeds block ``index`` of each
+    """``zstep.score`` of every row of ``rows`` (:class:`zjax.data.preference_rows`' per
+    source), in order. Each process feeds block ``index`` of each
     global batch and reads back its own rows' values from its addressable shards (in the
     order it fed them, whatever the devices' layout), then the processes exchange theirs."""
     out = []
     index, count = process
     per = size // count  # this process's rows of the global batch
-    for n, batch in _batches(rows, size):
+    for lo in range(0, len(rows), size):
+        n, batch = min(size, len(rows) - lo), rows.batch(lo, size)  # the last one padded
         local = {k: v[index * per:(index + 1) * per] for k, v in batch.items()}
         values = _local_values(zstep.score(state.params, put(local), state.frozen))
         if jax.process_count() > 1:
