@@ -83,11 +83,13 @@ class Block(AdaptedLinears, nnx.Module):
         return self._linear(up, "w_down", row_parallel=True, drop=drop)
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
-                 context: Packing | None = None, layer: jax.Array | None = None):
+                 context: Packing | None = None, layer: jax.Array | None = None,
+                 pads: jax.Array | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
         positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents
         (attention stays within each); ``layer``: this block's index (with dropout on
-        adapters)."""
+        adapters); ``pads``: decoding only, int ``[B]``: the padding positions that lead
+        each row of the cache (left-padded prompts), which no query sees."""
         b, t, d = x.shape
         hd = d // self.n_heads
         m = model_axis_size()
@@ -101,7 +103,12 @@ class Block(AdaptedLinears, nnx.Module):
                    for n in "qkv")
         if cache is not None:  # keys and values of the earlier positions, these written in
             cache = cache.write(k, v, start)
-            att = attention(q, cache.k, cache.v, q_start=start, implementation="dense")
+            # padding keys are hidden (a padding query, seeing none, gets a finite average)
+            ids = None if pads is None else (
+                jnp.ones((b, t), jnp.int32),
+                (jnp.arange(cache.k.shape[1]) >= pads[:, None]).astype(jnp.int32))
+            att = attention(q, cache.k, cache.v, q_start=start, implementation="dense",
+                            segment_ids=ids)
         else:
             att = attention(q, k, v, implementation=self.attention,
                             context=self.context_attention,
@@ -151,7 +158,7 @@ class GPT(nnx.Module):
     def _embed(self, tokens, start, positions=None):
         embed = self.embed[...]
         t = tokens.shape[1]
-        if positions is not None:  # packed documents: each restarts at position 0
+        if positions is not None:  # packed documents (each restarts at 0), left-padded rows
             pos = jnp.take(self.pos[...], positions, axis=0)
         elif isinstance(start, int):
             pos = self.pos[...][start:start + t]
@@ -169,9 +176,19 @@ class GPT(nnx.Module):
         return KVCache.zeros(cfg.n_layers, batch, length, cfg.n_heads,
                              cfg.d_model // cfg.n_heads, dtype)
 
-    def decode(self, tokens: jax.Array, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
-        """Logits of ``tokens`` ``[B, T]`` at positions ``start``.., attending to the
-        ``cache``'s earlier positions: a prompt (``start`` 0), then one token at a time."""
-        h, cache = self.blocks.decode(self._embed(tokens, start), cache, start)
+    def decode(self, tokens: jax.Array, cache: KVCache, start, *,
+               pads: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Logits of ``tokens`` ``[B, T]`` at cache indices ``start``.., attending to the
+        ``cache``'s earlier positions: a prompt (``start`` 0), then one token at a time.
+
+        ``pads``: int ``[B]``, how many padding positions lead each row (prompts of different
+        lengths, left-padded to one): row ``b``'s token at index ``i`` takes position
+        ``max(i - pads[b], 0)``'s embedding and no query attends to its padding. None: no
+        padding.
+        """
+        positions = None if pads is None else jnp.maximum(
+            start + jnp.arange(tokens.shape[1]) - pads[:, None], 0)
+        h, cache = self.blocks.decode(self._embed(tokens, start, positions), cache, start,
+                                      pads=pads)
         return self._logits(h), cache
 

@@ -185,11 +185,13 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         return norm(out, column_parallel_input(norm.scale[...]))
 
     def _attention(self, y, cache: KVCache | None = None, start=0,
-                   context: Packing | None = None, layer=None, drop=None):
+                   context: Packing | None = None, layer=None, drop=None, pads=None):
         b, t, _ = y.shape
         q, k, v = (self._project(y, name, drop) for name in "qkv")
         pos = None if context is None else context.positions
         segments = None if context is None else context.segment_ids
+        if pads is not None:  # left-padded rows count positions from their first real token
+            pos = jnp.maximum(start + jnp.arange(t) - pads[:, None], 0)
 
         def attend(q, k, v, cache, *, window, rope):
             q, k = (rotary(x, rope[0], start, rope[1], pos) for x in (q, k))
@@ -199,8 +201,13 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
                                  context=self.context_attention, segment_ids=segments,
                                  **kw), None
             cache = cache.write(k, v, start)  # these positions' keys and values written in
+            # padding keys are hidden (a padding query, seeing none, gets a finite average);
+            # windows work on cache indices, which padding does not change
+            ids = None if pads is None else (
+                jnp.ones((b, t), jnp.int32),
+                (jnp.arange(cache.k.shape[1]) >= pads[:, None]).astype(jnp.int32))
             return attention(q, cache.k, cache.v, q_start=start, implementation="dense",
-                             **kw), cache
+                             segment_ids=ids, **kw), cache
 
         local = functools.partial(attend, window=self.window, rope=self.local_rope)
         if self.global_every is None:  # every layer alike
@@ -240,10 +247,13 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         return out.reshape(b, t, d), stats
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
-                 context: Packing | None = None, layer: jax.Array | None = None):
+                 context: Packing | None = None, layer: jax.Array | None = None,
+                 pads: jax.Array | None = None):
         """The block on ``x`` ``[B, T, D]``; with a ``cache`` (decoding), ``x`` is at
         positions ``start``.. and ``(y, cache)`` comes back; ``context``: packed documents;
-        ``layer``: this block's index (with ``global_every``: it picks the layer's kind).
+        ``layer``: this block's index (with ``global_every``: it picks the layer's kind);
+        ``pads``: decoding only, int ``[B]``: the padding positions that lead each row of
+        the cache (left-padded prompts), which no query sees and positions do not count.
         A mixture of experts' block (``model.n_experts``) in training takes and returns
         ``(x, RouterStats)``, this layer's router statistics added."""
         stats = None
@@ -256,7 +266,7 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
                                 "splits")
         drop = self._dropout(context, layer)
         y = column_parallel_input(self.ln1(x))
-        att, new_cache = self._attention(y, cache, start, context, layer, drop)
+        att, new_cache = self._attention(y, cache, start, context, layer, drop, pads)
         x = x + self._post(row_parallel_output(self._linear(att, "wo", row_parallel=True,
                                                             drop=drop)), "post_attn_norm")
         if self.moe is None:
@@ -336,8 +346,14 @@ class Llama(nnx.Module):
         cfg = self.cfg
         return KVCache.zeros(cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_width, dtype)
 
-    def decode(self, tokens: jax.Array, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
-        """Logits of ``tokens`` ``[B, T]`` at positions ``start``.., attending to the
-        ``cache``'s earlier positions: a prompt (``start`` 0), then one token at a time."""
-        h, cache = self.blocks.decode(self._embed(tokens), cache, start)
+    def decode(self, tokens: jax.Array, cache: KVCache, start, *,
+               pads: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Logits of ``tokens`` ``[B, T]`` at cache indices ``start``.., attending to the
+        ``cache``'s earlier positions: a prompt (``start`` 0), then one token at a time.
+
+        ``pads``: int ``[B]``, how many padding positions lead each row (prompts of different
+        lengths, left-padded to one): row ``b``'s token at index ``i`` is at position
+        ``max(i - pads[b], 0)`` and no query attends to its padding. None: no padding.
+        """
+        h, cache = self.blocks.decode(self._embed(tokens), cache, start, pads=pads)
         return self._logits(h), cache

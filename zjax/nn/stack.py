@@ -82,18 +82,25 @@ class Stack(nnx.Module):
         """``[0, 1, ..., L-1]`` (int32): what an indexed stack's scan hands its layers."""
         return jnp.arange(self.n_layers, dtype=jnp.int32)
 
-    def decode(self, x: jax.Array, cache: Any, start) -> tuple[jax.Array, Any]:
+    def decode(self, x: jax.Array, cache: Any, start, *,
+               pads: jax.Array | None = None) -> tuple[jax.Array, Any]:
         """Decoding with a cache (inference, no ZeRO): each layer's block is called as
         ``block(h, layer_cache, start) -> (h, layer_cache)``, ``cache`` having a leading
-        layer axis."""
+        layer axis.
+
+        ``pads``: int ``[B]``, the padding positions that lead each (left-padded) row of the
+        cache, passed on as ``block(..., pads=pads)``; None (no padding) passes nothing, so
+        a block without the argument still decodes.
+        """
         graphdef, state = nnx.split(self.layers)
+        kw = {} if pads is None else {"pads": pads}
 
         def body(h, layer):
             layer_params, layer_cache, index = layer
             block = nnx.merge(graphdef, layer_params)
             if index is None:
-                return block(h, layer_cache, start)
-            return block(h, layer_cache, start, layer=index)
+                return block(h, layer_cache, start, **kw)
+            return block(h, layer_cache, start, layer=index, **kw)
 
         index = self.indices() if self.indexed else None
         return lax.scan(body, x, (nnx.to_pure_dict(state), cache, index))
