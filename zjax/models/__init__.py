@@ -31,6 +31,7 @@ __all__ = [
     "router_losses",
     "sequence_logps",
     "split_batch",
+    "token_losses",
     "with_adapters",
 ]
 
@@ -39,7 +40,7 @@ _LAZY = {"GPT": "zjax.models.gpt", "lm_loss": "zjax.models.gpt", "Llama": "zjax.
          "from_pytree": "zjax.models.trainable", "Packing": "zjax.models._batch",
          "DROPOUT_KEYS": "zjax.models._batch", "adapted_weights": "zjax.models._linears",
          "adapters_off": "zjax.models._linears", "sequence_logps": "zjax.models._lm",
-         "router_losses": "zjax.models._lm",
+         "router_losses": "zjax.models._lm", "token_losses": "zjax.models._lm",
          "split_batch": "zjax.models._batch", "with_adapters": "zjax.models._adapted"}
 
 
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from zjax.models._adapted import with_adapters
     from zjax.models._batch import DROPOUT_KEYS, Packing, split_batch
     from zjax.models._linears import adapted_weights, adapters_off
-    from zjax.models._lm import router_losses, sequence_logps
+    from zjax.models._lm import router_losses, sequence_logps, token_losses
     from zjax.models.gpt import GPT, lm_loss
     from zjax.models.llama import Llama
     from zjax.models.trainable import Trainable, from_nnx, from_pytree

@@ -42,10 +42,12 @@ def lm_loss(model, batch) -> tuple:
     return router_losses(stats, loss_sum, count, model.cfg)
 
 
-def token_losses(model, batch) -> tuple[jax.Array, jax.Array | None, RouterStats | None]:
+def token_losses(model, batch, *, temperature: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array | None, RouterStats | None]:
     """``(losses [B, T] float32, weights [B, T] or None, router statistics or None)``: each
     target's ``-log p`` under ``model`` and whether it counts (:func:`lm_loss`'s parts; this
-    device's share of each sequence under a ``context`` axis)."""
+    device's share of each sequence under a ``context`` axis); ``temperature`` divides the
+    logits (an RL policy's log-probs at its sampling temperature)."""
     tokens = batch["tokens"] if isinstance(batch, Mapping) else batch
     check_length(tokens[:, 1:], model.cfg.max_seq_len)  # the whole sequence, not a shard's
     inputs, targets, weights, packing = split_batch(batch)
@@ -55,7 +57,8 @@ def token_losses(model, batch) -> tuple[jax.Array, jax.Array | None, RouterStats
     # Gemma 2's final soft-cap (a GPT has none)
     losses = chunked_cross_entropy(hidden, model.head_weight(), targets,
                                    chunk=model.cfg.loss_chunk,
-                                   softcap=getattr(model.cfg, "final_softcap", None))
+                                   softcap=getattr(model.cfg, "final_softcap", None),
+                                   temperature=temperature)
     return losses, weights, stats
 
 

@@ -24,26 +24,31 @@ def _chunks(x, n: int, size: int):
     return x.reshape(n, size, *x.shape[1:])
 
 
-def _logits(hc, w, softcap):
-    """A chunk's float32 logits and their derivative by the head's output (1 without a cap)."""
+def _logits(hc, w, softcap, temperature: float = 1.0):
+    """A chunk's float32 logits and their derivative by the head's output (1 without a cap
+    or temperature)."""
     z = jnp.dot(hc, w, preferred_element_type=jnp.float32)
     if softcap is None:
-        return z, 1.0
-    t = jnp.tanh(z / softcap)
-    return softcap * t, 1 - t * t
+        logits, slope = z, 1.0
+    else:
+        t = jnp.tanh(z / softcap)
+        logits, slope = softcap * t, 1 - t * t
+    if temperature == 1.0:
+        return logits, slope
+    return logits / temperature, slope / temperature
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ce(h, w, targets, chunk: int, softcap):
-    return _ce_fwd(h, w, targets, chunk, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ce(h, w, targets, chunk: int, softcap, temperature):
+    return _ce_fwd(h, w, targets, chunk, softcap, temperature)[0]
 
 
-def _ce_fwd(h, w, targets, chunk: int, softcap):
+def _ce_fwd(h, w, targets, chunk: int, softcap, temperature):
     n = h.shape[0] // chunk
 
     def one(args):
         hc, tc = args
-        logits, _ = _logits(hc, w, softcap)
+        logits, _ = _logits(hc, w, softcap, temperature)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
         return lse - picked, lse
@@ -52,13 +57,13 @@ def _ce_fwd(h, w, targets, chunk: int, softcap):
     return losses.reshape(-1), (h, w, targets, lse.reshape(-1))
 
 
-def _ce_bwd(chunk: int, softcap, res, g):
+def _ce_bwd(chunk: int, softcap, temperature, res, g):
     h, w, targets, lse = res
     n = h.shape[0] // chunk
 
     def one(dw, args):
         hc, tc, lc, gc = args
-        logits, slope = _logits(hc, w, softcap)
+        logits, slope = _logits(hc, w, softcap, temperature)
         p = jnp.exp(logits - lc[:, None])
         onehot = jax.nn.one_hot(tc, w.shape[1], dtype=p.dtype)
         dlogits = (p - onehot) * gc[:, None] * slope
@@ -76,7 +81,8 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
 def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, *,
-                          chunk: int = 1024, softcap: float | None = None) -> jax.Array:
+                          chunk: int = 1024, softcap: float | None = None,
+                          temperature: float = 1.0) -> jax.Array:
     """Per-token ``-log softmax(h @ w)[target]`` in float32, ``chunk`` tokens at a time.
 
     Args:
@@ -85,6 +91,8 @@ def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, *,
       targets: int ``[...]``, ``h``'s leading shape.
       chunk: tokens per chunk (clipped to the count; the count is padded to it).
       softcap: the logits are ``softcap * tanh((h @ w) / softcap)`` (None: ``h @ w``).
+      temperature: the logits are divided by it after the cap (RL's log-probs of tokens
+        sampled at that temperature).
 
     Returns:
       ``[...]`` float32 losses. Gradients flow to ``h`` and ``w`` (not ``targets``).
@@ -97,4 +105,4 @@ def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, *,
     if padded != count:  # padding tokens' losses are computed and dropped
         flat_h = jnp.pad(flat_h, ((0, padded - count), (0, 0)))
         flat_t = jnp.pad(flat_t, (0, padded - count))
-    return _ce(flat_h, w, flat_t, size, softcap)[:count].reshape(lead)
+    return _ce(flat_h, w, flat_t, size, softcap, float(temperature))[:count].reshape(lead)
