@@ -64,12 +64,16 @@ class Trainable:
         (a preference loss's reference: a copy of the starting weights),
         ``frozen_from(trained) -> frozen`` (both as :mod:`zjax.partition`'s parts): a run's
         start then gives the trained leaves only; None otherwise.
-      score: ``score(params, batch, plan) -> [rows]`` per-row values (the reference
-        log-probabilities a preference run precomputes), run like ``loss``; None: none.
+      score: ``score(params, batch, plan) -> [rows, ...]`` per-row values, an array or a
+        dict of them (the reference log-probs a preference run precomputes, an RL run's old
+        and reference log-probs of each token), run like ``loss``; None: none.
       prepare: ``prepare(params, batch, plan) -> batch``: what the loss reads besides the
         data, computed from the params before the loss and outside its differentiation
         (a preference loss's reference log-probs: never recomputed in the backward, its
         working set freed before the loss's forward); None: the batch as it is.
+      decoder: ``decoder(params) -> model``: the model to generate with (``init_cache``,
+        ``decode``) from whole params as :attr:`init` gives them (trained and frozen leaves
+        merged); None for a model that cannot generate (a pytree loss).
     """
 
     init: Callable[[jax.Array], Params]
@@ -82,6 +86,7 @@ class Trainable:
     frozen_from: Callable[[Params], Params] | None = None
     score: Callable[[Params, Any, ShardPlan], jax.Array] | None = None
     prepare: Callable[[Params, Any, ShardPlan], Any] | None = None
+    decoder: Callable[[Params], Any] | None = None
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:
@@ -198,7 +203,9 @@ def from_nnx(
         run = lambda shards, batch: _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
-    return Trainable(init=init, loss=loss, stacked=stacked, logical_axes=names.get)
+    decoder = functools.partial(nnx.merge, graphdef)
+    return Trainable(init=init, loss=loss, stacked=stacked, logical_axes=names.get,
+                     decoder=decoder)
 
 
 def _gather_non_stacked(shards, plan: ShardPlan):

@@ -40,7 +40,8 @@ def loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
     """``(loss_sum, count)`` or ``(loss_sum, count, {name: sum})`` -> the 3-tuple, float32.
 
     A step reports each metric sum over the batch divided by the count (a mean per loss
-    token), but one named ``*_tokens`` as the sum itself (a count: :func:`metric_values`)."""
+    token), but one named ``*_tokens`` as the sum itself (a count), and one named
+    ``name@other`` as ``name``, divided by the sum ``other`` (:func:`metric_values`)."""
     if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise TypeError(
             "a zjax loss returns (loss_sum, count) or (loss_sum, count, metric_sums), "
@@ -53,8 +54,17 @@ def loss_parts(out) -> tuple[jax.Array, jax.Array, dict]:
 
 def metric_values(extra: dict, count) -> dict:
     """A loss's metric sums over the batch as the step reports them: ``*_tokens`` as sums
-    (counts of tokens), the others divided by ``count`` (means per loss token)."""
-    return {k: v if k.endswith("_tokens") else v / count for k, v in extra.items()}
+    (counts of tokens), ``name@other`` as ``name``: its sum over the sum ``other`` (a mean
+    over something else than the loss's count, e.g. GRPO's KL per completion token, whatever
+    the loss averages over), the others divided by ``count`` (means per loss token)."""
+    out = {}
+    for key, value in extra.items():
+        name, _, over = key.partition("@")
+        if over:
+            out[name] = value / jnp.maximum(extra[over], 1.0)
+        else:
+            out[key] = value if key.endswith("_tokens") else value / count
+    return out
 
 
 def reduce_grads(grads: Any, plan: ShardPlan, *, reduced_in_backward: bool) -> Any:
@@ -192,12 +202,12 @@ def sharded_loss(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
 
 
 def sharded_score(trainable: Trainable, plan: ShardPlan, mesh: Mesh) -> Callable:
-    """``(params, frozen, global batch) -> [rows]``: ``trainable.score`` of every row (float32,
-    split over the batch's axes like the rows)."""
+    """``(params, frozen, global batch) -> [rows, ...]``: ``trainable.score`` of every row
+    (float32, an array or a dict of them, split over the batch's axes like the rows)."""
 
     def local_score(params, frozen, batch):
         out = trainable.score(merge_parts(plan, params, frozen), batch, plan)
-        return out.astype(jnp.float32)
+        return jax.tree.map(lambda x: x.astype(jnp.float32), out)
 
     trained, frozen = trained_part(plan), frozen_part(plan)
     rows = P(batch_axes(mesh))

@@ -33,6 +33,7 @@ from zjax.runtime.mesh import batch_axes, describe_batch_split
 from zjax.step._grads import metric_values, sharded_grads, sharded_loss, sharded_score
 from zjax.step._nvme import NvmeOptimizer, nvme_parts
 from zjax.step._nvme_io import NvmeStorage
+from zjax.step._rollout import make_rollout
 from zjax.step._state import TrainState, make_init, state_from, state_layout
 from zjax.step._storage import MemoryStorage, StateStorage
 from zjax.step._update import apply_update, host_update_errors, store
@@ -63,9 +64,12 @@ class ZeroStep:
         (``Trainable.frozen_from``): :attr:`from_params` and :attr:`params_target` are the
         trained leaves'; ``frozen_init(rng)`` and ``frozen_of(trained)`` give the frozen
         leaves alone, placed (a resume's); else those two are None.
-      score: with ``Trainable.score``, ``score(params, batch, frozen=None) -> [rows]``
-        float32 per-row values (a preference run's precomputed reference log-probs); else
-        None.
+      score: with ``Trainable.score``, ``score(params, batch, frozen=None) -> [rows, ...]``
+        float32 per-row values (a preference run's precomputed reference log-probs, an RL
+        run's per-token log-probs); else None.
+      rollout: with ``Trainable.decoder``, the jitted generation from the state's params
+        (:func:`zjax.step._rollout.make_rollout`: gathered once, in ``zero.gather_dtype``);
+        else None.
       from_params: ``from_params(params) -> TrainState`` at step 0 from given params (a
         fine-tune's start), placed as :attr:`params_shardings` says; they are donated.
       params_shardings: where :attr:`from_params` takes its params: float32 shards placed as
@@ -102,6 +106,7 @@ class ZeroStep:
     derived_frozen: bool = False
     frozen_init: Callable | None = None
     frozen_of: Callable | None = None
+    rollout: Callable | None = None
 
     def close(self) -> None:
         """Release what the step holds outside the state (NVMe swap files: removed)."""
@@ -273,8 +278,9 @@ def make_step(
 
 def _evaluation(trainable: Trainable, plan: ShardPlan, mesh: Mesh, in_shardings: tuple
                 ) -> dict[str, Any]:
-    """``{evaluate, evaluate_metrics, score}``: the sharded forward's mean loss, with its
-    metrics, and the per-row score (None without ``Trainable.score``)."""
+    """``{evaluate, evaluate_metrics, score, rollout}``: the sharded forward's mean loss, with
+    its metrics, the per-row score (None without ``Trainable.score``) and the generation
+    from the state (None without ``Trainable.decoder``)."""
     forward = jax.jit(sharded_loss(trainable, plan, mesh), in_shardings=in_shardings)
     score = None
     if trainable.score is not None:
@@ -283,7 +289,7 @@ def _evaluation(trainable: Trainable, plan: ShardPlan, mesh: Mesh, in_shardings:
     return {"evaluate": lambda params, batch, frozen=None: forward(params, frozen, batch)[0],
             "evaluate_metrics": lambda params, batch, frozen=None: forward(params, frozen,
                                                                            batch),
-            "score": score}
+            "score": score, "rollout": make_rollout(trainable, plan, mesh, in_shardings)}
 
 
 def _from_params(trainable: Trainable, tx, plan: ShardPlan, params_shardings: Any,
