@@ -11,8 +11,8 @@ import json
 from collections.abc import Iterable
 
 __all__ = ["ArgumentError", "CheckpointError", "ConfigError", "DamagedCheckpoint",
-           "GatherFallbackWarning", "NonFiniteError", "NotGatheredError", "ZjaxError",
-           "did_you_mean", "first_line", "is_damage"]
+           "GatherFallbackWarning", "NonFiniteError", "NotGatheredError", "RewardError",
+           "ZjaxError", "did_you_mean", "first_line", "is_damage"]
 
 
 class ZjaxError(Exception):
@@ -74,6 +74,11 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 
 class NonFiniteError(ZjaxError, ArithmeticError):
     """Training produced a non-finite loss, gradient or parameter (``train.on_nonfinite``)."""
+
+
+class RewardError(ZjaxError, RuntimeError):
+    """An RL reward function failed: it raised, or gave no valid reward list (the message
+    names it; the run stops as on bad input)."""
 
 
 class DamagedCheckpoint(CheckpointError):

@@ -21,6 +21,8 @@ _LAZY = {
     "reference_logps": "zjax.preference._objective",
     "REFERENCE": "zjax.preference._trainable",
     "preference_trainable": "zjax.preference._trainable",
+    "frozen_copy": "zjax.preference._trainable",
+    "with_copy": "zjax.preference._trainable",
 }
 
 __all__ = [
@@ -30,10 +32,12 @@ __all__ = [
     "REFERENCE_KEY",
     "Pairs",
     "PreferenceConfig",
+    "frozen_copy",
     "pair_losses",
     "preference_loss",
     "preference_trainable",
     "reference_logps",
+    "with_copy",
 ]
 
 __getattr__ = exports(__name__, _LAZY)
@@ -41,4 +45,9 @@ __getattr__ = exports(__name__, _LAZY)
 if TYPE_CHECKING:
     from zjax.preference._losses import Pairs, pair_losses
     from zjax.preference._objective import REFERENCE_KEY, preference_loss, reference_logps
-    from zjax.preference._trainable import REFERENCE, preference_trainable
+    from zjax.preference._trainable import (
+        REFERENCE,
+        frozen_copy,
+        preference_trainable,
+        with_copy,
+    )

@@ -22,17 +22,22 @@ from zjax.preference._objective import (
 )
 from zjax.preference.config import PreferenceConfig
 
-__all__ = ["REFERENCE", "preference_trainable"]
+__all__ = ["REFERENCE", "frozen_copy", "preference_trainable", "with_copy"]
 
 REFERENCE = "reference"  # the frozen copy's leaves: params["reference"][...]
 
 
 def _with_copy(make_model: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
-    """The model (drawn as without a reference) and, as its ``reference`` attribute, a copy
-    of it."""
     model = make_model(rngs)
     setattr(model, REFERENCE, nnx.clone(model))
     return model
+
+
+def with_copy(make_model: Callable[[nnx.Rngs], nnx.Module]
+              ) -> Callable[[nnx.Rngs], nnx.Module]:
+    """``make_model`` whose model (drawn as without a reference) carries, as its
+    ``reference`` attribute, a copy of itself."""
+    return functools.partial(_with_copy, make_model)
 
 
 def _cast(tree, dtype):
@@ -40,9 +45,13 @@ def _cast(tree, dtype):
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _frozen_copy(trainable: Trainable, dtype) -> Trainable:
-    """``trainable`` with its ``reference`` leaves frozen, stored in ``dtype`` and made from
-    the trained leaves at the start."""
+def frozen_copy(trainable: Trainable, dtype, *,
+                make_model: Callable[[nnx.Rngs], nnx.Module]) -> Trainable:
+    """``trainable`` (built by :func:`with_copy` of ``make_model``) with its ``reference``
+    leaves frozen, stored in ``dtype`` and made from the trained leaves at the start; its
+    decoder is ``make_model``'s model on the policy's leaves alone (the copy never
+    generates)."""
+    policy = from_nnx(make_model, lambda model, batch: None).decoder
 
     def init(rng):
         params = dict(trainable.init(rng))
@@ -52,7 +61,8 @@ def _frozen_copy(trainable: Trainable, dtype) -> Trainable:
     return dataclasses.replace(
         trainable, init=init,
         frozen=lambda path: path == REFERENCE or path.startswith(REFERENCE + "/"),
-        frozen_from=lambda trained: {REFERENCE: _cast(trained, dtype)})
+        frozen_from=lambda trained: {REFERENCE: _cast(trained, dtype)},
+        decoder=lambda params: policy({k: v for k, v in params.items() if k != REFERENCE}))
 
 
 def _score(model, batch):
@@ -84,7 +94,7 @@ def preference_trainable(make_model: Callable[[nnx.Rngs], nnx.Module],
     """
     adapters = lora is not None and lora.enabled
     copy = config.source == "model" and not adapters
-    build = functools.partial(_with_copy, make_model) if copy else make_model
+    build = with_copy(make_model) if copy else make_model
     # precomputed log-probs come in the batch: none is ever computed in the loss
     reference = (functools.partial(reference_logps, copy=copy) if config.source == "model"
                  else None)
@@ -98,5 +108,5 @@ def preference_trainable(make_model: Callable[[nnx.Rngs], nnx.Module],
     if adapters:
         trainable = with_adapters(trainable, lora, names=linear_weights)
     if copy:
-        trainable = _frozen_copy(trainable, jnp.dtype(reference_dtype))
+        trainable = frozen_copy(trainable, jnp.dtype(reference_dtype), make_model=make_model)
     return dataclasses.replace(trainable, score=score, prepare=prepare)

@@ -3,8 +3,10 @@ clipped policy loss (TRL's three averagings), and reward functions with TRL's si
 (loaded by name, their answers checked; the built-ins ``exact_answer`` and
 ``format_reward``).
 
-It owns the ``rl`` section (``zjax.rl.config``, light) and imports ``zjax.errors`` and
-``zjax.schema`` (and JAX for the loss); the rest loads on first use.
+It owns the ``rl`` section (``zjax.rl.config``, light) and imports ``zjax.models``,
+``zjax.preference`` (its frozen copy), ``zjax.lora`` and the runtime; the rest loads on first
+use. The model trained by GRPO (:func:`rl_trainable`) generates through its ``decoder``;
+the rollout loop that drives it is the trainer's.
 """
 
 from __future__ import annotations
@@ -23,10 +25,20 @@ _LAZY = {
     "exact_answer": "zjax.rl._rewards",
     "format_reward": "zjax.rl._rewards",
     "load_reward": "zjax.rl._rewards",
+    "ADVANTAGES": "zjax.rl._objective",
+    "OLD_LOGPS": "zjax.rl._objective",
+    "REF_LOGPS": "zjax.rl._objective",
+    "grpo_loss": "zjax.rl._objective",
+    "grpo_score": "zjax.rl._objective",
+    "scored_keys": "zjax.rl._objective",
+    "rl_trainable": "zjax.rl._trainable",
 }
 
 __all__ = [
+    "ADVANTAGES",
     "LOSSES",
+    "OLD_LOGPS",
+    "REF_LOGPS",
     "RLConfig",
     "RewardError",
     "Rewards",
@@ -34,14 +46,26 @@ __all__ = [
     "exact_answer",
     "format_reward",
     "group_advantages",
+    "grpo_loss",
+    "grpo_score",
     "load_reward",
     "policy_loss",
+    "rl_trainable",
+    "scored_keys",
 ]
 
 __getattr__ = exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from zjax.rl._losses import TokenLoss, group_advantages, policy_loss
+    from zjax.rl._objective import (
+        ADVANTAGES,
+        OLD_LOGPS,
+        REF_LOGPS,
+        grpo_loss,
+        grpo_score,
+        scored_keys,
+    )
     from zjax.rl._rewards import (
         RewardError,
         Rewards,
@@ -49,3 +73,4 @@ if TYPE_CHECKING:
         format_reward,
         load_reward,
     )
+    from zjax.rl._trainable import rl_trainable

@@ -18,16 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from zjax.errors import ConfigError, first_line
+from zjax.errors import ConfigError, RewardError, first_line
 
 __all__ = ["RewardError", "Rewards", "exact_answer", "format_reward", "load_reward"]
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-class RewardError(RuntimeError):
-    """A reward function failed: it raised, or gave no valid reward list."""
 
 
 def _number(text: str) -> float | None:

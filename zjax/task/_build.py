@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 
 from zjax.errors import ArgumentError, ConfigError
 from zjax.runtime.mesh import make_mesh
@@ -82,10 +83,6 @@ def _trainable(loop: Loop, config: Config):
         raise ConfigError(f"lora.init_adapter: {config.lora.init_adapter} continues an "
                           "adapter over its base: set lora.rank (the adapter's) and "
                           "train.init_from (the base it was trained on)")
-    if config.rl.enabled:  # never next-token training in its place
-        raise ConfigError(f"rl.method: {config.rl.method}: the rollout loop (generation from "
-                          "the training shards, scoring, the GRPO step) is not built yet; "
-                          "zjax.rl has its loss, advantages and reward functions")
     kwargs = {}
     takes = inspect.signature(loop.trainable).parameters
     if config.lora.enabled:
@@ -101,10 +98,24 @@ def _trainable(loop: Loop, config: Config):
                               "no preference section); use loop lm or llama")
         kwargs |= {"preference": config.preference,
                    "reference_dtype": config.zero.gather_dtype}
+    if config.rl.enabled:
+        kwargs |= _rl_kwargs(loop, config, takes)
     trainable = loop.trainable(config.model, **kwargs)
     if trainable.dropout_seed is not None:  # the adapters' dropout masks follow train.seed
         trainable = dataclasses.replace(trainable, dropout_seed=config.train.seed)
     return trainable
+
+
+def _rl_kwargs(loop: Loop, config: Config, takes) -> dict:
+    """The ``rl`` section for a loop that trains with it (refused otherwise)."""
+    if "rl" not in takes:
+        raise ConfigError(f"rl.method: {config.rl.method}, but loop {config.loop!r} has no "
+                          "GRPO loss (its trainable() takes no rl section); use loop lm or "
+                          "llama")
+    if config.mesh.context > 1:
+        raise ConfigError(f"mesh.context: {config.mesh.context}, but GRPO's completions are "
+                          "trained without a context axis; set mesh.context=1")
+    return {"rl": config.rl, "reference_dtype": config.zero.gather_dtype}
 
 
 def _check_experts(config: Config) -> None:
@@ -123,6 +134,15 @@ def abstract_batch(config: Config, *, loop: Loop | None = None) -> jax.ShapeDtyp
     """The global batch of ``config``'s data as a ``ShapeDtypeStruct`` (nothing loaded when
     the loop knows its shape; a user's loop gives its first batch)."""
     loop = loop if loop is not None else resolve_loop(config.loop)
+    if config.rl.enabled:  # rollout rows: prompt and completion, advantages, log-probs
+        from zjax.rl import scored_keys
+
+        rows, width = config.data.batch_size, config.data.seq_len
+        batch = {"tokens": jax.ShapeDtypeStruct((rows, width + 1), np.int32),
+                 "loss_mask": jax.ShapeDtypeStruct((rows, width + 1), np.int32),
+                 "advantages": jax.ShapeDtypeStruct((rows,), np.float32)}
+        return batch | {k: jax.ShapeDtypeStruct((rows, width), np.float32)
+                        for k in scored_keys(config.rl)}
     if config.preference.enabled:  # pairs, whatever the data section's format
         from zjax.data import abstract_preference_batch
 

@@ -38,6 +38,7 @@ from zjax.models.gpt import GPT, GPTConfig, lm_loss
 from zjax.models.llama import Llama, LlamaConfig
 from zjax.models.trainable import Trainable, from_nnx
 from zjax.preference import PreferenceConfig, preference_trainable
+from zjax.rl import RLConfig, rl_trainable
 from zjax.schema import short
 
 __all__ = ["LanguageModel", "LlamaLanguageModel", "Loop", "resolve_loop"]
@@ -97,11 +98,11 @@ class LanguageModel:
         return self._tokens[key]
 
     def trainable(self, model: GPTConfig, *, lora: LoraConfig | None = None,
-                  preference: PreferenceConfig | None = None,
+                  preference: PreferenceConfig | None = None, rl: RLConfig | None = None,
                   reference_dtype: str = "bfloat16") -> Trainable:
         """The model; with ``lora`` enabled, its adapters trained over the frozen base; with
-        a ``preference`` method, trained on that loss (the reference copy, if it has one,
-        stored in ``reference_dtype``)."""
+        a ``preference`` method, trained on that loss, with an ``rl`` method on GRPO's (the
+        reference copy, if it has one, stored in ``reference_dtype``)."""
         cls = self.model_class
         adapters = lora is not None and lora.enabled
         make = (lambda rngs: cls(model, rngs=rngs, lora=lora)) if adapters \
@@ -110,12 +111,19 @@ class LanguageModel:
             return preference_trainable(make, preference, lora=lora if adapters else None,
                                         linear_weights=cls.LINEAR_WEIGHTS,
                                         reference_dtype=reference_dtype)
+        if rl is not None and rl.enabled:
+            return rl_trainable(make, rl, lora=lora if adapters else None,
+                                linear_weights=cls.LINEAR_WEIGHTS,
+                                reference_dtype=reference_dtype)
         if not adapters:
             return from_nnx(make, lm_loss)
         return with_adapters(from_nnx(make, lm_loss), lora, names=cls.LINEAR_WEIGHTS)
 
     def check(self, model: GPTConfig, data: DataConfig) -> None:
-        """Cross-section checks: the vocabulary must cover the data's tokens."""
+        """Cross-section checks: the vocabulary must cover the data's tokens (a GRPO run's
+        prompts are checked when they are read)."""
+        if data.format == "prompt":
+            return
         tokens = self.tokens(data)
         vocab = tokens.vocab_size or BYTE_VOCAB
         if model.vocab_size < vocab:
