@@ -112,20 +112,20 @@ def test_init_adapter_continues_a_peft_adapter_and_refuses_another_shape(lora_hf
     """``lora.init_adapter``: the run starts from the PEFT export's adapters (the first run's
     last ones) over the same base; another rank, or no base, is refused by key."""
     from zjax.task import build_step
-    from zjax.training.trainer import _initial_state
+    from zjax.training._initial import initial_state
 
     _, config, result, run = lora_hf_run
     peft = export(run, tmp_path / "peft", dtype="float32", format="peft")
     again = dataclasses.replace(config, lora=dataclasses.replace(config.lora,
                                                                  init_adapter=str(peft)))
     zstep = build_step(again)
-    state = _initial_state(zstep, again, lambda *a: None)
+    state = initial_state(zstep, again, lambda *a: None)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
                  jax.device_get(result.state.params))
     other = dataclasses.replace(again, lora=dataclasses.replace(again.lora, rank=8))
     with pytest.raises(zjax.ConfigError, match=r"^lora.rank: 8, but the adapter in "
                                                r"lora.init_adapter .* has 4$"):
-        _initial_state(build_step(other), other, lambda *a: None)
+        initial_state(build_step(other), other, lambda *a: None)
     alone = dataclasses.replace(again, train=dataclasses.replace(again.train, init_from=None))
     with pytest.raises(zjax.ConfigError, match=r"^lora.init_adapter: .* train.init_from"):
         build_step(alone)

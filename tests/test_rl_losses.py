@@ -163,11 +163,12 @@ def test_an_unknown_reward_function_is_named():
         Rewards(["tests.rl_user_rewards:nothing"], [1.0])
 
 
-def test_an_rl_run_is_refused_until_its_loop_exists():
-    """Setting rl.method must never train next-token prediction in its place."""
+def test_an_rl_run_on_text_is_refused():
+    """Setting rl.method must never train next-token prediction in its place: GRPO samples
+    its completions from prompts (data.format prompt), and says so before compiling."""
     import zjax
 
-    config = zjax.load_config("configs/tiny.yaml", ["rl.method=grpo",
+    config = zjax.load_config("configs/tiny.yaml", ["rl.method=grpo", "train.steps=1",
                                                     "rl.rewards=[zjax.rl:exact_answer]"])
-    with pytest.raises(ConfigError, match=r"rl\.method: grpo"):
-        zjax.build_step(config)
+    with pytest.raises(ConfigError, match=r"data\.format: text, but rl\.method grpo"):
+        zjax.train(None, config)

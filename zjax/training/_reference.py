@@ -170,7 +170,15 @@ class StartState:
 
 
 def check_pairs(config) -> None:
-    """A preference method trains on pairs, and pairs are for a preference method."""
+    """A preference method trains on pairs, and pairs are for a preference method; GRPO
+    samples from prompts, and prompts are for GRPO."""
+    if config.rl.enabled != (config.data.format == "prompt"):
+        if config.rl.enabled:
+            raise ConfigError(f"data.format: {config.data.format}, but rl.method "
+                              f"{config.rl.method} samples completions of prompts; set "
+                              "data.format: prompt")
+        raise ConfigError("rl.method: empty, but data.format prompt holds prompts without "
+                          "answers to train on; set rl.method: grpo (and rl.rewards)")
     if not config.preference.enabled:
         if config.data.format == "preference":
             raise ConfigError("preference.method: empty, but data.format preference holds "

@@ -125,6 +125,7 @@ class MetricsLog:
         evals = f" | eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""
         if "eval_rewards/accuracies" in row:  # a preference run's
             evals += f" (reward accuracy {row['eval_rewards/accuracies']:.3f})"
+        evals += _rollout_line(row)
         if "loss" in row:
             nvme = (f" | NVMe read {row['nvme_read_gbs']:.2f} / write "
                     f"{row['nvme_write_gbs']:.2f} GB/s" if "nvme_read_gbs" in row else "")
@@ -204,3 +205,12 @@ def preemption(guard: PreemptionGuard, checkpoints: Checkpoints | None
                         checkpoints.committed())
 
     return check
+
+
+def _rollout_line(row: dict) -> str:
+    """A GRPO row's reward and the time split of a step (empty for other runs)."""
+    if "reward" not in row:
+        return ""
+    times = "/".join(f"{row.get(f'time_{k}_s', float('nan')):.3f}"
+                     for k in ("generate", "score", "train"))
+    return f" | reward {row['reward']:.3f} | generate/score/train {times} s"

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,7 @@ import numpy as np
 from zjax.checkpoint import Checkpointer, tree_digests
 from zjax.config import Config, as_config
 from zjax.errors import CheckpointError, ConfigError
-from zjax.models import model_class
-from zjax.partition import frozen_part, merge_parts, nbytes, trained_part
+from zjax.partition import frozen_part, nbytes
 from zjax.planning import PlanReport, compiled_memory, report
 from zjax.runtime.distributed import detect, initialize
 from zjax.runtime.mesh import process_batch_slice
@@ -30,7 +29,9 @@ from zjax.step import TrainState, ZeroStep
 from zjax.step.optim import make_schedule
 from zjax.task import build_step, config_keys, flops_shape
 from zjax.task.loop import Loop, resolve_loop
+from zjax.training._grpo import RolloutMetrics, rollout_data
 from zjax.training._hooks import Hook, run_hooks, training_steps
+from zjax.training._initial import check_base, initial_frozen, initial_state
 from zjax.training._metrics import MetricsWriter
 from zjax.training._nonfinite import FiniteWatch
 from zjax.training._preempt import PreemptionGuard
@@ -56,6 +57,15 @@ class TrainResult:
     state: TrainState
     history: list[dict]
     step: ZeroStep
+
+
+def _eval_hooks(zstep: ZeroStep, eval_data, put: Callable, train, log: MetricsLog) -> list:
+    """Every ``train.eval_every`` steps, the held-out loss (none without eval batches)."""
+    if eval_data is None:
+        return []
+    evaluation = Evaluation(zstep.evaluate_metrics, (put(b) for b in eval_data),
+                            n_batches=train.eval_batches, log=log)
+    return [Hook(evaluation, every=train.eval_every)]
 
 
 def _iterator_state(it) -> Any:
@@ -156,21 +166,21 @@ def _train_steps(loop: Loop, config: Config, ckpt: Checkpointer | None, run: Run
 def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer | None,
                run: RunDir | None, info) -> TrainResult:
     # the initial state, made once: by the precompute pass if it needs it, then the start
-    initial = StartState(lambda: _initial_state(zstep, config, info))
+    initial = StartState(lambda: initial_state(zstep, config, info))
+    current = {}  # the state a GRPO rollout samples from: the one the next step takes
     train_data, eval_data, put, keep = _data(loop, config, zstep, run=run, initial=initial,
-                                             info=info)
+                                             info=info, state_of=lambda: current["state"])
     start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, initial,
                                          info)
+    current["state"] = state
     # an adapters run's checkpoints name their base by its digests (computed once), checked
     # on resume against the base read again
     digests = None if state.frozen is None else tree_digests(state.frozen)
     if resumed and digests is not None:
-        _check_base(digests, meta, config)
+        check_base(digests, meta, config)
     base = {} if digests is None else {"base_digests": digests}
     first = put(next(train_data))
-    compiled = zstep.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                        first)).compile()
-    memory, planned = _memory_row(zstep, compiled, config, info)
+    compiled, memory, planned = _compile(zstep, config, first, info)
     if run is not None:  # every check has passed: only now is the run directory changed
         run.truncate_metrics(start)  # rows after the resumed step (all, starting afresh)
         run.write_config(config.to_dict())
@@ -197,14 +207,14 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
                          tokens_per_step=config.data.batch_size * config.data.seq_len,
                          memory=memory, watch=watch, info=info, flops=planned.flops,
                          n_devices=planned.n_devices)
-        hooks = [Hook(log.count), Hook(lambda s: (watch.add(s.step, s.metrics), watch.poll()))]
+        hooks = [Hook(lambda s: current.update(state=s.state)), Hook(log.count),
+                 Hook(lambda s: (watch.add(s.step, s.metrics), watch.poll()))]
+        if config.rl.enabled:
+            hooks.append(Hook(RolloutMetrics(train_data, every=train.log_every)))
         if checkpoints is not None:
             hooks.append(Hook(checkpoints, every=config.checkpoint.every))
         hooks.append(Hook(log.metrics, every=train.log_every))
-        if eval_data is not None:
-            evaluation = Evaluation(zstep.evaluate_metrics, (put(b) for b in eval_data),
-                                    n_batches=train.eval_batches, log=log)
-            hooks.append(Hook(evaluation, every=train.eval_every))
+        hooks += _eval_hooks(zstep, eval_data, put, train, log)
         hooks += [Hook(log.write), Hook(progress.update), Hook(preemption(guard, checkpoints))]
         for s in training_steps(compiled, state, batches, start=start, steps=steps):
             run_hooks(hooks, s)
@@ -213,6 +223,14 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
         if checkpoints is not None:  # under the guard: a signal now cannot cut the last commit
             checkpoints.committed()
     return TrainResult(state, log.history, zstep)
+
+
+def _compile(zstep: ZeroStep, config: Config, first: Any, info
+             ) -> tuple[Any, dict, PlanReport]:
+    """The step compiled for the first batch's shapes, its memory row and plan report."""
+    compiled = zstep.lower(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                        first)).compile()
+    return compiled, *_memory_row(zstep, compiled, config, info)
 
 
 def _start(zstep: ZeroStep, config: Config, ckpt: Checkpointer | None, train_data, eval_data,
@@ -227,83 +245,11 @@ def _start(zstep: ZeroStep, config: Config, ckpt: Checkpointer | None, train_dat
     start, state, data_state, meta = restored
     info("resuming from the checkpoint at step %d", start)
     if frozen_part(zstep.plan) is not None:  # checkpoints hold the trained leaves only
-        state = state._replace(frozen=_initial_frozen(zstep, config, info))
+        state = state._replace(frozen=initial_frozen(zstep, config, info))
     for split, it in (("train", train_data), ("eval", eval_data)):
         if it is not None and data_state.get(split) is not None:
             _set_iterator(it, data_state[split], start, ckpt, split)
     return start, state, meta, True
-
-
-def _check_base(got: dict[str, str], meta: dict | None, config: Config) -> None:
-    """The base read again on resume (its digests ``got``) must be the one the checkpoint's
-    adapters trained over (the digests recorded in the checkpoint's meta)."""
-    want = (meta or {}).get("base_digests")
-    if not want:
-        return
-    changed = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-    what = ("adapters were trained over" if config.lora.enabled
-            else "preference reference was copied from")
-    if changed:
-        raise CheckpointError(
-            f"train.init_from: {config.train.init_from} is not the base the checkpoint's "
-            f"{what} ({changed[0]} differs, of {len(changed)} frozen leaves); point "
-            "train.init_from at that base, or train in a new run directory")
-
-
-def _initial_frozen(zstep: ZeroStep, config: Config, info) -> Any:
-    """The frozen leaves at the start, read again for a resume: a preference reference from
-    the starting weights alone (no optimizer state beside the restored one), an adapters'
-    base as the start reads it."""
-    if not zstep.derived_frozen:
-        return _initial_state(zstep, config, info).frozen
-    if config.train.init_from is None:
-        return zstep.frozen_init(jax.random.key(config.train.seed))
-    from zjax.hf import initial_params
-
-    return zstep.frozen_of(initial_params(config.train.init_from, zstep.params_target,
-                                          config.model))
-
-
-def _initial_state(zstep: ZeroStep, config: Config, info) -> TrainState:
-    """A random init, or the weights ``train.init_from`` names read into their shards."""
-    if config.train.init_from is None:
-        return zstep.init(jax.random.key(config.train.seed))
-    from zjax.hf import initial_params
-
-    info("initial params from %s", config.train.init_from)
-    if zstep.from_base is not None:  # adapters: the base read, the adapters initialised
-        base = initial_params(config.train.init_from, zstep.base_target, config.model)
-        if config.lora.init_adapter is not None:
-            info("initial adapters from %s", config.lora.init_adapter)
-            return zstep.from_params(merge_parts(zstep.plan, _peft_adapters(zstep, config),
-                                                 base))
-        return zstep.from_base(base, jax.random.key(config.train.seed))
-    return zstep.from_params(initial_params(config.train.init_from, zstep.params_target,
-                                            config.model))
-
-
-def _peft_adapters(zstep: ZeroStep, config: Config) -> Any:
-    """``lora.init_adapter``'s adapters as the step's trained leaves (float32 on the host),
-    refused unless its rank, scaling and targets are the ``lora`` section's."""
-    from zjax.hf import layout_for_model, read_peft
-
-    lora, cls = config.lora, model_class(config.model)
-    if cls is None:
-        raise ConfigError(f"lora.init_adapter: PEFT adapters load into the built-in models "
-                          f"(loop lm, llama), not loop {config.loop!r}")
-    found, adapters = read_peft(Path(lora.init_adapter), layout_for_model(
-        config.loop, config.model), config.model)
-    modules = tuple(cls.LORA_MODULES)
-    for key in ("rank", "alpha", "rslora", "targets"):
-        want, got = getattr(lora, key), getattr(found, key)
-        if key == "targets":
-            want, got = (sorted(x.targets_in(modules)) for x in (lora, found))
-        if want == got:
-            continue
-        raise ConfigError(f"lora.{key}: {want!r}, but the adapter in "
-                          f"lora.init_adapter ({lora.init_adapter}) has {got!r}")
-    trained = trained_part(zstep.plan)
-    return trained.tree(adapters[tuple(leaf.path.split("/"))] for leaf in trained.leaves)
 
 
 def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:
@@ -316,11 +262,12 @@ def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:
 
 
 def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None,
-          initial: StartState, info):
+          initial: StartState, info, state_of):
     """``(train iterator, eval iterator or None, put, keep)``: ``put`` makes a global array of
     this process's rows. A preference run with ``reference: precompute`` computes its
     reference log-probs first (:mod:`zjax.training._reference`): ``keep(run_dir)`` writes
-    them there once the run's checks have passed (a no-op otherwise)."""
+    them there once the run's checks have passed (a no-op otherwise). A GRPO run's train
+    batches are rolled out from ``state_of()`` (:mod:`zjax.training._grpo`)."""
     # processes that share data rows (a model axis across processes) load the same slice
     index, count = process_batch_slice(zstep.plan.mesh)
     shard = dict(process_index=index, process_count=count, seed=config.train.seed)
@@ -334,6 +281,10 @@ def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None,
     def put(local: Any) -> Any:  # an array, or a dict of them (packed documents)
         return jax.tree.map(put_one, local) if isinstance(local, dict) else put_one(local)
 
+    if config.rl.enabled:  # batches rolled out from the state, no held-out loss
+        return rollout_data(loop, config, zstep, put=put, state_of=state_of,
+                            run_dir=run.path if run else None, process=(index, count),
+                            info=info), None, put, lambda run_dir: None
     splits = ("train", "eval") if config.train.eval_every else ("train",)
     refs, keep = {split: {} for split in splits}, lambda run_dir: None
     if config.preference.source == "precompute" and config.preference.enabled:
