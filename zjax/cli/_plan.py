@@ -64,6 +64,15 @@ def _check_fits(report, target: str | None) -> None:
             f"--target {target}: does not fit: the step needs {_size(d['total_bytes'])} per "
             f"device, over the {_size(d['capacity_bytes'])} of device memory; "
             f"{FIT_ADVICE}")
+    rollout = report.rollout
+    if rollout and rollout["fits_device"] is False:
+        raise ConfigError(
+            f"--target {target}: does not fit: the rollout phase needs "
+            f"{_size(rollout['total_bytes'])} per device (the state, the model gathered in "
+            f"zero.gather_dtype and the cache of {rollout['rows']} completions), over the "
+            f"{_size(report.per_device['capacity_bytes'])} of device memory; fewer completions "
+            "at once (data.batch_size, rl.steps_per_generation), more devices or a shorter "
+            "rl.max_new_tokens")
 
 
 def run_plan(args, path: str | None, overrides: list[str],

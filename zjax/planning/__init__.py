@@ -28,7 +28,7 @@ from zjax.planning._hlo import (
 )
 from zjax.planning._hlo_text import axes_of, group_size, link_of
 from zjax.planning._longest import LongestResult
-from zjax.planning._memory import compiled_memory, formula
+from zjax.planning._memory import compiled_memory, format_bytes, formula
 from zjax.planning._plan import (
     FIT_ADVICE,
     autotune,
@@ -38,7 +38,6 @@ from zjax.planning._plan import (
     run_cli_json,
 )
 from zjax.planning._report import PlanReport, report
-from zjax.planning._report import _size as format_bytes
 from zjax.planning._search import Candidate, TuneResult, parse_bytes
 from zjax.planning._search import autotune as search
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from zjax.config import Config
 from zjax.errors import ConfigError
-from zjax.planning._report import PlanReport, _size
+from zjax.planning._memory import format_bytes as _size
+from zjax.planning._report import PlanReport
 
 __all__ = ["LongestResult", "longest_sequence"]
 

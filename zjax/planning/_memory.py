@@ -11,8 +11,8 @@ import numpy as np
 from zjax.partition import nbytes
 from zjax.step import ZeroStep
 
-__all__ = ["compiled_bytes", "compiled_memory", "formula", "frozen_figures", "n_params_of",
-           "state_bytes"]
+__all__ = ["compiled_bytes", "compiled_memory", "format_bytes", "formula", "frozen_figures",
+           "n_params_of", "state_bytes"]
 
 
 def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
@@ -117,3 +117,11 @@ def frozen_figures(zstep: ZeroStep, trained: int) -> dict[str, Any]:
     return {"trained_params": trained, "frozen_params": _frozen_params(zstep),
             "frozen_bytes": nbytes(zstep.abstract_state.frozen),
             "frozen_dtypes": sorted({leaf.dtype.name for leaf in base})}
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as the reports print them (``1.50 GiB``, ``12 B``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

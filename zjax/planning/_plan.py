@@ -28,6 +28,7 @@ from zjax.planning._activations import estimate
 from zjax.planning._longest import LongestResult
 from zjax.planning._longest import longest_sequence as _longest
 from zjax.planning._report import PlanReport, report
+from zjax.planning._rollout import rollout_figures
 from zjax.planning._search import TuneResult, parse_bytes
 from zjax.planning._search import autotune as _autotune
 from zjax.runtime import compile_for_figures
@@ -73,9 +74,14 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
                            n_batch=plan_.n_batch, n_model=plan_.n_model,
                            n_context=plan_.n_context, act_bytes=plan_.zero.gather.itemsize,
                            platform=plan_.mesh.devices.flat[0].platform)
-    return report(zstep, compiled, grad_accum=config.train.grad_accum,
-                  remat=getattr(config.model, "remat", None), target=target,
-                  hosts=hosts, activations=activations, **flops_shape(config))
+    out = report(zstep, compiled, grad_accum=config.train.grad_accum,
+                 remat=getattr(config.model, "remat", None), target=target,
+                 hosts=hosts, activations=activations, **flops_shape(config))
+    if not config.rl.enabled:
+        return out
+    return dataclasses.replace(out, rollout=rollout_figures(
+        zstep, config.rl, config.data, devices, compile_only=target is not None,
+        capacity=target.capacity_bytes if target else None))
 
 
 def _target_devices(name: str, devices: int | None) -> tuple[Target, list]:

@@ -23,11 +23,13 @@ from zjax.planning._hlo import collective_bytes
 from zjax.planning._memory import (
     compiled_bytes,
     compiled_memory,
+    format_bytes,
     formula,
     frozen_figures,
     n_params_of,
     state_bytes,
 )
+from zjax.planning._rollout import rollout_lines
 from zjax.runtime.targets import Target
 from zjax.step import ZeroStep
 
@@ -87,6 +89,9 @@ class PlanReport:
         .flops_per_token`), ``per_step`` (times the tokens of a step), ``peak_per_device``
         (the chip's bf16 peak, None when unknown) and ``step_s_at_peak`` (the step's model
         FLOPs at that peak on every device: the time an MFU of 100% would take).
+      rollout: an RL run's generation phase (:func:`zjax.planning._rollout
+        .rollout_figures`: the model gathered once, the cache, the state beside them, its
+        peak and whether it fits); empty for other runs.
     """
 
     n_params: int
@@ -108,6 +113,7 @@ class PlanReport:
     active_params: int | None = None
     experts: dict[str, Any] = dataclasses.field(default_factory=dict)
     frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rollout: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -146,7 +152,7 @@ class PlanReport:
         if not fz:
             return []
         kind = "reference (frozen)" if fz.get("frozen_kind") == "reference" else "frozen base"
-        return [f"    {kind:<20}{_size(fz['frozen_bytes']):>14}  "
+        return [f"    {kind:<20}{format_bytes(fz['frozen_bytes']):>14}  "
                 f"({fz['frozen_params']:,} params, {', '.join(fz['frozen_dtypes'])})"]
 
     def table(self) -> str:
@@ -167,25 +173,26 @@ class PlanReport:
         for key, name in [("params_bytes", "params"), ("grads_bytes", "gradients"),
                           ("optimizer_bytes", "optimizer state"),
                           ("model_state_bytes", "model states")]:
-            lines.append(f"  {name:<22}{_size(d[key]):>14}{_size(f[key]):>14}")
+            lines.append(f"  {name:<22}{format_bytes(d[key]):>14}{format_bytes(f[key]):>14}")
         lines += self._frozen_lines()
         if "hpz_secondary_bytes" in f:  # part of the temp: kept from forward to backward
             lines.append(f"  {'hpZ secondary (temp)':<22}{'':>14}"
-                         f"{_size(f['hpz_secondary_bytes']):>14}")
-        lines.append(f"  {'activations/temp':<22}{_size(d['temp_bytes']):>14}")
-        lines += [f"    {name:<20}{'':>14}{_size(self.activations[key]):>14}  (estimate)"
+                         f"{format_bytes(f['hpz_secondary_bytes']):>14}")
+        lines.append(f"  {'activations/temp':<22}{format_bytes(d['temp_bytes']):>14}")
+        lines += [f"    {name:<20}{'':>14}{format_bytes(self.activations[key]):>14}  (estimate)"
                   for key, name in _ACTIVATIONS if self.activations.get(key)]
         lines += [
-            f"  {'total on device':<22}{_size(d['total_bytes']):>14}",
-            f"  {'in host memory':<22}{_size(d['host_bytes']):>14}",
+            f"  {'total on device':<22}{format_bytes(d['total_bytes']):>14}",
+            f"  {'in host memory':<22}{format_bytes(d['host_bytes']):>14}",
         ]
         if d.get("host_temp_bytes"):  # offloaded activations (zero.offload_activations)
-            lines.append(f"  {'host temp':<22}{_size(d['host_temp_bytes']):>14}")
+            lines.append(f"  {'host temp':<22}{format_bytes(d['host_temp_bytes']):>14}")
         if d.get("nvme_bytes"):
-            lines.append(f"  {'on NVMe':<22}{_size(d['nvme_bytes']):>14}")
+            lines.append(f"  {'on NVMe':<22}{format_bytes(d['nvme_bytes']):>14}")
         if d.get("capacity_bytes"):
-            lines.append(f"  {'device memory':<22}{_size(d['capacity_bytes']):>14}"
+            lines.append(f"  {'device memory':<22}{format_bytes(d['capacity_bytes']):>14}"
                          f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
+        lines += rollout_lines(self.rollout)
         lines += self._collective_lines()
         if self.flops.get("per_step"):
             f_ = self.flops
@@ -213,13 +220,6 @@ class PlanReport:
 _ACTIVATIONS = (("saved_inputs_bytes", "saved layer inputs"),
                 ("attention_bytes", "attention, a layer"), ("mlp_bytes", "MLP, a layer"),
                 ("loss_bytes", "loss, a chunk"), ("host_bytes", "inputs on the host"))
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _notes(plan) -> list[str]:
@@ -331,13 +331,13 @@ def _per_layer(coll, plan, n_layers: int | None) -> dict[str, int]:
 
 def _experts_line(e: dict[str, Any]) -> str:
     a2a = "" if not e["all_to_all_bytes"] else (
-        f"; all-to-all {_size(e['all_to_all_bytes'])} per step, "
-        f"{_size(e['all_to_all_off_device_bytes'])} off the device"
-        + (f" ({_size(e['all_to_all_per_layer'])} a layer)"
+        f"; all-to-all {format_bytes(e['all_to_all_bytes'])} per step, "
+        f"{format_bytes(e['all_to_all_off_device_bytes'])} off the device"
+        + (f" ({format_bytes(e['all_to_all_per_layer'])} a layer)"
            if e["all_to_all_per_layer"] else ""))
     return (f"  experts: {e['n_experts']} ({e['experts_per_device']} per device), "
-            f"{e['expert_params']:,} expert parameters, {_size(e['params_bytes'])} stored "
-            f"per device, {_size(e['gathered_layer_bytes'])} a layer gathered{a2a}")
+            f"{e['expert_params']:,} expert parameters, {format_bytes(e['params_bytes'])} stored "
+            f"per device, {format_bytes(e['gathered_layer_bytes'])} a layer gathered{a2a}")
 
 
 _CONTEXT_KINDS = ("all_to_all", "collective_permute")
@@ -345,7 +345,7 @@ _CONTEXT_KINDS = ("all_to_all", "collective_permute")
 
 def _kinds(kinds: dict) -> str:
     """``all-gather 3.30 MiB, reduce-scatter ...`` of ``{kind: bytes}``."""
-    return ", ".join(f"{k.replace('_', '-')} {_size(v)}" for k, v in kinds.items())
+    return ", ".join(f"{k.replace('_', '-')} {format_bytes(v)}" for k, v in kinds.items())
 
 
 def _collectives(coll) -> dict[str, int]:

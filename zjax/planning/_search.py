@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from zjax.config import Config
 from zjax.errors import ConfigError
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
-from zjax.planning._report import PlanReport, _size
+from zjax.planning._memory import format_bytes as _size
+from zjax.planning._report import PlanReport
 
 __all__ = ["ACTIVATIONS", "OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
 
