@@ -23,3 +23,13 @@ def nan_reward(prompts, completions, **kwargs):
 
 def text_reward(prompts, completions, **kwargs):
     return ["1"] * len(completions)
+
+
+# breaks_later: 0 until its call number BREAK_AT["at"], then NaN (None: never breaks)
+BREAK_AT: dict = {"calls": 0, "at": None}
+
+
+def breaks_later(prompts, completions, **kwargs):
+    BREAK_AT["calls"] += 1
+    broken = BREAK_AT["at"] is not None and BREAK_AT["calls"] >= BREAK_AT["at"]
+    return [float("nan") if broken else 0.0] * len(completions)
