@@ -336,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    # a user's own modules (loop: module:Class, rl.rewards: [module:function]) import from
+    # the working directory, as under `python -m zjax` (the console script's path lacks it)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # overrides after an option (`plan CONFIG --target T a.b=1`) are still overrides

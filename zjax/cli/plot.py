@@ -1,4 +1,5 @@
-"""``zjax plot RUN_DIR``: loss and throughput curves of a run as PNG files."""
+"""``zjax plot RUN_DIR``: loss and throughput curves of a run (and an RL run's reward) as PNG
+files."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def _writable_dir(out_dir: Path) -> None:
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write ``loss.png`` and ``throughput.png`` for the run in ``run_dir``; return their paths.
+    """Write ``loss.png`` and ``throughput.png`` for the run in ``run_dir`` (and ``reward.png``
+    for an RL run); return their paths.
 
     Rows without a numeric ``loss`` are left out of the train-loss curve, rows without
     ``eval_loss`` out of the eval curve and rows without ``tokens_per_s`` out of the
@@ -104,7 +106,27 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     ax.grid(alpha=0.3)
     fig.tight_layout()
     written.append(_save(fig, out_dir / "throughput.png"))
-    return written
+    return written + _rewards(rows, out_dir, plt)
+
+
+def _rewards(rows: list, out_dir: Path, plt) -> list[Path]:
+    """An RL run's ``reward.png``: the mean reward and each reward function's (none for
+    other runs)."""
+    reward = _points(rows, "reward")
+    if not reward:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*reward, strict=True), label="reward")
+    names = sorted({k for r in rows if isinstance(r, dict) for k in r
+                    if k.startswith("rewards/")})
+    for name in names if len(names) > 1 else []:
+        ax.plot(*zip(*_points(rows, name), strict=True), label=name, alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward of the rollouts")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return [_save(fig, out_dir / "reward.png")]
 
 
 def _save(fig, path: Path) -> Path:
