@@ -15,6 +15,7 @@ of O(1)); the tests allow 1e-4, as the issue asks.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -212,22 +213,48 @@ def _act(hf, x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def _rotary(x, positions, theta, factor=1.0):  # [T, heads, hd]; rotate_half of modeling_llama
+def _rotary(x, positions, inv, gain=1.0):  # [T, heads, hd]; rotate_half of modeling_llama
     hd = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd) / factor  # linear
     ang = positions[:, None] * inv
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    cos, sin = cos * gain, sin * gain  # transformers' attention_scaling (YaRN's)
     half = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], axis=-1)
     return x * cos[:, None] + half * sin[:, None]
 
 
-def _rope(hf, sliding):
-    """(theta, linear factor) of a layer: Gemma 3's windowed layers have their own, unscaled."""
+def _yarn(hf, inv, hd):
+    """transformers' ``_compute_yarn_parameters``, transcribed: (frequencies, attention
+    scaling)."""
+    s, base = hf["rope_scaling"], hf.get("rope_theta", 10000.0)
+    factor, old = s["factor"], s.get("original_max_position_embeddings") or \
+        hf["max_position_embeddings"]
+    mscale = lambda scale, m=1: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    gain = s.get("attention_factor")
+    if gain is None:
+        gain = (mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+                if s.get("mscale") and s.get("mscale_all_dim") else mscale(factor))
+    dim_of = lambda rot: hd * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(hd // 2) - low) / (high - low), 0, 1)
+    return inv / factor * ramp + inv * (1 - ramp), gain
+
+
+def _rope(hf, sliding, hd):
+    """(frequencies, cos/sin gain) of a layer: Gemma 3's windowed layers have their own,
+    unscaled; linear or YaRN scaling."""
     if sliding and hf["model_type"] == "gemma3_text":
-        return hf["rope_local_base_freq"], 1.0
+        return 1.0 / hf["rope_local_base_freq"] ** (np.arange(0, hd, 2) / hd), 1.0
+    inv = 1.0 / hf.get("rope_theta", 10000.0) ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     scaling = hf.get("rope_scaling") or {}
-    factor = scaling["factor"] if scaling.get("rope_type") == "linear" else 1.0
-    return hf.get("rope_theta", 10000.0), factor
+    if scaling.get("rope_type") == "linear":
+        return inv / scaling["factor"], 1.0
+    if scaling.get("rope_type") == "yarn":
+        return _yarn(hf, inv, hd)
+    return inv, 1.0
 
 
 def _window(hf, i):
@@ -243,7 +270,7 @@ def _attention(hf, t, p, x, i):
     d, h, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
     hd = hf.get("head_dim") or d // h
     eps, window = hf["rms_norm_eps"], _window(hf, i)
-    theta, factor = _rope(hf, window is not None)
+    inv, gain = _rope(hf, window is not None, hd)
     n = len(x)
 
     def proj(name, heads):
@@ -255,7 +282,7 @@ def _attention(hf, t, p, x, i):
         return y if norm is None else _rms(y, norm, eps, _gemma(hf))
 
     pos = np.arange(n, dtype=np.float64)
-    q, k = (_rotary(proj(x_, heads), pos, theta, factor) for x_, heads in (("q", h), ("k", kv)))
+    q, k = (_rotary(proj(x_, heads), pos, inv, gain) for x_, heads in (("q", h), ("k", kv)))
     v = proj("v", kv)
     k, v = np.repeat(k, h // kv, axis=1), np.repeat(v, h // kv, axis=1)  # repeat_kv
     scale = hf["query_pre_attn_scalar"] ** -0.5 if _sandwich(hf) else hd ** -0.5

@@ -212,9 +212,9 @@ def test_files_that_do_not_fit_are_named(tmp_path, model, change, message):
 def test_unsupported_config_and_truncated_file_are_named(tmp_path, model):
     directory = write_hf(tmp_path / "hf", model)
     config = json.loads((directory / "config.json").read_text())
-    scaled = {**config, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}
+    scaled = {**config, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}
     (directory / "config.json").write_text(json.dumps(scaled))
-    with pytest.raises(CheckpointError, match=r"rope_scaling = .*yarn.* not supported"):
+    with pytest.raises(CheckpointError, match=r"rope_scaling = .*dynamic.* not supported"):
         HFCheckpoint(directory)
     (directory / "config.json").write_text(json.dumps(config))
     path = directory / "model.safetensors"

@@ -100,6 +100,32 @@ def test_imported_logits_and_greedy_tokens_equal_the_reference(tmp_path, family)
     np.testing.assert_array_equal(ours, greedy(hf, tensors, prompt, 8))
 
 
+# YaRN (Qwen's and DeepSeek's long context) at a small original length, so that the 12 tokens
+# reach past it: transformers' defaults, DeepSeek's mscale pair with the ramp's own bounds
+# untruncated, and an attention factor given outright
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6}
+YARNS = [YARN, {**YARN, "beta_fast": 8.0, "beta_slow": 2.0, "mscale": 1.0,
+                "mscale_all_dim": 0.5, "truncate": False},
+         {**YARN, "attention_factor": 0.8}]
+
+
+@pytest.mark.parametrize("scaling", YARNS, ids=["defaults", "deepseek", "factor"])
+def test_yarn_scaled_logits_equal_the_reference_and_map_both_ways(tmp_path, scaling):
+    hf = tiny_config("qwen2", rope_scaling=scaling)
+    tensors = random_tensors(hf)
+    ours = zjax_logits(write_checkpoint(tmp_path / "yarn", hf, tensors))
+    want = logits(hf, tensors, TOKENS)
+    np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
+    unscaled = logits({**hf, "rope_scaling": None}, tensors, TOKENS)
+    assert np.abs(unscaled - want).max() > 100 * ATOL  # the scaling is seen
+    layout = layout_for_hf(hf, source="config.json")
+    cfg = layout.from_hf(hf, source="config.json")
+    assert cfg.rope_scaling == "yarn" and cfg.rope_original_max_len == 6
+    written = layout.to_hf(cfg, dtype="float32")["rope_scaling"]
+    assert {k: v for k, v in written.items() if v != {"truncate": True}.get(k)} == \
+        {k: v for k, v in scaling.items() if k != "type"}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_key_transformers_writes_is_known(family, caplog):
     """No key of transformers' full config (defaults included) is unknown to zjax: each is

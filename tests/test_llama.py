@@ -81,8 +81,9 @@ def test_llama3_rope_scaling_is_huggingfaces():
                                np.concatenate([z.real, z.imag], axis=-1), atol=2e-4)
     cfg = LlamaConfig(d_model=256, n_heads=2, rope_theta=theta, rope_scaling="llama3")
     assert cfg.rope == (theta, scaling)
-    with pytest.raises(zjax.ConfigError, match=r"model.rope_scaling: 'yarn' is not supported"):
-        LlamaConfig(rope_scaling="yarn")
+    with pytest.raises(zjax.ConfigError, match=r"model.rope_scaling: 'longrope' is not "
+                       r"supported; choose llama3 .*, linear, yarn"):
+        LlamaConfig(rope_scaling="longrope")
 
 
 def test_linear_rope_scaling_divides_every_frequency_and_windows_need_a_window():

@@ -305,7 +305,9 @@ WEIGHTS = {"vocab_size": 264, "d_model": 128, "n_layers": 1, "d_ff": 96, "n_head
            "n_kv_heads": 1, "head_dim": 32, "sliding_window": 7, "global_every": 2,
            "rope_theta": 12345.0, "local_rope_theta": 50.0, "rope_scaling": "llama3",
            "rope_factor": 3.0, "rope_low_freq_factor": 2.0, "rope_high_freq_factor": 5.0,
-           "rope_original_max_len": 16, "attn_softcap": 7.0, "final_softcap": 7.0,
+           "rope_original_max_len": 16, "rope_beta_fast": 16.0, "rope_beta_slow": 2.0,
+           "rope_mscale": 1.0, "rope_mscale_all_dim": 0.5, "rope_attention_factor": 0.8,
+           "attn_softcap": 7.0, "final_softcap": 7.0,
            "query_pre_attn_scalar": 64.0, "mlp_activation": "gelu", "norm_eps": 0.01,
            "n_experts": 8, "experts_per_token": 1, "n_shared_experts": 1, "moe_d_ff": 48}
 

@@ -118,14 +118,34 @@ def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
         return {}
     if kind == "linear":
         return {"rope_scaling": "linear", "rope_factor": float(scaling["factor"])}
+    if kind == "yarn":
+        return _yarn_keys(hf, scaling)
     if kind != "llama3":
         raise CheckpointError(f"{source}: rope_scaling = {scaling!r} is not supported by zjax "
-                              "(it supports None, rope_type 'llama3' (Llama 3.1's) or "
-                              "'linear')")
+                              "(it supports None, rope_type 'llama3' (Llama 3.1's), 'linear' "
+                              "or 'yarn')")
     return {"rope_scaling": "llama3", "rope_factor": float(scaling["factor"]),
             "rope_low_freq_factor": float(scaling["low_freq_factor"]),
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
             "rope_original_max_len": int(scaling["original_max_position_embeddings"])}
+
+
+# rope_scaling's yarn keys -> the model section's, with transformers' defaults for absent ones
+_YARN = {"beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
+         "mscale": ("rope_mscale", 0.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0),
+         "attention_factor": ("rope_attention_factor", None), "truncate": ("rope_truncate", True)}
+
+
+def _yarn_keys(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """``rope_type: yarn`` as the ``model.rope_*`` keys (``original_max_position_embeddings``
+    falls back to ``max_position_embeddings``, as transformers reads it)."""
+    out = {"rope_scaling": "yarn", "rope_factor": float(scaling["factor"]),
+           "rope_original_max_len": int(scaling.get("original_max_position_embeddings")
+                                        or hf["max_position_embeddings"])}
+    for key, (ours, default) in _YARN.items():
+        if scaling.get(key) is not None:  # absent: the model section's default, transformers'
+            out[ours] = bool(scaling[key]) if isinstance(default, bool) else float(scaling[key])
+    return out
 
 
 def _config(family: Family, hf: dict[str, Any], *, source: str,
@@ -199,6 +219,13 @@ def _hf_config(family: Family, cfg: LlamaConfig, *, dtype: str) -> dict[str, Any
 def _hf_rope_scaling(cfg: LlamaConfig) -> dict[str, Any] | None:
     if cfg.rope_scaling == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "yarn":
+        out = {"rope_type": "yarn", "factor": cfg.rope_factor,
+               "original_max_position_embeddings": cfg.rope_original_max_len}
+        for key, (ours, default) in _YARN.items():
+            if getattr(cfg, ours) != default:
+                out[key] = getattr(cfg, ours)
+        return out
     return None if cfg.rope_scaling is None else {
         "rope_type": "llama3", "factor": cfg.rope_factor,
         "low_freq_factor": cfg.rope_low_freq_factor,

@@ -5,12 +5,13 @@ is read and validated without loading the model."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 from zjax.errors import ConfigError
 from zjax.schema import choices, non_negative, positive, validate
 
-__all__ = ["GPTConfig", "LlamaConfig", "MoESettings"]
+__all__ = ["GPTConfig", "LlamaConfig", "MoESettings", "Yarn"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,25 @@ class MoESettings(NamedTuple):
     matmul: str = "auto"
 
 
+class Yarn(NamedTuple):
+    """YaRN's rotary scaling (Hugging Face's ``rope_type: yarn``), what
+    :func:`zjax.models.llama.rotary` takes: frequencies blended between interpolated (divided
+    by ``factor``) and kept by a ramp over the dimensions whose wavelengths fit between
+    ``beta_fast`` and ``beta_slow`` rotations in ``original_max_len`` positions, and cos/sin
+    multiplied by ``attention_factor``."""
+
+    factor: float
+    original_max_len: int
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float
+    truncate: bool
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     """Shape of a Llama-family decoder (Llama 2/3 layout).
@@ -134,13 +154,25 @@ class LlamaConfig:
       norm_eps: RMSNorm epsilon (``rms_norm_eps``).
       rope_scaling: empty, ``llama3``: Llama 3.1's frequency-dependent scaling of the
         rotary frequencies for long contexts (long wavelengths divided by ``rope_factor``,
-        short ones kept, a smooth blend between), as Hugging Face's ``rope_type: llama3``; or
-        ``linear``: every frequency divided by ``rope_factor`` (Gemma 3's global layers).
+        short ones kept, a smooth blend between), as Hugging Face's ``rope_type: llama3``;
+        ``linear``: every frequency divided by ``rope_factor`` (Gemma 3's global layers); or
+        ``yarn`` (:class:`Yarn`: Qwen's and DeepSeek's long context).
       rope_factor: ``llama3``: the long wavelengths' division (``factor``; 8 in Llama 3.1,
-        32 in Llama 3.2); ``linear``: every frequency's.
+        32 in Llama 3.2); ``linear``: every frequency's; ``yarn``: the interpolation's.
       rope_low_freq_factor: ``llama3``: ``low_freq_factor``.
       rope_high_freq_factor: ``llama3``: ``high_freq_factor`` (> ``rope_low_freq_factor``).
-      rope_original_max_len: ``llama3``: ``original_max_position_embeddings`` (8192).
+      rope_original_max_len: ``llama3`` and ``yarn``: ``original_max_position_embeddings``
+        (8192).
+      rope_beta_fast: ``yarn``: the ramp's start, in rotations over the original length:
+        dimensions turning more often keep their frequency (``beta_fast``, 32).
+      rope_beta_slow: ``yarn``: the ramp's end: dimensions turning less often are
+        interpolated (``beta_slow``, 1).
+      rope_mscale: ``yarn``: DeepSeek's ``mscale`` (0: unset); with ``rope_mscale_all_dim``
+        too, the attention factor is ``m(rope_mscale) / m(rope_mscale_all_dim)``, where
+        ``m(s) = 0.1 s ln(factor) + 1``; else ``0.1 ln(factor) + 1``.
+      rope_mscale_all_dim: ``yarn``: DeepSeek's ``mscale_all_dim`` (0: unset).
+      rope_attention_factor: ``yarn``: ``attention_factor`` given outright (empty: derived).
+      rope_truncate: ``yarn``: round the ramp's bounds to whole dimensions (``truncate``).
       tie_embeddings: reuse the token embedding as the output projection (untied in Llama).
       attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
         backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
@@ -209,6 +241,12 @@ class LlamaConfig:
     rope_low_freq_factor: float = positive(1.0)
     rope_high_freq_factor: float = positive(4.0)
     rope_original_max_len: int = positive(8192)
+    rope_beta_fast: float = positive(32.0)
+    rope_beta_slow: float = positive(1.0)
+    rope_mscale: float = non_negative(0.0)
+    rope_mscale_all_dim: float = non_negative(0.0)
+    rope_attention_factor: float | None = positive(None, none_means="derived from the factor")
+    rope_truncate: bool = True
     norm_eps: float = positive(1e-5)
     tie_embeddings: bool = False
     remat: bool = True
@@ -236,9 +274,9 @@ class LlamaConfig:
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_kv_heads: {self.kv_heads} does not divide "
                               f"model.n_heads {self.n_heads} (grouped-query attention)")
-        if self.rope_scaling not in (None, "llama3", "linear"):
+        if self.rope_scaling not in (None, "llama3", "linear", "yarn"):
             raise ConfigError(f"model.rope_scaling: {self.rope_scaling!r} is not supported; "
-                              "choose llama3 (Llama 3.1's), linear or leave it empty")
+                              "choose llama3 (Llama 3.1's), linear, yarn or leave it empty")
         for key in ("global_every", "local_rope_theta"):
             if getattr(self, key) is not None and self.sliding_window is None:
                 raise ConfigError(f"model.{key}: {getattr(self, key)} needs "
@@ -285,11 +323,25 @@ class LlamaConfig:
     @property
     def rope(self) -> tuple:
         """``(theta, scaling)``: what :func:`zjax.models.llama.rotary` takes (scaling: None,
-        llama3's 4-tuple, or linear's factor)."""
+        llama3's 4-tuple, linear's factor or :class:`Yarn`)."""
+        if self.rope_scaling == "yarn":
+            return self.rope_theta, self._yarn()
         scaling = {"llama3": (self.rope_factor, self.rope_low_freq_factor,
                               self.rope_high_freq_factor, self.rope_original_max_len),
                    "linear": self.rope_factor}.get(self.rope_scaling)
         return self.rope_theta, scaling
+
+    def _yarn(self) -> Yarn:
+        """:class:`Yarn` of the ``rope_*`` keys, the attention factor derived as
+        transformers' ``_compute_yarn_parameters`` derives it."""
+        factor, attention = self.rope_factor, self.rope_attention_factor
+        if attention is None:
+            attention = (_yarn_mscale(factor, self.rope_mscale)
+                         / _yarn_mscale(factor, self.rope_mscale_all_dim)
+                         if self.rope_mscale and self.rope_mscale_all_dim
+                         else _yarn_mscale(factor))
+        return Yarn(factor, self.rope_original_max_len, self.rope_beta_fast,
+                    self.rope_beta_slow, float(attention), self.rope_truncate)
 
     @property
     def local_rope(self) -> tuple:
