@@ -227,3 +227,28 @@ def test_process_batch_slice(shape, expected):
     mesh = SimpleNamespace(axis_names=("data", "model"), devices=devices,
                            shape={"data": shape[0], "model": shape[1]})
     assert [process_batch_slice(mesh, p) for p in (0, 1)] == expected
+
+
+def test_grpo_across_processes_saves_and_resumes_mid_rollout(tmp_path):
+    """2 x 4 GRPO, two steps per rollout: the checkpoint at step 3 falls inside a rollout,
+    each process saves its own untrained batch beside it (process 1 holds no lock on the run
+    directory), and the job resumes from them and trains to the end."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import grpo_example
+
+    grpo_example.write_tokenizer(tmp_path)
+    prompts = grpo_example.write_prompts(tmp_path / "prompts.jsonl", 200)
+    run = tmp_path / "run"
+    args = ["configs/grpo-tiny.yaml", f"data.path={prompts}",
+            f"data.tokenizer={tmp_path / 'tokenizer.json'}", "rl.steps_per_generation=2",
+            "rl.group_size=8", "data.batch_size=64", "checkpoint.every=3",
+            "train.log_every=1", "logging.tensorboard=false", "--run-dir", str(run)]
+    cut = _run(_launch(2, 4, *zjax_cmd("train", *args, "train.steps=3")))
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["3.0.npz", "3.1.npz"]
+    resumed = _run(_launch(2, 4, *zjax_cmd("train", *args, "train.steps=6")))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # step 4 trains the saved half of step 3's rollout: the same rollout's reward
+    assert rows[3]["reward"] == rows[2]["reward"]

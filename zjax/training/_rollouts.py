@@ -180,15 +180,29 @@ class RolloutBatches:
         self.indices.set_state(state["prompts"])
         self.generation, self.step = int(state["generation"]), int(state["step"])
         self.metrics, self.pending = dict(state.get("metrics") or {}), []
-        if state.get("pending"):
-            path = self._pending_path(self.step)
-            if self.run_dir is None or not path.is_file():
-                raise CheckpointError(f"the checkpoint at step {self.step} continues a rollout "
-                                      f"whose batches are not in {path}")
-            with np.load(path) as f:
-                n = 1 + max(int(name.split("/")[0]) for name in f.files)
-                self.pending = [{name.split("/")[1]: f[name] for name in f.files
-                                 if name.split("/")[0] == str(i)} for i in range(n)]
+        if not state.get("pending"):
+            return
+        path = None if self.run_dir is None else self._pending_path(self.step)
+        if path is None or not path.is_file():
+            raise CheckpointError(f"the checkpoint at step {self.step} continues a rollout "
+                                  f"whose batches are not in {path or 'a run directory'}")
+        with np.load(path) as f:
+            n = 1 + max(int(name.split("/")[0]) for name in f.files)
+            self.pending = [{name.split("/")[1]: f[name] for name in f.files
+                             if name.split("/")[0] == str(i)} for i in range(n)]
+        self._check_pending(path)
+
+    def _check_pending(self, path: Path) -> None:
+        """The saved batches must be this run's shape: a resume with other settings would
+        fail later, deep in the step."""
+        k, width = self.rl.steps_per_generation, self.seq_len + 1
+        got = {b["tokens"].shape[1] for b in self.pending}
+        if len(self.pending) >= k or got != {width}:
+            raise CheckpointError(
+                f"{path}: {len(self.pending)} batches of rows {sorted(got)} tokens wide left "
+                f"of a rollout; this run makes {k} a rollout (rl.steps_per_generation) of "
+                f"{width} tokens (data.seq_len + 1): resume with the settings it was saved "
+                "with, or train in a new run directory")
 
     def _pending_path(self, step: int) -> Path:
         return Path(self.run_dir) / "rollouts" / f"{step}.{jax.process_index()}.npz"

@@ -168,17 +168,14 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
     # the initial state, made once: by the precompute pass if it needs it, then the start
     initial = StartState(lambda: initial_state(zstep, config, info))
     current = {}  # the state a GRPO rollout samples from: the one the next step takes
-    train_data, eval_data, put, keep = _data(loop, config, zstep, run=run, initial=initial,
-                                             info=info, state_of=lambda: current["state"])
+    train_data, eval_data, put, keep = _data(
+        loop, config, zstep, run=run, initial=initial, info=info,
+        state_of=lambda: current["state"],
+        shared=None if ckpt is None else ckpt.directory.parent)
     start, state, meta, resumed = _start(zstep, config, ckpt, train_data, eval_data, initial,
                                          info)
     current["state"] = state
-    # an adapters run's checkpoints name their base by its digests (computed once), checked
-    # on resume against the base read again
-    digests = None if state.frozen is None else tree_digests(state.frozen)
-    if resumed and digests is not None:
-        check_base(digests, meta, config)
-    base = {} if digests is None else {"base_digests": digests}
+    base = _base_meta(state, meta, config, resumed=resumed)
     first = put(next(train_data))
     compiled, memory, planned = _compile(zstep, config, first, info)
     if run is not None:  # every check has passed: only now is the run directory changed
@@ -225,6 +222,18 @@ def _run_steps(zstep: ZeroStep, loop: Loop, config: Config, ckpt: Checkpointer |
     return TrainResult(state, log.history, zstep)
 
 
+def _base_meta(state: TrainState, meta: dict | None, config: Config, *, resumed: bool
+               ) -> dict:
+    """An adapters run's checkpoints name their base by its digests (computed once), checked
+    on resume against the base read again; ``{}`` without frozen leaves."""
+    if state.frozen is None:
+        return {}
+    digests = tree_digests(state.frozen)
+    if resumed:
+        check_base(digests, meta, config)
+    return {"base_digests": digests}
+
+
 def _compile(zstep: ZeroStep, config: Config, first: Any, info
              ) -> tuple[Any, dict, PlanReport]:
     """The step compiled for the first batch's shapes, its memory row and plan report."""
@@ -262,12 +271,14 @@ def _finite_watch(config: Config, meta: dict | None) -> FiniteWatch:
 
 
 def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None,
-          initial: StartState, info, state_of):
+          initial: StartState, info, state_of, shared: Path | None):
     """``(train iterator, eval iterator or None, put, keep)``: ``put`` makes a global array of
     this process's rows. A preference run with ``reference: precompute`` computes its
     reference log-probs first (:mod:`zjax.training._reference`): ``keep(run_dir)`` writes
     them there once the run's checks have passed (a no-op otherwise). A GRPO run's train
-    batches are rolled out from ``state_of()`` (:mod:`zjax.training._grpo`)."""
+    batches are rolled out from ``state_of()`` (:mod:`zjax.training._grpo`), each process
+    keeping its pending batches in the run directory ``shared`` (every process's path to it,
+    where ``run`` is process 0's lock)."""
     # processes that share data rows (a model axis across processes) load the same slice
     index, count = process_batch_slice(zstep.plan.mesh)
     shard = dict(process_index=index, process_count=count, seed=config.train.seed)
@@ -283,7 +294,7 @@ def _data(loop: Loop, config: Config, zstep: ZeroStep, *, run: RunDir | None,
 
     if config.rl.enabled:  # batches rolled out from the state, no held-out loss
         return rollout_data(loop, config, zstep, put=put, state_of=state_of,
-                            run_dir=run.path if run else None, process=(index, count),
+                            run_dir=shared, process=(index, count),
                             info=info), None, put, lambda run_dir: None
     splits = ("train", "eval") if config.train.eval_every else ("train",)
     refs, keep = {split: {} for split in splits}, lambda run_dir: None
