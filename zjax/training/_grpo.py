@@ -104,7 +104,8 @@ def rollout_data(loop: Any, config: Config, zstep: ZeroStep, *, put: Callable,
 class RolloutMetrics:
     """A hook: a logged step's metrics get the rollout metrics (rewards, lengths, times)
     averaged over the steps since the last logged one, as TRL averages over its logging
-    interval (one batch of a few prompts is a noisy figure).
+    interval (one batch of a few prompts is a noisy figure); a logged rollout's samples are
+    written once its step has run.
 
     Args:
       batches: the run's rollouts; ``batches.metrics`` are those of the latest.
@@ -116,6 +117,7 @@ class RolloutMetrics:
         self.rows: list[dict] = []
 
     def __call__(self, s: StepInfo) -> None:
+        self.batches.flush_samples()
         self.rows.append(dict(self.batches.metrics))
         if s.step % self.every:
             return

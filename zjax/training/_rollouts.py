@@ -76,6 +76,7 @@ class RolloutBatches:
         self.stop_ids = jnp.asarray(sorted(stop) or [-1], jnp.int32)
         self.pending: list[dict] = []
         self.generation, self.step, self.metrics = 0, 0, {}
+        self.samples: tuple | None = None  # a logged rollout's, until its step has run
         self._last_end: float | None = None
 
     def __iter__(self) -> RolloutBatches:
@@ -132,10 +133,16 @@ class RolloutBatches:
         if train_s is not None:
             self.metrics["time_train_s"] = train_s
         if self._logged() and self.run_dir is not None and jax.process_index() == 0:
-            write_samples(self.run_dir / "completions.jsonl", self.step + 1, prompts,
-                          completions, rewards, advantages)
+            self.samples = (self.step + 1, prompts, completions, rewards, advantages)
         self.pending = batches
         self.generation += 1
+
+    def flush_samples(self) -> None:
+        """Append the latest logged rollout's samples to ``completions.jsonl`` (called once
+        its first step has trained: a run that stops before, at its checks, writes none)."""
+        if self.samples is not None:
+            write_samples(self.run_dir / "completions.jsonl", *self.samples)
+            self.samples = None
 
     def _split(self, rows: dict) -> list[dict]:
         """The rollout's rows in ``steps_per_generation`` batches (shuffled first when more
