@@ -19,6 +19,7 @@ from helpers import zjax_main
 
 import zjax
 from zjax.config import load_config
+from zjax.data import left_padded
 from zjax.export import export
 from zjax.export.sample import generate, load_sampler, until_stop
 
@@ -71,12 +72,8 @@ def test_the_tiny_task_is_learned_from_the_reward_alone(data, tmp_path, kl_beta)
 
 def _prompt_block(sampler, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Left-padded prompt ids and their padding counts."""
-    ids = [sampler.encode(p) for p in prompts]
-    width = max(len(i) for i in ids)
-    block = np.zeros((len(ids), width), np.int32)
-    for row, one in enumerate(ids):
-        block[row, width - len(one):] = one
-    return block, np.asarray([width - len(i) for i in ids], np.int32)
+    block, lengths = left_padded([np.asarray(sampler.encode(p), np.int32) for p in prompts])
+    return block, block.shape[1] - lengths
 
 
 @pytest.mark.slow  # 25 s: a short run, its export and the sampler

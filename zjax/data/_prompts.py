@@ -248,12 +248,13 @@ def prompt_batches(prompts: PromptSet, data: DataConfig, *, split: str, seed: in
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
 
 
-def left_padded(ids: Sequence[np.ndarray], *, pad_id: int = 0
+def left_padded(ids: Sequence[np.ndarray], *, pad_id: int = 0, width: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens, lengths)``: the prompts right-aligned in int32 ``[B, L]`` (``L`` the
-    longest; ``pad_id`` before the shorter ones) and their int32 ``[B]`` lengths."""
+    """``(tokens, lengths)``: the prompts right-aligned in int32 ``[B, L]`` (``L``: ``width``,
+    else the longest; ``pad_id`` before the shorter ones) and their int32 ``[B]`` lengths."""
     lengths = np.asarray([len(i) for i in ids], np.int32)
-    width = int(lengths.max()) if len(lengths) else 0
+    if width is None:
+        width = int(lengths.max()) if len(lengths) else 0
     tokens = np.full((len(lengths), width), pad_id, np.int32)
     for row, (one, n) in enumerate(zip(ids, lengths, strict=True)):
         if n:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zjax.data import PromptSet, gather_columns
+from zjax.data import PromptSet, gather_columns, left_padded
 from zjax.errors import CheckpointError
 from zjax.rl import Rewards, RLConfig, group_advantages, scored_keys
 from zjax.step import ZeroStep
@@ -98,10 +98,8 @@ class RolloutBatches:
         """``[rows, max_new_tokens]`` ids sampled after each prompt (left-padded to the
         prompts' limit, one compiled shape)."""
         width = self.prompts.prompt_limit
-        block = np.zeros((len(ids), width), np.int32)
-        for row, one in enumerate(ids):
-            block[row, width - len(one):] = one
-        pads = np.asarray([width - len(one) for one in ids], np.int32)
+        block, lengths = left_padded(ids, width=width)
+        pads = width - lengths
         key = jax.random.fold_in(jax.random.key(self.seed), self.generation)
         rl = self.rl
         out = self.zstep.rollout(state.params, state.frozen, self.put(block), self.put(pads),
