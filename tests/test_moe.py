@@ -354,7 +354,7 @@ def test_the_plan_counts_active_parameters_and_the_experts_figures():
 def test_all_to_all_bytes_equal_the_formula_on_every_backend(name, expert):
     """Capacity 1: each layer's forward moves 2 x tokens x k x d_model bf16 (dispatch and
     combine), over groups of the ``expert`` axis; its recomputation and backward as much
-    again each. Dropless (on XLA:CPU) moves a worst-case buffer per destination: E times it."""
+    again each. (Dropless: ``tests/test_moe_exchange.py``.)"""
     from zjax.planning import collective_sites, group_size
 
     moe = ("model.n_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64",
@@ -369,10 +369,6 @@ def test_all_to_all_bytes_equal_the_formula_on_every_backend(name, expert):
                                          decomposed=name.startswith("v5p"))
              if s.kind == "all_to_all"]
     assert sites and {group_size(s.line) for s in sites} == {expert}
-    if name == "cpu" and expert == 2:
-        _, _, dropless = compiled_for(name, *moe, file="configs/llama-tiny.yaml")
-        counts = dropless.experts["all_to_all_bytes"] - expert * 3 * forward
-        assert 0 < counts <= 3 * 2 * layers * expert * 4 * 4  # the per-destination counts
 
 
 @pytest.mark.slow  # a compile for the H100 target

@@ -40,12 +40,12 @@ LLAMA_PINNED = {
     "n_experts": _EXPERTS, "experts_per_token": _EXPERTS, "n_shared_experts": _EXPERTS,
     "moe_d_ff": _EXPERTS, "router_renormalize": _EXPERTS,
 }
-# the run's: kernels (attention, context_attention, moe_matmul), memory for compute
+# the run's: kernels (attention, context_attention, moe_matmul, moe_exchange), memory for compute
 # (loss_chunk, mlp_chunk, remat), the data's bound (max_seq_len: rotary has no table), and the
 # mixture's training terms (the losses' weights, the capacity that drops tokens in training)
 LLAMA_FREE = ("remat", "max_seq_len", "attention", "context_attention", "loss_chunk",
-              "mlp_chunk", "moe_matmul", "router_aux_loss_coef", "router_z_loss_coef",
-              "capacity_factor")
+              "mlp_chunk", "moe_matmul", "moe_exchange", "router_aux_loss_coef",
+              "router_z_loss_coef", "capacity_factor")
 
 # GPTConfig fields (GPT-2's layout) -> why an import pins them
 GPT2_PINNED = {

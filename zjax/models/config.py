@@ -87,6 +87,7 @@ class MoESettings(NamedTuple):
     aux_loss_coef: float
     z_loss_coef: float
     matmul: str = "auto"
+    exchange: str = "auto"
 
 
 class Yarn(NamedTuple):
@@ -213,6 +214,10 @@ class LlamaConfig:
         expansion on XLA:CPU and XLA:GPU) or ``tiled`` (each expert's rows in whole tiles,
         one tile's matmuls at a time: memory of one tile, at most one tile of padding per
         expert).
+      moe_exchange: how dropless assignments travel under expert parallelism (only the routed
+        rows): ``auto`` (``chunked`` on XLA:CPU, ``ragged`` elsewhere), ``ragged``
+        (``ragged_all_to_all``: XLA:GPU and TPU) or ``chunked`` (rounds of fixed-size
+        all-to-alls, as many as the largest slice needs: any backend).
     """
 
     vocab_size: int = positive(256)
@@ -264,6 +269,7 @@ class LlamaConfig:
     router_z_loss_coef: float = non_negative(0.0)
     capacity_factor: float | None = positive(None, none_means="dropless")
     moe_matmul: str = choices("auto", "ragged_dot", "tiled", default="auto")
+    moe_exchange: str = choices("auto", "ragged", "chunked", default="auto")
 
     def __post_init__(self):
         validate(self, "model")
@@ -313,7 +319,7 @@ class LlamaConfig:
             return None
         return MoESettings(self.n_experts, self.experts_per_token, self.router_renormalize,
                            self.capacity_factor, self.router_aux_loss_coef,
-                           self.router_z_loss_coef, self.moe_matmul)
+                           self.router_z_loss_coef, self.moe_matmul, self.moe_exchange)
 
     @property
     def expert_ff(self) -> int:

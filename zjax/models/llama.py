@@ -266,7 +266,8 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
                                               for w in ("w_gate", "w_up", "w_down"))),
             k=moe.k, renormalize=moe.renormalize,
             capacity_factor=None if dropless else moe.capacity_factor,
-            activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul)
+            activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul,
+            exchange=moe.exchange)
         if hasattr(self, "shared_gate"):
             out = out + self._mlp(column_parallel_input(flat), "shared")
         return out.reshape(b, t, d), stats

@@ -4,21 +4,25 @@ all-to-all over that axis (inside ``shard_map``). Expert ``e`` lives on device `
 
 - With a capacity (GShard): the ``[E, capacity, D]`` buffers are already grouped by device:
   one all-to-all of ``E x capacity x D`` each way, ``(n - 1) / n`` of it leaving the device.
-- Dropless: the assignments, sorted by expert, go into one buffer per destination device big
-  enough for every assignment (an all-to-all needs static shapes, and XLA:CPU has no
-  ``ragged-all-to-all``): ``n x N x k x D`` each way; the receiver sorts what arrived by its
-  local expert and runs its grouped matmuls.
+- Dropless: the assignments, sorted by expert (so by destination), travel by a ragged
+  all-to-all (:mod:`zjax.nn._ragged`): ``N x k x D`` leave each way, the rows actually routed.
+  The receiver's buffer holds the worst case (``n x N x k`` rows: anything may arrive from
+  anyone), it puts what arrived in order of its local experts (arithmetic, no sort) and runs its
+  grouped matmuls, whose tiles past the arrivals are skipped.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zjax.nn._attend import trace_platform
 from zjax.nn._experts import Experts, batched, combine, grouped, with_capacity
+from zjax.nn._ragged import EXCHANGES, ragged_move
 from zjax.nn._routing import Routing
 from zjax.nn._wire import all_to_all
 
@@ -44,29 +48,50 @@ def parallel_capacity(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
 
 
 def parallel_dropless(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
-                      activation: Callable, matmul: str = "auto") -> jax.Array:
-    """Every assignment computed on the device holding its expert."""
+                      activation: Callable, matmul: str = "auto",
+                      exchange: str = "auto") -> jax.Array:
+    """Every assignment computed on the device holding its expert; only the routed rows travel
+    (:func:`~zjax.nn._ragged.ragged_move`, ``exchange``: ``ragged``, ``chunked`` or ``auto``,
+    ``chunked`` on XLA:CPU and ``ragged`` elsewhere)."""
     n_tok, d = x.shape
     k = routing.experts.shape[1]
     n, local = lax.axis_size(axis), w.gate.shape[0]
-    rows = n_tok * k  # what one destination may receive from this device, at most
+    how, rows = _exchange(exchange), n_tok * k
     flat = routing.experts.reshape(-1)  # assignment t * k + j
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=n * local).astype(jnp.int32)
-    dest = flat[order] // local  # sorted by expert, so by destination
-    per_dest = sizes.reshape(n, local).sum(axis=1)
-    slot = jnp.arange(rows) - (jnp.cumsum(per_dest) - per_dest)[dest]
-    send = jnp.zeros((n, rows, d), x.dtype).at[dest, slot].set(
-        jnp.take(x, order // k, axis=0), unique_indices=True)
-    got = all_to_all(send.reshape(n * rows, d), axis, 0, 0)  # [sources x rows, D]
-    got_sizes = lax.all_to_all(sizes.reshape(n, local), axis, 0, 0, tiled=True)
-    # each source's rows arrive sorted by local expert, then padding: sort them all by expert
-    bounds = jnp.cumsum(got_sizes, axis=1)  # [sources, local]
-    expert = jax.vmap(lambda b: jnp.searchsorted(b, jnp.arange(rows), side="right"))(bounds)
-    by_expert = jnp.argsort(expert.reshape(-1), stable=True)  # padding (= local) last
-    ys = grouped(jnp.take(got, by_expert, axis=0), w, jnp.sum(got_sizes, axis=0), activation,
-                 matmul=matmul)
-    back = jnp.zeros_like(ys).at[by_expert].set(ys, unique_indices=True)
-    mine = all_to_all(back, axis, 0, 0).reshape(n, rows, d)  # [destinations, rows, D]
-    y = jnp.zeros((rows, d), x.dtype).at[order].set(mine[dest, slot], unique_indices=True)
+    order = jnp.argsort(flat, stable=True)  # by expert, so by destination
+    sizes = jnp.bincount(flat, length=n * local).astype(jnp.int32).reshape(n, local)
+    got_sizes = lax.all_to_all(sizes, axis, 0, 0, tiled=True)  # [sources, local]
+    send, recv = jnp.sum(sizes, axis=1), jnp.sum(got_sizes, axis=1)
+    chunk = -(-rows // n)  # an even share: a balanced routing moves in one chunked round
+    move = functools.partial(ragged_move, axis=axis, how=how, chunk=chunk)
+    # anything may arrive from anyone: n x rows bounds what lands here (a buffer, not traffic)
+    got = move(jnp.take(x, order // k, axis=0), send, recv, n * rows)
+    place = _by_expert(got_sizes, n * rows)
+    mine = jnp.zeros_like(got).at[place].set(got, unique_indices=True)
+    ys = grouped(mine, w, jnp.sum(got_sizes, axis=0), activation, matmul=matmul)
+    back = move(jnp.take(ys, place, axis=0), recv, send, rows)  # sorted by expert again
+    y = jnp.zeros((rows, d), x.dtype).at[order].set(back, unique_indices=True)
     return combine(y.reshape(n_tok, k, d), routing.weights, x.dtype)
+
+
+def _exchange(exchange: str) -> str:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: {exchange!r}; expected one of {', '.join(EXCHANGES)}")
+    if exchange == "auto":  # XLA:CPU has no ragged-all-to-all
+        return "chunked" if trace_platform() == "cpu" else "ragged"
+    return exchange
+
+
+def _by_expert(got_sizes: jax.Array, rows: int) -> jax.Array:
+    """Each arrived row's place when sorted by local expert (source order within), arrived
+    rows packed by source and by expert within: block ``(source, e)`` goes to block
+    ``(e, source)``. A padding row keeps its place (past every arrival)."""
+    n, local = got_sizes.shape
+    p = jnp.arange(rows)
+    ends = jnp.cumsum(got_sizes.reshape(-1))  # blocks in (source, expert) order
+    block = jnp.searchsorted(ends, p, side="right")  # n x local: padding
+    live = block < n * local
+    b = jnp.minimum(block, n * local - 1)
+    moved = got_sizes.T.reshape(-1)  # the same blocks in (expert, source) order
+    moved_starts = (jnp.cumsum(moved) - moved).reshape(local, n).T.reshape(-1)
+    return jnp.where(live, moved_starts[b] + p - (ends - got_sizes.reshape(-1))[b], p)

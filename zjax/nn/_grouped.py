@@ -4,7 +4,8 @@ each expert's rows padded to whole tiles, one tile at a time through its expert'
 ``lax.ragged_dot`` is native on TPU, but XLA:CPU and XLA:GPU lower it through a dense expansion
 (each row against every expert: the issue's measurement, 596 MB of temp on XLA:CPU and 252 MB
 for the H100 target against 185 MB for the output). :func:`tiled_mlp` does the same sums with
-``E`` tiles of padding at most: a ``lax.scan`` over the tiles, each a ``[tile, D] x [D, F]``
+``E`` tiles of padding at most: a loop over the tiles that hold rows (a buffer sized for the
+worst case costs no compute past them), each a ``[tile, D] x [D, F]``
 matmul against its expert's weights (a dynamic index, no copy of the stack), and a backward
 of its own (:func:`jax.custom_vjp`: the hidden activations recomputed per tile, the weight
 gradients summed in float32 over each expert's run of tiles and written into its slot once), so
@@ -20,6 +21,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from zjax.nn._wire import varying_zeros
 
 __all__ = ["GROUPED_MATMULS", "tile_layout", "tiled_mlp"]
 
@@ -73,7 +76,8 @@ def tiled_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
     dest, tile_expert, n_tiles = tile_layout(sizes, rows, tile)
     buf = jnp.zeros((n_tiles * tile, d), x.dtype).at[dest].set(x, mode="drop",
                                                                unique_indices=True)
-    out = _tiles(activation, buf.reshape(n_tiles, tile, d), gate, up, down, tile_expert)
+    live = jnp.sum((sizes + tile - 1) // tile)  # the tiles that hold rows
+    out = _tiles(activation, buf.reshape(n_tiles, tile, d), gate, up, down, tile_expert, live)
     return jnp.take(out.reshape(n_tiles * tile, d), dest, axis=0, mode="fill", fill_value=0)
 
 
@@ -87,30 +91,32 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tiles(act: Callable, xt: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-           tile_expert: jax.Array) -> jax.Array:
-    """``[T, tile, D]`` tiles, each through its expert's gated MLP."""
-    def body(_, xs):
-        x, e = xs
+           tile_expert: jax.Array, live: jax.Array) -> jax.Array:
+    """``[T, tile, D]`` tiles, each through its expert's gated MLP; the ``live`` first ones
+    (the rest are padding: zeros, not computed)."""
+    def body(i, out):
+        x, e = xt[i], tile_expert[i]
         g, u, dn = _weights((gate, up, down), e)
         h = (act(_dot(x, g)) * _dot(x, u)).astype(x.dtype)
-        return None, _dot(h, dn).astype(x.dtype)
+        return lax.dynamic_update_index_in_dim(out, _dot(h, dn).astype(x.dtype), i, 0)
 
-    return lax.scan(body, None, (xt, tile_expert))[1]
+    return lax.fori_loop(0, live, body, varying_zeros(xt.shape, xt.dtype, xt, gate, up, down))
 
 
-def _tiles_fwd(act, xt, gate, up, down, tile_expert):
-    return _tiles(act, xt, gate, up, down, tile_expert), (xt, gate, up, down, tile_expert)
+def _tiles_fwd(act, xt, gate, up, down, tile_expert, live):
+    return _tiles(act, xt, gate, up, down, tile_expert, live), (xt, gate, up, down,
+                                                                tile_expert, live)
 
 
 def _tiles_bwd(act, res, dy):
-    xt, gate, up, down, tile_expert = res
+    xt, gate, up, down, tile_expert, live = res
     # tiles come sorted by expert: one float32 accumulator for the expert of the moment (reset
     # after its last tile), not a float32 copy of the stack
     last = jnp.append(tile_expert[1:] != tile_expert[:-1], True)
 
-    def body(carry, xs):
-        acc, out = carry
-        x, g_out, e, flush = xs
+    def body(i, carry):
+        acc, out, dxs = carry
+        x, g_out, e = xt[i], dy[i], tile_expert[i]
         g, u, dn = _weights((gate, up, down), e)
         a, b = _dot(x, g), _dot(x, u)
         s, act_vjp = jax.vjp(act, a)
@@ -124,14 +130,16 @@ def _tiles_bwd(act, res, dy):
         # the sum so far into the expert's slot: its last tile writes the whole sum
         out = tuple(lax.dynamic_update_index_in_dim(o, a_.astype(o.dtype), e, 0)
                     for o, a_ in zip(out, acc, strict=True))
-        acc = tuple(jnp.where(flush, 0.0, a_) for a_ in acc)
-        return (acc, out), dx
+        acc = tuple(jnp.where(last[i], 0.0, a_) for a_ in acc)
+        return acc, out, lax.dynamic_update_index_in_dim(dxs, dx, i, 0)
 
     weights = (gate, up, down)
-    init = (tuple(jnp.zeros(w.shape[1:], jnp.float32) for w in weights),
-            tuple(jnp.zeros_like(w) for w in weights))
-    (_, (dg, du, dd)), dx = lax.scan(body, init, (xt, dy, tile_expert, last))
-    return dx, dg, du, dd, None
+    every = (xt, dy, *weights)
+    init = (tuple(varying_zeros(w.shape[1:], jnp.float32, *every) for w in weights),
+            tuple(varying_zeros(w.shape, w.dtype, *every) for w in weights),
+            varying_zeros(xt.shape, xt.dtype, *every))
+    _, (dg, du, dd), dx = lax.fori_loop(0, live, body, init)
+    return dx, dg, du, dd, None, None
 
 
 _tiles.defvjp(_tiles_fwd, _tiles_bwd)

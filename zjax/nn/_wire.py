@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["all_to_all", "ppermute"]
+__all__ = ["all_to_all", "ppermute", "varying_zeros"]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -45,3 +45,19 @@ all_to_all.defvjp(
 def ppermute(x: jax.Array, axis_name, perm) -> jax.Array:
     """``lax.ppermute`` in ``x``'s own dtype (not differentiable: inside a custom VJP)."""
     return _via_bits(lambda b: lax.ppermute(b, axis_name, perm), x)
+
+
+def varying_zeros(shape, dtype, *like: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """Zeros that vary over ``axes`` and the mesh axes any of ``like`` vary over: a loop's
+    initial carry must match its updates under ``shard_map``'s type checks (without them the
+    arrays carry no such axes and this is ``jnp.zeros``)."""
+    vary = set(axes)
+    for x in like:
+        vary |= _varying_axes(jax.typeof(x))
+    z = jnp.zeros(shape, dtype)
+    return lax.pcast(z, tuple(sorted(vary)), to="varying") if vary else z
+
+
+def _varying_axes(aval) -> set[str]:
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; earlier: ``vma``
+    return set(mat.varying if mat is not None else getattr(aval, "vma", ()))

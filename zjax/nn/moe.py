@@ -10,7 +10,8 @@ Qwen-MoE's and DeepSeek's without renormalisation) and gated-MLP experts, drople
 
 Under expert parallelism (inside a step whose mesh has an ``expert`` axis of ``n``), the
 experts' weights arrive as this device's ``E / n`` experts and the assignments travel to
-their experts' devices and back by all-to-all over the axis (:mod:`zjax.nn._dispatch`).
+their experts' devices and back by all-to-all over the axis (:mod:`zjax.nn._dispatch`);
+dropless, only the routed rows (a ragged all-to-all, :mod:`zjax.nn._ragged`).
 
 The router's auxiliary losses are returned as statistics (:class:`RouterStats`), a
 load-balance share and a z-loss share of this device's tokens, whose sums over the devices are
@@ -40,7 +41,7 @@ __all__ = ["GROUPED_MATMULS", "Experts", "RouterStats", "Routing", "batch_sum", 
 def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
             renormalize: bool = True, capacity_factor: float | None = None,
             activation: Callable = jax.nn.silu, mask: jax.Array | None = None,
-            matmul: str = "auto") -> tuple[jax.Array, RouterStats]:
+            matmul: str = "auto", exchange: str = "auto") -> tuple[jax.Array, RouterStats]:
     """The routed experts' output for tokens ``x``.
 
     Under tensor parallelism (inside a step with a ``model`` axis, each expert's hidden units
@@ -66,6 +67,10 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
         (``ragged_dot``: three ``lax.ragged_dot``, native on TPU, a dense expansion on
         XLA:CPU and XLA:GPU; ``tiled``: :func:`tiled_mlp`; ``auto``: ``ragged_dot`` on TPU,
         ``tiled`` elsewhere; :func:`grouped`).
+      exchange: how dropless assignments travel under expert parallelism: ``auto``,
+        ``ragged`` (``lax.ragged_all_to_all``, XLA:GPU and TPU) or ``chunked`` (fixed-size
+        rounds, any backend); ``auto``: ``chunked`` on XLA:CPU (it has no
+        ``ragged-all-to-all``), ``ragged`` elsewhere. Either moves the routed rows only.
 
     Returns:
       ``([N, D] output in x's dtype, this device's RouterStats)``.
@@ -82,8 +87,10 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
     x = column_parallel_input(x)
     kw = dict(activation=activation) if ep == 1 else dict(activation=activation, axis=EXPERT)
     if capacity_factor is None:
-        run = dropless if ep == 1 else parallel_dropless
-        return run(x, split, experts, matmul=matmul, **kw), router_stats(routing, mask)
+        if ep == 1:
+            return dropless(x, split, experts, matmul=matmul, **kw), router_stats(routing, mask)
+        y = parallel_dropless(x, split, experts, matmul=matmul, exchange=exchange, **kw)
+        return y, router_stats(routing, mask)
     run = with_capacity if ep == 1 else parallel_capacity
     y, dropped = run(x, split, experts, factor=capacity_factor, **kw)
     return y, router_stats(routing, mask, dropped)

@@ -255,9 +255,21 @@ def _bytes_and_overlap(instr: Instr, phase: str, instrs: list[Instr], site: int,
             nbytes = shape_bytes(instrs[done].shape)
         elif phase == "start" and instr.opcode.removesuffix("-start") in _START_SHAPE_RESULT:
             nbytes = shape_bytes(tuple_elements(instr.shape)[1])
+    if instr.opcode.startswith("ragged-all-to-all"):
+        nbytes = min(nbytes, _ragged_operand_bytes(instr, phase, instrs))
     stop = len(instrs) if done is None else done
     overlapped = done is not None or phase == "start" or fused_async
     return nbytes, overlapped and any(_is_compute(x) for x in instrs[site + 1:stop])
+
+
+def _ragged_operand_bytes(instr: Instr, phase: str, instrs: list[Instr]) -> int:
+    """The rows a ragged all-to-all can send: its operand (the result is a buffer for the
+    worst-case arrivals, so the smaller of the two bounds what it moves). An async start's
+    shape holds its operands first; a synchronous one's operand is defined beside it."""
+    if phase == "start":
+        return shape_bytes(tuple_elements(tuple_elements(instr.shape)[0])[0])
+    operand = next((i for i in instrs if instr.operands and i.name == instr.operands[0]), None)
+    return shape_bytes(tuple_elements(operand.shape)[0]) if operand is not None else 1 << 62
 
 
 def _decomposed(module, comp: str, instr: Instr, instrs: list[Instr], site: int, users,

@@ -27,7 +27,7 @@ __all__ = ["KINDS", "Instr", "Module", "axes_of", "group_size", "parse_module", 
 
 KINDS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
          "all-reduce": "all_reduce", "all-to-all": "all_to_all",
-         "collective-permute": "collective_permute"}
+         "ragged-all-to-all": "all_to_all", "collective-permute": "collective_permute"}
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
