@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -154,8 +155,8 @@ LAYERS = [
 
 def _layer(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 3 and parts[2] == "config":
-        return "sections"
+    if len(parts) == 3 and (parts[2] == "config" or re.fullmatch(r"_\w+_config", parts[2])):
+        return "sections"  # a package's config section, or a private part of it (_gpt_config)
     return "zjax" if len(parts) == 1 or parts[1] == "__main__" else ".".join(parts[:2])
 
 

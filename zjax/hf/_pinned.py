@@ -44,7 +44,8 @@ LLAMA_PINNED = {
 # (loss_chunk, mlp_chunk, remat), the data's bound (max_seq_len: rotary has no table), and the
 # mixture's training terms (the losses' weights, the capacity that drops tokens in training)
 LLAMA_FREE = ("remat", "max_seq_len", "attention", "context_attention", "loss_chunk",
-              "mlp_chunk", "moe_matmul", "moe_exchange", "router_aux_loss_coef",
+              "mlp_chunk", "moe_matmul", "moe_exchange", "moe_chunks",
+              "router_aux_loss_coef",
               "router_z_loss_coef", "capacity_factor")
 
 # GPTConfig fields (GPT-2's layout) -> why an import pins them

@@ -83,12 +83,18 @@ def router_losses(stats: RouterStats, loss_sum: jax.Array, count: jax.Array, cfg
     (``stats`` holds this device's shares of their sums over the ``n_layers``); scaled by the
     batch's loss-token count, so that zjax's division by it leaves ``coefficient x loss``.
     ``moe_aux_loss`` and ``moe_z_loss`` are reported the same way; ``moe_dropped_tokens``
-    counts the step's dropped token-expert assignments over every layer.
+    counts the step's dropped token-expert assignments over every layer;
+    ``moe_max_violation`` is DeepSeek's MaxVio (the most loaded expert's load over the mean,
+    minus 1), averaged over the layers.
     """
     total = batch_sum(lax.stop_gradient(count))
     aux = stats.balance * (total / cfg.n_layers)
     z = stats.z * (total / cfg.n_layers)
     moe = cfg.moe
     loss_sum = loss_sum + moe.aux_loss_coef * aux + moe.z_loss_coef * z
+    # the same on every device: weighted by its tokens, the division by the batch's count
+    # leaves the mean over the layers
+    violation = stats.max_violation * (lax.stop_gradient(count) / cfg.n_layers)
     return loss_sum, count, {"moe_aux_loss": aux, "moe_z_loss": z,
-                             "moe_dropped_tokens": stats.dropped}
+                             "moe_dropped_tokens": stats.dropped,
+                             "moe_max_violation": violation}

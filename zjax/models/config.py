@@ -9,72 +9,10 @@ import math
 from typing import NamedTuple
 
 from zjax.errors import ConfigError
+from zjax.models._gpt_config import GPTConfig
 from zjax.schema import choices, non_negative, positive, validate
 
 __all__ = ["GPTConfig", "LlamaConfig", "MoESettings", "Yarn"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape of the reference GPT (the ``model`` section of the built-in ``lm`` loop).
-
-    Attributes:
-      vocab_size: token ids 0..vocab_size-1 (256 for byte-level text).
-      d_model: width of the residual stream.
-      n_layers: transformer blocks (one ``Stack``).
-      n_heads: attention heads (must divide ``d_model``; ``mesh.model`` must divide them).
-      d_ff: MLP hidden width; empty for 4 x d_model (``mesh.model`` must divide it).
-      max_seq_len: longest sequence (size of the learned position table).
-      tie_embeddings: reuse the token embedding as the output projection.
-      norm: ``rms`` (RMSNorm) or ``layer`` (LayerNorm with a bias, GPT-2's).
-      norm_eps: the normalisation's epsilon (GPT-2: 1e-5).
-      bias: biases on every projection (GPT-2's layout; the row-parallel ones are added once,
-        after tensor parallelism's sum).
-      attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
-        backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
-        sequences elsewhere); ``dense``, ``blockwise``, ``splash``, ``triton``, ``cudnn`` force
-        one (refused where it cannot honour the mask).
-      context_attention: how attention runs when ``mesh.context`` splits the sequence:
-        ``ulysses`` (all-to-all to head-split full-length attention in the ``attention``
-        kernel; the heads per ``mesh.model`` device must divide by ``mesh.context``, key/value
-        heads are repeated up to it), ``ring`` (key/value blocks passed around the axis; any
-        heads), ``auto`` (Ulysses where the heads split, else the ring).
-      loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
-        ``[loss_chunk, vocab]`` float32 logits, not every token's.
-      mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
-        :func:`zjax.nn.tiled`): the backward holds one chunk's ``[mlp_chunk, d_ff]`` hidden
-        units instead of every token's, for one more MLP forward; 0 (default) runs it whole.
-      remat: recompute each block in the backward pass instead of keeping its activations
-        (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
-    """
-
-    vocab_size: int = positive(256)
-    d_model: int = positive(128)
-    n_layers: int = positive(4)
-    n_heads: int = positive(4)
-    d_ff: int | None = positive(None, none_means="4 x d_model")
-    max_seq_len: int = positive(256)
-    tie_embeddings: bool = True
-    norm: str = choices("rms", "layer", default="rms")
-    norm_eps: float = positive(1e-6)
-    bias: bool = False
-    remat: bool = True
-    attention: str = choices("auto", "dense", "blockwise", "splash", "triton", "cudnn",
-                             default="auto")
-    context_attention: str = choices("auto", "ulysses", "ring", default="auto")
-    loss_chunk: int = positive(1024)
-    mlp_chunk: int = non_negative(0)
-
-    def __post_init__(self):
-        validate(self, "model")
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}"
-            )
-
-    @property
-    def ff(self) -> int:
-        return self.d_ff or 4 * self.d_model
 
 
 class MoESettings(NamedTuple):
@@ -88,6 +26,11 @@ class MoESettings(NamedTuple):
     z_loss_coef: float
     matmul: str = "auto"
     exchange: str = "auto"
+    chunks: int = 1
+    sigmoid: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
 
 
 class Yarn(NamedTuple):
@@ -218,6 +161,18 @@ class LlamaConfig:
         rows): ``auto`` (``chunked`` on XLA:CPU, ``ragged`` elsewhere), ``ragged``
         (``ragged_all_to_all``: XLA:GPU and TPU) or ``chunked`` (rounds of fixed-size
         all-to-alls, as many as the largest slice needs: any backend).
+      router_score: ``softmax`` (Mixtral, Qwen-MoE) or ``sigmoid`` (DeepSeek-V3: sigmoid
+        scores, a per-expert selection bias ``router_bias`` in each layer, group-limited
+        top-k; ``scoring_func``).
+      router_groups: DeepSeek-V3's expert groups (``n_group``; sigmoid only).
+      router_topk_groups: the groups a token may choose from (``topk_group``).
+      routed_scaling_factor: the routed experts' output times this (DeepSeek-V3's).
+      router_bias_update_speed: DeepSeek-V3's auxiliary-loss-free balancing: each step every
+        layer's ``router_bias`` moves by this much against its expert's load error (down if
+        overloaded, up if idle; not by gradients); 0 keeps the bias as loaded.
+      moe_chunks: dropless expert parallelism's tokens split into this many independent
+        exchanges, so one chunk's all-to-all runs while another's experts compute (the same
+        bytes); 1: one exchange. Must divide each device's tokens.
     """
 
     vocab_size: int = positive(256)
@@ -270,6 +225,12 @@ class LlamaConfig:
     capacity_factor: float | None = positive(None, none_means="dropless")
     moe_matmul: str = choices("auto", "ragged_dot", "tiled", default="auto")
     moe_exchange: str = choices("auto", "ragged", "chunked", default="auto")
+    moe_chunks: int = positive(1)
+    router_score: str = choices("softmax", "sigmoid", default="softmax")
+    router_groups: int = positive(1)
+    router_topk_groups: int = positive(1)
+    routed_scaling_factor: float = positive(1.0)
+    router_bias_update_speed: float = non_negative(0.0)
 
     def __post_init__(self):
         validate(self, "model")
@@ -307,10 +268,28 @@ class LlamaConfig:
             raise ConfigError(f"model.experts_per_token: {self.experts_per_token} exceeds "
                               f"model.n_experts {self.n_experts}; route each token to at most "
                               "every expert")
+        self._check_groups()
         if self.mlp_chunk:
             raise ConfigError(f"model.mlp_chunk: {self.mlp_chunk} tiles a dense MLP; with "
                               f"model.n_experts {self.n_experts} the experts run on grouped "
                               "matmuls; set it to 0")
+
+    def _check_groups(self):
+        groups, top = self.router_groups, self.router_topk_groups
+        if groups > 1 and self.router_score != "sigmoid":
+            raise ConfigError(f"model.router_groups: {groups} groups the experts of "
+                              "DeepSeek-V3's router; set model.router_score: sigmoid")
+        if groups > 1 and (self.n_experts % groups or self.n_experts // groups < 2):
+            raise ConfigError(f"model.router_groups: {groups} must divide model.n_experts "
+                              f"{self.n_experts} into groups of at least 2 (a group scores "
+                              "its two best experts)")
+        if top > groups:
+            raise ConfigError(f"model.router_topk_groups: {top} exceeds model.router_groups "
+                              f"{groups}")
+        if self.experts_per_token > top * (self.n_experts // groups):
+            raise ConfigError(f"model.experts_per_token: {self.experts_per_token} exceeds the "
+                              f"{top * (self.n_experts // groups)} experts of "
+                              f"model.router_topk_groups {top} groups")
 
     @property
     def moe(self) -> MoESettings | None:
@@ -319,7 +298,9 @@ class LlamaConfig:
             return None
         return MoESettings(self.n_experts, self.experts_per_token, self.router_renormalize,
                            self.capacity_factor, self.router_aux_loss_coef,
-                           self.router_z_loss_coef, self.moe_matmul, self.moe_exchange)
+                           self.router_z_loss_coef, self.moe_matmul, self.moe_exchange,
+                           self.moe_chunks, self.router_score == "sigmoid", self.router_groups,
+                           self.router_topk_groups, self.routed_scaling_factor)
 
     @property
     def expert_ff(self) -> int:

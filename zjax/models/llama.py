@@ -34,7 +34,7 @@ from zjax.models._linears import AdaptedLinears, Modules
 from zjax.models.config import LlamaConfig, Yarn
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
-from zjax.nn.moe import Experts, RouterStats, moe_ffn
+from zjax.nn.moe import Experts, RouterStats, Scoring, moe_ffn
 
 __all__ = ["LINEAR_WEIGHTS", "Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
 
@@ -185,6 +185,8 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         ``[E, D, F]`` / ``[E, F, D]`` and the shared experts' gated MLP."""
         d, e, ef = cfg.d_model, cfg.n_experts, cfg.expert_ff
         self.router = param(rngs, (d, e), 0.02, ("embed", None))
+        if cfg.router_score == "sigmoid":  # DeepSeek-V3's selection bias (not by gradients)
+            self.router_bias = zeros((e,), (None,))
         self.w_gate = param(rngs, (e, d, ef), 0.02, ("expert", "embed", "mlp"))
         self.w_up = param(rngs, (e, d, ef), 0.02, ("expert", "embed", "mlp"))
         self.w_down = param(rngs, (e, ef, d), out_std, ("expert", "mlp", "embed"))
@@ -267,7 +269,9 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
             k=moe.k, renormalize=moe.renormalize,
             capacity_factor=None if dropless else moe.capacity_factor,
             activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul,
-            exchange=moe.exchange)
+            exchange=moe.exchange, chunks=moe.chunks, scoring=Scoring(
+                self.router_bias[...], moe.groups, moe.topk_groups, moe.scaling)
+            if moe.sigmoid else None)
         if hasattr(self, "shared_gate"):
             out = out + self._mlp(column_parallel_input(flat), "shared")
         return out.reshape(b, t, d), stats

@@ -48,11 +48,24 @@ def parallel_capacity(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
 
 
 def parallel_dropless(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
-                      activation: Callable, matmul: str = "auto",
-                      exchange: str = "auto") -> jax.Array:
+                      activation: Callable, matmul: str = "auto", exchange: str = "auto",
+                      pieces: int = 1) -> jax.Array:
     """Every assignment computed on the device holding its expert; only the routed rows travel
     (:func:`~zjax.nn._ragged.ragged_move`, ``exchange``: ``ragged``, ``chunked`` or ``auto``,
-    ``chunked`` on XLA:CPU and ``ragged`` elsewhere)."""
+    ``chunked`` on XLA:CPU and ``ragged`` elsewhere).
+
+    ``pieces`` > 1 splits the tokens into that many independent exchanges (each dispatched,
+    computed and combined on its own), so the compiler can run one piece's all-to-all while
+    another's experts compute; the bytes are the same."""
+    if pieces > 1:
+        if x.shape[0] % pieces:
+            raise ValueError(f"{pieces} pieces do not divide {x.shape[0]} tokens")
+        cut = lambda a, i: jnp.split(a, pieces)[i]
+        return jnp.concatenate([
+            parallel_dropless(cut(x, i), routing._replace(
+                weights=cut(routing.weights, i), experts=cut(routing.experts, i)), w,
+                axis=axis, activation=activation, matmul=matmul, exchange=exchange)
+            for i in range(pieces)])
     n_tok, d = x.shape
     k = routing.experts.shape[1]
     n, local = lax.axis_size(axis), w.gate.shape[0]

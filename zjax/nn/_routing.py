@@ -1,5 +1,6 @@
-"""A mixture of experts' router: softmax top-k choices, and the statistics its auxiliary losses
-take (Switch / Hugging Face's load balance, ST-MoE's z-loss) over the whole batch."""
+"""A mixture of experts' router: softmax top-k choices (Mixtral's), DeepSeek-V3's sigmoid
+scores with group-limited top-k and a selection-only bias, and the statistics its auxiliary
+losses take (Switch / Hugging Face's load balance, ST-MoE's z-loss) over the whole batch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from jax import lax
 
 from zjax.runtime.mesh import CONTEXT, DATA, EXPERT, NODE, REPLICA
 
-__all__ = ["RouterStats", "Routing", "batch_sum", "route", "router_stats"]
+__all__ = ["RouterStats", "Routing", "batch_sum", "load_feedback", "route", "route_sigmoid",
+           "router_stats"]
 
 # the mesh axes a step splits its batch's tokens over (never ``model``: its devices hold the
 # same tokens)
@@ -64,22 +66,94 @@ def route(logits: jax.Array, *, k: int, renormalize: bool = True) -> Routing:
     return Routing(weights, experts.astype(jnp.int32), probs, logits)
 
 
+def route_sigmoid(logits: jax.Array, bias: jax.Array, *, k: int, groups: int = 1,
+                  topk_groups: int = 1, renormalize: bool = True,
+                  scaling: float = 1.0) -> Routing:
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``): sigmoid scores; the
+    choice reads ``scores + bias`` (the auxiliary-loss-free balancing bias, selection only);
+    with ``groups`` > 1 the experts form that many groups, each scored by its two best
+    choices, and only the ``topk_groups`` best groups' experts may be chosen (the others
+    read 0, as transformers masks them); the kept scores (not the biased ones), divided by
+    their sum where ``renormalize`` (``norm_topk_prob``), times ``scaling``
+    (``routed_scaling_factor``).
+
+    ``probs`` holds the scores normalised to sum to 1 per token, what DeepSeek's balance loss
+    reads.
+    """
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + lax.stop_gradient(bias).astype(jnp.float32)
+    n, n_experts = scores.shape
+    if groups > 1:
+        by_group = choice.reshape(n, groups, n_experts // groups)
+        group_scores = jnp.sum(lax.top_k(by_group, 2)[0], axis=-1)
+        best = lax.top_k(group_scores, topk_groups)[1]
+        keep = jnp.zeros((n, groups), bool).at[jnp.arange(n)[:, None], best].set(True)
+        choice = jnp.where(keep[:, :, None], by_group, 0.0).reshape(n, n_experts)
+    experts = lax.top_k(choice, k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return Routing(weights * scaling, experts.astype(jnp.int32), probs, logits)
+
+
+@jax.custom_vjp
+def _feedback(bias: jax.Array, error: jax.Array) -> jax.Array:
+    return bias
+
+
+def _feedback_fwd(bias, error):
+    return bias, error
+
+
+def _feedback_bwd(error, _):
+    return error * _FEEDBACK_SCALE, jnp.zeros_like(error)
+
+
+_feedback.defvjp(_feedback_fwd, _feedback_bwd)
+# the load error travels as the bias's gradient at a scale that leaves a global gradient norm
+# (and so clipping) unchanged in practice; the bias's update reads only its sign
+_FEEDBACK_SCALE = 2.0 ** -40
+
+
+def load_feedback(routing: Routing, bias: jax.Array) -> Routing:
+    """``routing`` whose backward gives ``bias`` the load error of this device's tokens as its
+    gradient: ``(load_e - mean load) x 2^-40``, ``load_e`` the assignments expert ``e`` took.
+
+    Summed over devices and micro-batches by the step like any gradient, its sign is the
+    batch's: DeepSeek-V3's auxiliary-loss-free update
+    (:func:`zjax.step.optim.with_router_bias`) moves the bias by ``-speed x sign``, down
+    for an overloaded expert and up for an idle one. The forward is unchanged (the bias joins
+    the weights times 0).
+    """
+    n_experts = bias.shape[-1]
+    load = jnp.bincount(routing.experts.reshape(-1), length=n_experts).astype(jnp.float32)
+    error = lax.stop_gradient(load - jnp.mean(load))
+    fed = _feedback(bias, error)
+    weights = routing.weights + 0.0 * jnp.take(fed, routing.experts).astype(jnp.float32)
+    return routing._replace(weights=weights)
+
+
 class RouterStats(NamedTuple):
     """One layer's (or a sum over layers') router statistics on this device's tokens.
 
     ``balance`` and ``z`` are this device's shares of the batch's means (their sums over the
     devices are the layer's losses), ``dropped`` the count of its token-expert assignments
-    that a capacity dropped. Float32 scalars; a ``Stack`` carries their sum over its layers.
+    that a capacity dropped, ``max_violation`` the batch's most loaded expert over the mean
+    load, minus 1 (DeepSeek's MaxVio; the same on every device). Float32 scalars; a ``Stack``
+    carries their sum over its layers.
     """
 
     balance: jax.Array
     z: jax.Array
     dropped: jax.Array
+    max_violation: jax.Array
 
     @classmethod
     def zeros(cls) -> RouterStats:
         z = jnp.zeros((), jnp.float32)
-        return cls(z, z, z)
+        return cls(z, z, z, z)
 
     def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
         return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
@@ -117,4 +191,5 @@ def router_stats(routing: Routing, mask: jax.Array | None = None,
     z = jnp.sum(m * lse * lse) / tokens
     lost = jnp.zeros((), jnp.float32) if dropped is None else \
         jnp.sum(m[:, None] * dropped.astype(jnp.float32))
-    return RouterStats(balance, z, lost)
+    violation = jnp.max(total[:-1]) / jnp.maximum(jnp.mean(total[:-1]), 1e-9) - 1.0
+    return RouterStats(balance, z, lost, violation)

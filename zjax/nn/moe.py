@@ -24,24 +24,52 @@ outputs, :func:`zjax.nn.row_parallel_output`); the router sees the whole input.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from zjax.nn._dispatch import parallel_capacity, parallel_dropless
 from zjax.nn._experts import Experts, capacity, dropless, grouped, with_capacity
 from zjax.nn._grouped import GROUPED_MATMULS, tiled_mlp
-from zjax.nn._routing import RouterStats, Routing, batch_sum, route, router_stats
+from zjax.nn._routing import (
+    RouterStats,
+    Routing,
+    batch_sum,
+    load_feedback,
+    route,
+    route_sigmoid,
+    router_stats,
+)
 from zjax.nn.tensor_parallel import column_parallel_input, model_axis_size
 from zjax.runtime.mesh import EXPERT
 
-__all__ = ["GROUPED_MATMULS", "Experts", "RouterStats", "Routing", "batch_sum", "capacity",
-           "grouped", "moe_ffn", "route", "router_stats", "tiled_mlp"]
+__all__ = ["GROUPED_MATMULS", "Experts", "RouterStats", "Routing", "Scoring", "batch_sum",
+           "capacity", "grouped", "load_feedback", "moe_ffn", "route", "route_sigmoid",
+           "router_stats", "tiled_mlp"]
+
+
+class Scoring(NamedTuple):
+    """DeepSeek-V3's router settings (:func:`route_sigmoid`).
+
+    Attributes:
+      bias: ``[E]`` the selection bias (``e_score_correction_bias``).
+      groups: expert groups (``n_group``).
+      topk_groups: groups a token may choose from (``topk_group``).
+      scaling: the routed output's factor (``routed_scaling_factor``).
+    """
+
+    bias: jax.Array
+    groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
 
 
 def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
             renormalize: bool = True, capacity_factor: float | None = None,
             activation: Callable = jax.nn.silu, mask: jax.Array | None = None,
-            matmul: str = "auto", exchange: str = "auto") -> tuple[jax.Array, RouterStats]:
+            matmul: str = "auto", exchange: str = "auto", chunks: int = 1,
+            scoring: Scoring | None = None) -> tuple[jax.Array, RouterStats]:
     """The routed experts' output for tokens ``x``.
 
     Under tensor parallelism (inside a step with a ``model`` axis, each expert's hidden units
@@ -71,6 +99,11 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
         ``ragged`` (``lax.ragged_all_to_all``, XLA:GPU and TPU) or ``chunked`` (fixed-size
         rounds, any backend); ``auto``: ``chunked`` on XLA:CPU (it has no
         ``ragged-all-to-all``), ``ragged`` elsewhere. Either moves the routed rows only.
+      chunks: under dropless expert parallelism, the tokens in this many independent
+        exchanges (one's all-to-all overlaps another's experts); must divide ``N``.
+      scoring: DeepSeek-V3's router (:class:`Scoring`: sigmoid scores, the selection bias,
+        expert groups, the scaling factor); None: the softmax router. Its ``bias`` gets the
+        load error as its gradient (:func:`load_feedback`).
 
     Returns:
       ``([N, D] output in x's dtype, this device's RouterStats)``.
@@ -81,7 +114,13 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
                          f"{EXPERT} axis, for a router over {n_experts}")
     if not 1 <= k <= n_experts:
         raise ValueError(f"k = {k} experts per token, with {n_experts} experts")
-    routing = route(x @ router.astype(x.dtype), k=k, renormalize=renormalize)
+    if scoring is None:
+        routing = route(x @ router.astype(x.dtype), k=k, renormalize=renormalize)
+    else:  # transformers' DeepSeek-V3 router scores float32 inputs
+        logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+        routing = load_feedback(route_sigmoid(
+            logits, scoring.bias, k=k, groups=scoring.groups, topk_groups=scoring.topk_groups,
+            renormalize=renormalize, scaling=scoring.scaling), scoring.bias)
     # the weights scale partial sums under tensor parallelism: their gradient is summed
     split = routing._replace(weights=column_parallel_input(routing.weights))
     x = column_parallel_input(x)
@@ -89,7 +128,8 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
     if capacity_factor is None:
         if ep == 1:
             return dropless(x, split, experts, matmul=matmul, **kw), router_stats(routing, mask)
-        y = parallel_dropless(x, split, experts, matmul=matmul, exchange=exchange, **kw)
+        y = parallel_dropless(x, split, experts, matmul=matmul, exchange=exchange,
+                              pieces=chunks, **kw)
         return y, router_stats(routing, mask)
     run = with_capacity if ep == 1 else parallel_capacity
     y, dropped = run(x, split, experts, factor=capacity_factor, **kw)

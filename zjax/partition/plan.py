@@ -297,15 +297,13 @@ class ShardPlan:
         return self.master_on_host and self.zero.stage == 3
 
     def opt_specs(self, tx: optax.GradientTransformation, opt_state: Any) -> Any:
-        """Specs of an optax state: per-param leaves as :attr:`state_specs`, others replicated."""
+        """Specs of an optax state: per-param leaves as :attr:`state_specs`, others replicated
+        (a leaf another transform of ``optax.multi_transform`` holds stays masked)."""
+        masked = optax.MaskedNode
         return optax.tree_map_params(
-            tx,
-            lambda _, spec: spec,
-            opt_state,
-            self.state_specs,
-            transform_non_params=lambda _: P(),
-            is_leaf=lambda x: isinstance(x, P),
-        )
+            tx, lambda value, spec: value if isinstance(value, masked) else spec, opt_state,
+            self.state_specs, transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, (P, masked)))
 
     def shardings(self, specs: Any) -> Any:
         return jax.tree.map(

@@ -9,7 +9,12 @@ import optax
 from zjax.config import OptimizerConfig
 from zjax.offload import global_norm
 
-__all__ = ["clip_by_global_norm", "make_optimizer", "make_schedule"]
+__all__ = ["ROUTER_BIAS", "clip_by_global_norm", "make_optimizer", "make_schedule",
+           "with_router_bias"]
+
+# the leaf name of DeepSeek-V3's selection bias (zjax.models.llama; transformers'
+# ``e_score_correction_bias``)
+ROUTER_BIAS = "router_bias"
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -62,3 +67,31 @@ def make_optimizer(cfg: OptimizerConfig, *, total_steps: int,
         return opt
     clip = optax.identity() if clip_in_step else clip_by_global_norm(cfg.clip_norm)
     return optax.chain(clip, opt)
+
+
+def _leaf_name(path) -> str:
+    last = path[-1] if path else None
+    return str(getattr(last, "key", getattr(last, "name", last)))
+
+
+def with_router_bias(tx: optax.GradientTransformation,
+                     speed: float) -> optax.GradientTransformation:
+    """``tx`` for every leaf but the routers' selection biases (leaves named
+    :data:`ROUTER_BIAS`), which DeepSeek-V3's auxiliary-loss-free balancing moves by
+    ``-speed x sign(gradient)``: their gradient is the load error
+    (:func:`zjax.nn.moe.load_feedback`), so an overloaded expert's bias goes down by
+    ``speed``, an idle one's up, a balanced one's stays. No weight decay, no moments, no
+    schedule: the update DeepSeek-V3 describes (its ``bias_update_speed``).
+    """
+    def update(grads, state, params=None):
+        del params
+        return jax.tree.map(lambda g: -speed * jnp.sign(g).astype(g.dtype), grads), state
+
+    rule = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+    def labels(params):  # of params, or of their specs (zjax maps the state's placement)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "bias" if _leaf_name(path) == ROUTER_BIAS else "rest", params,
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+    return optax.multi_transform({"rest": tx, "bias": rule}, labels)

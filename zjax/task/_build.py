@@ -19,7 +19,7 @@ from zjax.errors import ArgumentError, ConfigError
 from zjax.runtime.mesh import make_mesh
 from zjax.runtime.targets import Target
 from zjax.step import ZeroStep, make_step
-from zjax.step.optim import make_optimizer
+from zjax.step.optim import make_optimizer, with_router_bias
 from zjax.task.loop import Loop, resolve_loop
 
 if TYPE_CHECKING:
@@ -67,6 +67,8 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
     # the NVMe optimizer updates sub-groups apart: the step clips, by the norm of the whole
     nvme = config.zero.offload_optimizer.nvme
     tx = make_optimizer(config.optimizer, total_steps=config.train.steps, clip_in_step=nvme)
+    if getattr(config.model, "router_score", None) == "sigmoid":  # DeepSeek-V3's bias
+        tx = with_router_bias(tx, config.model.router_bias_update_speed)
     with config_keys():
         return make_step(_trainable(loop, config), tx, zero=config.zero, mesh=mesh,
                          micro_batches=config.train.grad_accum,
