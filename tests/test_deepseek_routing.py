@@ -124,3 +124,16 @@ def test_the_bias_trains_logs_and_resumes_exactly(tmp_path):
     assert np.any(steps > 0.5) and np.allclose(steps, np.round(steps), atol=1e-3)
     logged = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
     assert all(r["moe_max_violation"] >= 0 for r in logged)
+
+
+def test_no_hf_architecture_is_claimed_for_a_deepseek_router():
+    """Mixtral's and Qwen3-MoE's layouts cannot say sigmoid scores, groups or the scaling
+    factor: an export would compute another function, so it is refused by key."""
+    from zjax.errors import ConfigError
+    from zjax.hf._layouts import layout_for_model
+    from zjax.models import LlamaConfig
+
+    with pytest.raises(ConfigError, match="model.router_score = 'softmax', the run 'sigmoid'"):
+        layout_for_model("llama", LlamaConfig(n_experts=8, router_score="sigmoid"))
+    with pytest.raises(ConfigError, match="routed_scaling_factor"):
+        layout_for_model("llama", LlamaConfig(n_experts=8, routed_scaling_factor=2.5))

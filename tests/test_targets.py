@@ -45,10 +45,12 @@ def test_accelerator_records_hold_no_cpu_workaround():
         assert not leaked, f"{platform} carries CPU workarounds {leaked}"
         assert not set(record.compiler_options) & set(cpu.compiler_options)
     # the GPU record's two are measured memory choices (zjax/runtime/_backend.py), not workarounds
-    # of a CPU bug; its one option keeps large sorts compilable without a GPU
+    # of a CPU bug; one option keeps large sorts compilable without a GPU, the other turns on
+    # the latency-hiding scheduler (MaxText's flag) that a ragged all-to-all otherwise loses
     assert set(backend("gpu").workarounds()) == {
         "bucket_layer_gathers", "prefetch_before_vjp",
-        "compiler_options.xla_gpu_enable_cub_radix_sort"}
+        "compiler_options.xla_gpu_enable_cub_radix_sort",
+        "compiler_options.xla_gpu_enable_latency_hiding_scheduler"}
     tpu = {k for k in backend("tpu").workarounds() if not k.startswith("compiler_options.")}
     assert tpu == {"no_host_update", "bucket_layer_gathers", "scatter_via_ring",
                    "hoists_loop_casts", "prefetch_before_vjp"}

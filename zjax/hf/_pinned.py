@@ -38,15 +38,18 @@ LLAMA_PINNED = {
     "mlp_activation": _FUNCTION, "norm_plus_one": _FUNCTION, "embed_scale": _FUNCTION,
     "norm_eps": _FUNCTION,
     "n_experts": _EXPERTS, "experts_per_token": _EXPERTS, "n_shared_experts": _EXPERTS,
-    "moe_d_ff": _EXPERTS, "router_renormalize": _EXPERTS,
+    "moe_d_ff": _EXPERTS, "router_renormalize": _EXPERTS, "router_score": _EXPERTS,
+    "router_groups": _EXPERTS, "router_topk_groups": _EXPERTS,
+    "routed_scaling_factor": _EXPERTS,
 }
 # the run's: kernels (attention, context_attention, moe_matmul, moe_exchange), memory for compute
 # (loss_chunk, mlp_chunk, remat), the data's bound (max_seq_len: rotary has no table), and the
-# mixture's training terms (the losses' weights, the capacity that drops tokens in training)
+# mixture's training terms (the losses' weights, the capacity that drops tokens in training,
+# the balancing bias's speed)
 LLAMA_FREE = ("remat", "max_seq_len", "attention", "context_attention", "loss_chunk",
               "mlp_chunk", "moe_matmul", "moe_exchange", "moe_chunks",
-              "router_aux_loss_coef",
-              "router_z_loss_coef", "capacity_factor")
+              "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
+              "router_bias_update_speed")
 
 # GPTConfig fields (GPT-2's layout) -> why an import pins them
 GPT2_PINNED = {
