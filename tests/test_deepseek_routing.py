@@ -133,7 +133,7 @@ def test_no_hf_architecture_is_claimed_for_a_deepseek_router():
     from zjax.hf._layouts import layout_for_model
     from zjax.models import LlamaConfig
 
-    with pytest.raises(ConfigError, match="model.router_score = 'softmax', the run 'sigmoid'"):
+    with pytest.raises(ConfigError, match=r"model\.router_score = 'softmax', the run 'sigmoid'"):
         layout_for_model("llama", LlamaConfig(n_experts=8, router_score="sigmoid"))
     with pytest.raises(ConfigError, match="routed_scaling_factor"):
         layout_for_model("llama", LlamaConfig(n_experts=8, routed_scaling_factor=2.5))
