@@ -83,6 +83,15 @@ class LlamaConfig:
         ``final_logit_softcapping``), in the loss and in sampling; empty: none.
       query_pre_attn_scalar: scores are scaled by its inverse square root instead of the head
         width's (Gemma 2/3's ``query_pre_attn_scalar``); empty: ``head_dim``.
+      kv_lora_rank: DeepSeek's multi-head latent attention (MLA) where > 0: keys and values
+        come up from a ``kv_lora_rank``-wide latent (normalised), each head's key a
+        ``qk_nope_head_dim`` part from it and a ``qk_rope_head_dim`` rotary part shared by
+        the heads, values ``v_head_dim`` wide; 0: standard attention.
+      q_lora_rank: MLA's queries through a normalised latent this wide; empty: one
+        projection.
+      qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA's head widths.
+      rope_interleave: MLA's rotary part de-interleaved before rotating (transformers'
+        ``rope_interleave``, DeepSeek's checkpoints).
       post_norms: an RMSNorm on the attention's and on the MLP's output before each residual
         add (Gemma 2/3's ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
       mlp_activation: the gated MLP's activation: ``silu`` (SwiGLU, Llama's), ``gelu_tanh``
@@ -190,6 +199,12 @@ class LlamaConfig:
     final_softcap: float | None = positive(None, none_means="none")
     query_pre_attn_scalar: float | None = positive(None, none_means="head_dim")
     post_norms: bool = False
+    kv_lora_rank: int = non_negative(0)
+    q_lora_rank: int | None = positive(None, none_means="one query projection")
+    qk_nope_head_dim: int = positive(128)
+    qk_rope_head_dim: int = positive(64)
+    v_head_dim: int = positive(128)
+    rope_interleave: bool = True
     mlp_activation: str = choices("silu", "gelu_tanh", "gelu", default="silu")
     norm_plus_one: bool = False
     embed_scale: bool = False
@@ -252,7 +267,8 @@ class LlamaConfig:
                 and self.rope_high_freq_factor <= self.rope_low_freq_factor):
             raise ConfigError(f"model.rope_high_freq_factor: {self.rope_high_freq_factor} must "
                               f"exceed model.rope_low_freq_factor {self.rope_low_freq_factor}")
-        if self.head_width % 2:
+        self._check_mla()
+        if self.head_width % 2 and not self.kv_lora_rank:
             key, what = (("model.head_dim", "") if self.head_dim else
                          ("model.n_heads", " (d_model / n_heads)"))
             raise ConfigError(f"{key}: a head of {self.head_width} dimensions{what} is odd; "
@@ -273,6 +289,21 @@ class LlamaConfig:
             raise ConfigError(f"model.mlp_chunk: {self.mlp_chunk} tiles a dense MLP; with "
                               f"model.n_experts {self.n_experts} the experts run on grouped "
                               "matmuls; set it to 0")
+
+    def _check_mla(self):
+        if not self.kv_lora_rank:
+            return
+        for key in ("qkv_bias", "qk_norm", "global_every", "sliding_window"):
+            if getattr(self, key):
+                raise ConfigError(f"model.{key}: {getattr(self, key)} is an option of standard "
+                                  f"attention; with model.kv_lora_rank {self.kv_lora_rank} "
+                                  "(latent attention) leave it unset")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; "
+                              "rotary embeddings rotate pairs")
+        if self.v_head_dim > self.head_width:
+            raise ConfigError(f"model.v_head_dim: {self.v_head_dim} exceeds the query/key "
+                              f"heads' {self.head_width} (qk_nope_head_dim + qk_rope_head_dim)")
 
     def _check_groups(self):
         groups, top = self.router_groups, self.router_topk_groups
@@ -343,11 +374,15 @@ class LlamaConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        """Key/value heads (latent attention: one per query head)."""
+        return self.n_heads if self.kv_lora_rank else self.n_kv_heads or self.n_heads
 
     @property
     def head_width(self) -> int:
-        """One head's width: ``head_dim``, or ``d_model / n_heads``."""
+        """One head's width: ``head_dim``, or ``d_model / n_heads``; latent attention's query
+        and key heads: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.n_heads
 
     @property

@@ -31,80 +31,20 @@ from zjax.lora import LoraConfig
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
 from zjax.models._linears import AdaptedLinears, Modules
-from zjax.models.config import LlamaConfig, Yarn
+from zjax.models._mla import init_mla, mla_qkv
+from zjax.models._rope import llama3_frequencies, rotary, yarn_frequencies
+from zjax.models.config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
 from zjax.nn.attention import attention
 from zjax.nn.moe import Experts, RouterStats, Scoring, moe_ffn
 
-__all__ = ["LINEAR_WEIGHTS", "Llama", "LlamaConfig", "llama3_frequencies", "rotary"]
+__all__ = ["LINEAR_WEIGHTS", "Llama", "LlamaConfig", "llama3_frequencies", "rotary",
+           "yarn_frequencies"]
 
 
 # the gated MLP's activation (model.mlp_activation)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
-
-
-def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0,
-           scaling: tuple[float, float, float, int] | float | None = None,
-           positions: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding of ``x`` ``[B, T, heads, head_dim]`` at positions
-    ``start``..``start``+T-1, or at ``positions`` ``[B, T]`` (packed documents); ``scaling``
-    is Llama 3.1's ``(factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings)``, a number: linear scaling's factor (every frequency
-    divided by it, Hugging Face's ``rope_type: linear``), or :class:`~zjax.models.config.Yarn`
-    (its frequencies, and cos and sin times its attention factor, as transformers applies
-    it)."""
-    t, hd = x.shape[1], x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
-    gain = 1.0
-    if isinstance(scaling, Yarn):
-        inv_freq, gain = yarn_frequencies(inv_freq, theta, scaling), scaling.attention_factor
-    elif isinstance(scaling, tuple):
-        inv_freq = llama3_frequencies(inv_freq, *scaling)
-    elif scaling is not None:
-        inv_freq = inv_freq / scaling
-    if positions is None:
-        positions = (start + jnp.arange(t, dtype=jnp.float32))[None]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [B or 1, T, hd]
-    # cos and sin stay [.., T, hd] and broadcast over heads at the multiply: a [.., T, 1, hd]
-    # table would be padded on TPU (a minor dimension of 1 takes a whole tile)
-    cos, sin = jnp.cos(angles)[:, :, None] * gain, jnp.sin(angles)[:, :, None] * gain
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., hd // 2:], x32[..., :hd // 2]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
-
-
-def llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: float,
-                       old_len: int) -> jax.Array:
-    """Llama 3.1's scaling: wavelengths beyond ``old_len / low`` divided by ``factor``, below
-    ``old_len / high`` kept, blended smoothly between (Hugging Face's ``rope_type: llama3``)."""
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return jnp.where(medium, blended, scaled)
-
-
-def yarn_frequencies(inv_freq: jax.Array, theta: float, y: Yarn) -> jax.Array:
-    """YaRN's frequencies (transformers' ``_compute_yarn_parameters``): each dimension's
-    blend of ``inv_freq`` (extrapolated) and ``inv_freq / factor`` (interpolated), by a ramp
-    from the dimension that turns ``beta_fast`` times in ``original_max_len`` positions (kept)
-    to the one that turns ``beta_slow`` times (interpolated)."""
-    dim = 2 * inv_freq.shape[0]
-
-    def dim_of(rotations: float) -> float:  # the dimension turning that often
-        return dim * math.log(y.original_max_len / (rotations * 2 * math.pi)) / (
-            2 * math.log(theta))
-
-    low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
-    if y.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high  # transformers' guard
-    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
-    return inv_freq / y.factor * ramp + inv_freq * (1 - ramp)
 
 
 # Hugging Face's module names of the linear layers (lora.targets), and the block's weights
@@ -138,10 +78,14 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
             else cfg.query_pre_attn_scalar ** -0.5
         self.mlp_activation = cfg.mlp_activation
         self.ln1 = RMSNorm(d, cfg.norm_eps, plus_one=cfg.norm_plus_one)
-        self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
-        self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
-        self.wv = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
-        self.wo = param(rngs, (cfg.n_heads * hd, d), out_std, ("heads", "embed"))
+        self.mla = init_mla(self, cfg, rngs, out_std) if cfg.kv_lora_rank else None
+        if self.mla is not None:
+            self.scale = self.mla.scale
+        else:
+            self.wq = param(rngs, (d, cfg.n_heads * hd), 0.02, ("embed", "heads"))
+            self.wk = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
+            self.wv = param(rngs, (d, cfg.kv_heads * hd), 0.02, ("embed", "heads"))
+            self.wo = param(rngs, (cfg.n_heads * hd, d), out_std, ("heads", "embed"))
         if cfg.qkv_bias:  # split with their heads under tensor parallelism
             self.bq = zeros((cfg.n_heads * hd,), ("heads",))
             self.bk = zeros((cfg.kv_heads * hd,), ("heads",))
@@ -214,14 +158,18 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
     def _attention(self, y, cache: KVCache | None = None, start=0,
                    context: Packing | None = None, layer=None, drop=None, pads=None):
         b, t, _ = y.shape
-        q, k, v = (self._project(y, name, drop) for name in "qkv")
         pos = None if context is None else context.positions
         segments = None if context is None else context.segment_ids
         if pads is not None:  # left-padded rows count positions from their first real token
             pos = jnp.maximum(start + jnp.arange(t) - pads[:, None], 0)
+        if self.mla is None:
+            q, k, v = (self._project(y, name, drop) for name in "qkv")
+        else:  # latent attention: its rotary parts rotated already, values padded
+            q, k, v = mla_qkv(self, y, self.rope, start, pos, drop)
 
         def attend(q, k, v, cache, *, window, rope):
-            q, k = (rotary(x, rope[0], start, rope[1], pos) for x in (q, k))
+            if self.mla is None:
+                q, k = (rotary(x, rope[0], start, rope[1], pos) for x in (q, k))
             kw = dict(window=window, softcap=self.softcap, scale=self.scale)
             if cache is None:
                 return attention(q, k, v, implementation=self.attention,
@@ -243,7 +191,9 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
             full = functools.partial(attend, window=None, rope=self.rope)
             att, cache = lax.cond((layer + 1) % self.global_every != 0, local, full,
                                   q, k, v, cache)
-        return att.reshape(b, t, q.shape[2] * self.head_dim), cache
+        if self.mla is not None:  # the values' padding cut off
+            att = att[..., :self.mla.v]
+        return att.reshape(b, t, q.shape[2] * att.shape[-1]), cache
 
     def _mlp(self, y, prefix: str = "w", drop=None):  # token-wise: tiled (model.mlp_chunk)
         act = ACTIVATIONS[self.mlp_activation]
@@ -290,6 +240,10 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         if isinstance(x, tuple):  # a mixture's layers carry their router statistics
             x, stats = x
         m = model_axis_size()
+        if self.mla is not None and m > 1:
+            raise ArgumentError("mesh", f"model.kv_lora_rank {self.mla.kv_rank} (latent "
+                                "attention) is not split over the model axis yet; set mesh.model "
+                                "to 1")
         if self.n_kv_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
                                 f"{self.n_kv_heads} key/value heads (model.n_kv_heads), which it "
