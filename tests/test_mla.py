@@ -130,3 +130,25 @@ def test_a_zero3_step_equals_one_device():
                            gather_dtype="float32", reduce_dtype="float32")
     _, state, losses = train_steps(llama_trainable(MLA), zero, batches)
     assert_matches_reference(losses, state, expected)
+
+
+DEEPSEEK = dataclasses.replace(
+    MLA, n_layers=3, n_experts=8, experts_per_token=2, moe_d_ff=12, n_shared_experts=1,
+    first_k_dense=1, router_score="sigmoid", router_groups=4, router_topk_groups=2,
+    routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("expert", [1, 2])
+def test_a_deepseek_shaped_step_equals_one_device(expert):
+    """Latent attention, a dense first layer (a stack of its own) and DeepSeek-V3's router
+    with a shared expert, at ZeRO-3 over ``data`` x ``expert``."""
+    batches = token_batches(2)
+    expected = reference_run(llama_trainable(DEEPSEEK).init,
+                             lambda p, b: llama_reference_loss(DEEPSEEK)(p, b)[:2], make_tx(),
+                             batches)
+    zero = zjax.ZeroConfig(stage=3, prefetch_layers=1, param_persistence_threshold=0,
+                           gather_dtype="float32", reduce_dtype="float32")
+    mesh = zjax.make_mesh(zjax.MeshConfig(data=8 // expert, expert=expert))
+    zstep, state, losses = train_steps(llama_trainable(DEEPSEEK), zero, batches, mesh=mesh)
+    assert_matches_reference(losses, state, expected)
+    assert zstep.plan.leaves_by_path["dense_blocks/layers/w_gate"].shape == (1, 32, 48)

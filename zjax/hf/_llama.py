@@ -73,7 +73,8 @@ OPTIONS = ("qkv_bias", "qk_norm", "sliding_window", "mlp_activation", "norm_plus
            "embed_scale", "post_norms", "global_every", "local_rope_theta", "attn_softcap",
            "final_softcap", "query_pre_attn_scalar", "n_experts", "experts_per_token",
            "n_shared_experts", "moe_d_ff", "router_renormalize", "router_score",
-           "router_groups", "router_topk_groups", "routed_scaling_factor")
+           "router_groups", "router_topk_groups", "routed_scaling_factor", "first_k_dense",
+           "kv_lora_rank")
 ANY = object()  # Family.model: the option may take any value
 
 

@@ -40,7 +40,9 @@ LLAMA_PINNED = {
     "n_experts": _EXPERTS, "experts_per_token": _EXPERTS, "n_shared_experts": _EXPERTS,
     "moe_d_ff": _EXPERTS, "router_renormalize": _EXPERTS, "router_score": _EXPERTS,
     "router_groups": _EXPERTS, "router_topk_groups": _EXPERTS,
-    "routed_scaling_factor": _EXPERTS,
+    "routed_scaling_factor": _EXPERTS, "first_k_dense": _EXPERTS,
+    "kv_lora_rank": _SHAPE, "q_lora_rank": _SHAPE, "qk_nope_head_dim": _SHAPE,
+    "qk_rope_head_dim": _SHAPE, "v_head_dim": _SHAPE, "rope_interleave": _ROPE,
 }
 # the run's: kernels (attention, context_attention, moe_matmul, moe_exchange), memory for compute
 # (loss_chunk, mlp_chunk, remat), the data's bound (max_seq_len: rotary has no table), and the

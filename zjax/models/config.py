@@ -5,51 +5,13 @@ is read and validated without loading the model."""
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import NamedTuple
 
 from zjax.errors import ConfigError
+from zjax.models._derived_config import MoESettings, Yarn, yarn_mscale
 from zjax.models._gpt_config import GPTConfig
 from zjax.schema import choices, non_negative, positive, validate
 
 __all__ = ["GPTConfig", "LlamaConfig", "MoESettings", "Yarn"]
-
-
-class MoESettings(NamedTuple):
-    """What a mixture-of-experts layer and its loss read of the ``model`` section."""
-
-    n_experts: int
-    k: int
-    renormalize: bool
-    capacity_factor: float | None
-    aux_loss_coef: float
-    z_loss_coef: float
-    matmul: str = "auto"
-    exchange: str = "auto"
-    chunks: int = 1
-    sigmoid: bool = False
-    groups: int = 1
-    topk_groups: int = 1
-    scaling: float = 1.0
-
-
-class Yarn(NamedTuple):
-    """YaRN's rotary scaling (Hugging Face's ``rope_type: yarn``), what
-    :func:`zjax.models.llama.rotary` takes: frequencies blended between interpolated (divided
-    by ``factor``) and kept by a ramp over the dimensions whose wavelengths fit between
-    ``beta_fast`` and ``beta_slow`` rotations in ``original_max_len`` positions, and cos/sin
-    multiplied by ``attention_factor``."""
-
-    factor: float
-    original_max_len: int
-    beta_fast: float
-    beta_slow: float
-    attention_factor: float
-    truncate: bool
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,6 +132,8 @@ class LlamaConfig:
         rows): ``auto`` (``chunked`` on XLA:CPU, ``ragged`` elsewhere), ``ragged``
         (``ragged_all_to_all``: XLA:GPU and TPU) or ``chunked`` (rounds of fixed-size
         all-to-alls, as many as the largest slice needs: any backend).
+      first_k_dense: with experts, the first this many layers keep a dense MLP ``d_ff`` wide
+        (DeepSeek's ``first_k_dense_replace``; a stack of their own).
       router_score: ``softmax`` (Mixtral, Qwen-MoE) or ``sigmoid`` (DeepSeek-V3: sigmoid
         scores, a per-expert selection bias ``router_bias`` in each layer, group-limited
         top-k; ``scoring_func``).
@@ -233,6 +197,7 @@ class LlamaConfig:
     n_experts: int = non_negative(0)
     experts_per_token: int = positive(2)
     n_shared_experts: int = non_negative(0)
+    first_k_dense: int = non_negative(0)
     moe_d_ff: int | None = positive(None, none_means="d_ff")
     router_renormalize: bool = True
     router_aux_loss_coef: float = non_negative(0.001)
@@ -276,15 +241,20 @@ class LlamaConfig:
 
     def _check_experts(self):
         if not self.n_experts:
-            if self.n_shared_experts:
-                raise ConfigError(f"model.n_shared_experts: {self.n_shared_experts} needs "
-                                  "model.n_experts (the routed experts they join)")
+            for key in ("n_shared_experts", "first_k_dense"):
+                if getattr(self, key):
+                    raise ConfigError(f"model.{key}: {getattr(self, key)} needs "
+                                      "model.n_experts (a mixture of experts)")
             return
         if self.experts_per_token > self.n_experts:
             raise ConfigError(f"model.experts_per_token: {self.experts_per_token} exceeds "
                               f"model.n_experts {self.n_experts}; route each token to at most "
                               "every expert")
         self._check_groups()
+        if self.first_k_dense >= self.n_layers or (self.first_k_dense and self.global_every):
+            raise ConfigError(f"model.first_k_dense: {self.first_k_dense} must leave a mixture "
+                              f"layer of model.n_layers {self.n_layers} (and takes no "
+                              "global_every)")
         if self.mlp_chunk:
             raise ConfigError(f"model.mlp_chunk: {self.mlp_chunk} tiles a dense MLP; with "
                               f"model.n_experts {self.n_experts} the experts run on grouped "
@@ -322,6 +292,12 @@ class LlamaConfig:
                               f"{top * (self.n_experts // groups)} experts of "
                               f"model.router_topk_groups {top} groups")
 
+    def dense_part(self) -> LlamaConfig:
+        """The config of the first ``first_k_dense`` layers: no experts."""
+        return dataclasses.replace(self, n_experts=0, n_shared_experts=0, first_k_dense=0,
+                                   router_score="softmax", router_groups=1,
+                                   router_topk_groups=1)
+
     @property
     def moe(self) -> MoESettings | None:
         """The mixture's settings; None for a dense MLP."""
@@ -354,10 +330,10 @@ class LlamaConfig:
         transformers' ``_compute_yarn_parameters`` derives it."""
         factor, attention = self.rope_factor, self.rope_attention_factor
         if attention is None:
-            attention = (_yarn_mscale(factor, self.rope_mscale)
-                         / _yarn_mscale(factor, self.rope_mscale_all_dim)
+            attention = (yarn_mscale(factor, self.rope_mscale)
+                         / yarn_mscale(factor, self.rope_mscale_all_dim)
                          if self.rope_mscale and self.rope_mscale_all_dim
-                         else _yarn_mscale(factor))
+                         else yarn_mscale(factor))
         return Yarn(factor, self.rope_original_max_len, self.rope_beta_fast,
                     self.rope_beta_slow, float(attention), self.rope_truncate)
 

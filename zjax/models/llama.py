@@ -282,8 +282,12 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
         dropout = lora is not None and lora.enabled and lora.dropout > 0  # a mask per layer
-        self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r, lora=lora), cfg.n_layers, rngs=rngs,
-                            remat=cfg.remat, indexed=cfg.global_every is not None or dropout)
+        indexed, k = cfg.global_every is not None or dropout, cfg.first_k_dense
+        if k:  # DeepSeek's first dense layers: a stack of their own, before the mixture's
+            self.dense_blocks = Stack(lambda r: LlamaBlock(cfg.dense_part(), rngs=r, lora=lora),
+                                      k, rngs=rngs, remat=cfg.remat, indexed=indexed)
+        self.blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r, lora=lora), cfg.n_layers - k,
+                            rngs=rngs, remat=cfg.remat, indexed=indexed)
         self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
@@ -302,6 +306,8 @@ class Llama(nnx.Module):
         (None for a dense model)."""
         check_length(tokens, self.cfg.max_seq_len)
         x = self._embed(tokens)
+        if self.cfg.first_k_dense:
+            x = self.dense_blocks(x, packing)
         if self.cfg.moe is None:
             return self.ln_f(self.blocks(x, packing)), None
         h, stats = self.blocks((x, RouterStats.zeros()), packing)
@@ -339,5 +345,13 @@ class Llama(nnx.Module):
         lengths, left-padded to one): row ``b``'s token at index ``i`` is at position
         ``max(i - pads[b], 0)`` and no query attends to its padding. None: no padding.
         """
-        h, cache = self.blocks.decode(self._embed(tokens), cache, start, pads=pads)
-        return self._logits(h), cache
+        h, k = self._embed(tokens), self.cfg.first_k_dense
+        if not k:
+            h, cache = self.blocks.decode(h, cache, start, pads=pads)
+            return self._logits(h), cache
+        # the dense layers' share of the cache, then the mixture's
+        h, first = self.dense_blocks.decode(h, KVCache(cache.k[:k], cache.v[:k]), start,
+                                            pads=pads)
+        h, rest = self.blocks.decode(h, KVCache(cache.k[k:], cache.v[k:]), start, pads=pads)
+        return self._logits(h), KVCache(*(jnp.concatenate(pair) for pair in zip(
+            first, rest, strict=True)))
