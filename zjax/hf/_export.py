@@ -167,9 +167,11 @@ def _write_weights(work: Path, stored: dict, read: Callable, leaves: list[Leaf],
     if missing:
         raise CheckpointError(f"export --format hf: the checkpoint has no param "
                               f"{'/'.join(missing[0])} (not the run's model?)")
-    groups: dict[str, list[Leaf]] = {}  # a Hugging Face tensor's leaves (parts of a fused one)
+    # a Hugging Face tensor's leaves (parts of a fused one), by name and first layer (two
+    # stacks share names: DeepSeek's dense layers and the mixture's)
+    groups: dict[tuple[str, int], list[Leaf]] = {}
     for leaf in leaves:
-        groups.setdefault(leaf.hf, []).append(leaf)
+        groups.setdefault((leaf.hf, leaf.first), []).append(leaf)
     plan = [(name, hf_shape(group[0], stored[group[0].keys]))
             for group in groups.values() for name in group[0].names(stored[group[0].keys])]
     files, size = [[]], 0

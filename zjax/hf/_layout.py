@@ -57,6 +57,7 @@ class Leaf:
         ``{e}`` for the expert when the leaf stacks a mixture's experts (its dimension after
         the layer's: one tensor per layer and expert).
       transpose: the file holds the transpose (``nn.Linear``'s ``[out, in]``).
+      first: the layer index of the stack's first layer in the file (``{i}`` counts from it).
       part: ``(k, n)``: the leaf is the k-th of n equal parts of the tensor along zjax's last
         axis (a fused projection: GPT-2's ``c_attn``), or ``(k, (w0, w1, ...))``: of parts in
         those proportions (Phi-3's ``qkv_proj``: query, key, value heads); None for the whole
@@ -67,6 +68,7 @@ class Leaf:
     hf: str
     transpose: bool
     part: tuple[int, int | tuple[int, ...]] | None = None
+    first: int = 0  # the file's index of the stack's first layer (DeepSeek's MoE layers)
 
     @property
     def stacked(self) -> bool:
@@ -105,7 +107,8 @@ class Leaf:
         if not self.stacked:
             return [self.hf]
         experts = range(shape[1]) if self.per_expert else [0]
-        return [self.hf.format(i=i, e=e) for i in range(shape[0]) for e in experts]
+        return [self.hf.format(i=self.first + i, e=e) for i in range(shape[0])
+                for e in experts]
 
 
 @dataclasses.dataclass(frozen=True)

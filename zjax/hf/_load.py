@@ -162,6 +162,7 @@ class HFCheckpoint:
         for at in itertools.product(*(range(len(r)) for r in spans)):
             # one tensor per layer (and expert), filled in place: no second copy of the leaf
             where = [r[a] for r, a in zip(spans, at, strict=True)]
+            where[0] += leaf.first  # the stack's first layer's index in the file
             name = leaf.hf.format(**dict(zip("ie"[:leaf.lead], where, strict=True)))
             one = self._finite(name, _slice(self._array(name), leaf.transpose,
                                             index[leaf.lead:], dtype))

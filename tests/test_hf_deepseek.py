@@ -1,0 +1,86 @@
+"""``DeepseekV3ForCausalLM`` in and out (``zjax.hf._deepseek``).
+
+- A tiny DeepSeek-V3 made by transformers' ``DeepseekV3Config`` (3 layers, the first dense,
+  latent attention with a query latent or one ``q_proj``, 4 experts in 2 groups, a shared
+  expert, a random correction bias; also YaRN with DeepSeek's ``mscale_all_dim``) imports and
+  gives the logits of a float64 transcription of transformers' model (``tests/hf_deepseek.py``)
+  and its greedy tokens through zjax's cached decoding.
+- import-hf -> 2 ZeRO-3 steps over ``data`` 4 x ``expert`` 2 -> export --format hf: the files
+  hold the trained model (by the reference's forward), under the same ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from hf_deepseek import deepseek_config, deepseek_greedy, deepseek_logits, deepseek_tensors
+from hf_reference import write_checkpoint
+
+import zjax
+from zjax.checkpoint._leaf_io import nested
+from zjax.config import load_config
+from zjax.export import export
+from zjax.export.sample import generate, load_sampler
+from zjax.hf import HFCheckpoint, SafetensorsDir, import_hf
+from zjax.models import model_class
+
+TOKENS = np.random.default_rng(1).integers(0, 96, (2, 12))
+ATOL = 2e-4
+
+
+def _zjax_logits(directory) -> np.ndarray:
+    source = HFCheckpoint(directory)
+    cls = model_class(source.config)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(source.config, rngs=nnx.Rngs(0))))
+    return np.asarray(nnx.merge(graphdef, nested(source.host_leaves()))(TOKENS))
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"q_lora_rank": None},
+    {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6,
+                      "beta_fast": 8.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+], ids=["q-latent", "q-proj", "yarn"])
+def test_imported_deepseek_gives_the_reference_logits_and_tokens(tmp_path, changes):
+    hf = deepseek_config(**changes)
+    tensors = deepseek_tensors(hf)
+    directory = write_checkpoint(tmp_path / "hf", hf, tensors)
+    assert HFCheckpoint(directory).layout.architecture == "DeepseekV3ForCausalLM"
+    want = deepseek_logits(hf, tensors, TOKENS)
+    np.testing.assert_allclose(_zjax_logits(directory), want, atol=ATOL, rtol=0)
+    sampler = load_sampler(directory)
+    prompt = TOKENS[:, :6]
+    ours = generate(sampler.model, prompt, max_new_tokens=6, temperature=0,
+                    key=jax.random.key(0))
+    np.testing.assert_array_equal(ours, deepseek_greedy(hf, tensors, prompt, 6))
+
+
+@pytest.mark.slow
+def test_import_train_export_gives_the_trained_model(tmp_path):
+    hf = deepseek_config()
+    tensors = deepseek_tensors(hf)
+    directory = write_checkpoint(tmp_path / "hf", hf, tensors)
+    out = import_hf(directory, tmp_path / "imported")
+    config = load_config(out / "zjax.yaml", [
+        "train.steps=2", "zero.stage=3", "mesh.expert=2", "data.seq_len=32",
+        "data.batch_size=8", "train.eval_every=0", "train.log_every=1",
+        "logging.progress=false", "zero.gather_dtype=float32", "zero.reduce_dtype=float32",
+        "model.router_bias_update_speed=0.01"])
+    result = zjax.train(None, config, run_dir=tmp_path / "run")
+    cls = model_class(config.model)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(config.model, rngs=nnx.Rngs(0))))
+    tuned = np.asarray(nnx.merge(graphdef, jax.device_get(result.state.params))(TOKENS))
+    assert np.abs(tuned - deepseek_logits(hf, tensors, TOKENS)).max() > 1e-3  # it trained
+    exported = export(tmp_path / "run", tmp_path / "out", dtype="float32", format="hf")
+    written = json.loads((exported / "config.json").read_text())
+    assert {k: written[k] for k in hf if k != "torch_dtype"} == {
+        k: v for k, v in hf.items() if k != "torch_dtype"}
+    files = SafetensorsDir(exported)
+    assert sorted(files.names()) == sorted(tensors)
+    got = {n: files.array(n) for n in files.names()}
+    assert np.abs(got["model.layers.1.mlp.gate.e_score_correction_bias"]
+                  - tensors["model.layers.1.mlp.gate.e_score_correction_bias"]).max() > 0.005
+    np.testing.assert_allclose(deepseek_logits(written, got, TOKENS), tuned, atol=ATOL, rtol=0)
