@@ -38,21 +38,24 @@ def _inputs(skew: float):
     return x, router, w
 
 
-def _parallel(mesh, x, router, *w):
+def _parallel(mesh, k, x, router, *w):
     def layer(x, router, *w):
-        return moe_ffn(x, router, Experts(*w), k=K, matmul="tiled", exchange="chunked")[0]
+        return moe_ffn(x, router, Experts(*w), k=k, matmul="tiled", exchange="chunked")[0]
 
     split = P(EXPERT)
     return jax.shard_map(layer, mesh=mesh, in_specs=(split, P(), split, split, split),
                          out_specs=split, check_vma=False)(x, router, *w)
 
 
-@pytest.mark.parametrize("skew", [0.0, 20.0], ids=["even", "all-to-device-0"])
-def test_the_exchange_equals_one_device(skew):
+@pytest.mark.parametrize(("skew", "k"), [(0.0, K), (20.0, K), (20.0, 3)],
+                         ids=["even", "all-to-device-0", "top3-fills-the-bound"])
+def test_the_exchange_equals_one_device(skew, k):
+    """``top3-fills-the-bound``: every token sends 2 rows (its experts 0 and 1) to device 0,
+    min(k, experts per device) rows from each token: the receive buffer exactly full."""
     x, router, w = _inputs(skew)
-    top = jax.lax.top_k(x @ router, K)[1]
+    top = jax.lax.top_k(x @ router, k)[1]
     if skew:
-        assert set(top.reshape(-1).tolist()) == {0, 1}
+        assert set(top[:, :2].reshape(-1).tolist()) == {0, 1}
     mesh = jax.make_mesh((EP,), (EXPERT,), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:EP])
     ct = jax.random.normal(jax.random.key(9), x.shape, jnp.float32)
@@ -60,10 +63,10 @@ def test_the_exchange_equals_one_device(skew):
     def loss(layer):
         return lambda x, r, *w: jnp.sum(ct * layer(x, r, *w))
 
-    one = loss(lambda x, r, *w: moe_ffn(x, r, Experts(*w), k=K, matmul="tiled")[0])
+    one = loss(lambda x, r, *w: moe_ffn(x, r, Experts(*w), k=k, matmul="tiled")[0])
     put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(EXPERT)))
     args = (put(x), jax.device_put(router, NamedSharding(mesh, P())), *map(put, w))
-    many = jax.jit(jax.value_and_grad(loss(functools.partial(_parallel, mesh)),
+    many = jax.jit(jax.value_and_grad(loss(functools.partial(_parallel, mesh, k)),
                                       argnums=range(5)))
     want = jax.value_and_grad(one, argnums=range(5))(x, router, *w)
     assert abs(float(want[0])) > 1.0

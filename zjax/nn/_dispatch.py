@@ -6,9 +6,10 @@ all-to-all over that axis (inside ``shard_map``). Expert ``e`` lives on device `
   one all-to-all of ``E x capacity x D`` each way, ``(n - 1) / n`` of it leaving the device.
 - Dropless: the assignments, sorted by expert (so by destination), travel by a ragged
   all-to-all (:mod:`zjax.nn._ragged`): ``N x k x D`` leave each way, the rows actually routed.
-  The receiver's buffer holds the worst case (``n x N x k`` rows: anything may arrive from
-  anyone), it puts what arrived in order of its local experts (arithmetic, no sort) and runs its
-  grouped matmuls, whose tiles past the arrivals are skipped.
+  The receiver's buffer holds the worst case (``n x N x min(k, E / n)`` rows: every device
+  may send all its tokens, each to at most ``min(k, E / n)`` of this device's experts); it
+  puts what arrived in order of its local experts (arithmetic, no sort) and runs its grouped
+  matmuls, whose tiles past the arrivals are skipped.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def parallel_dropless(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
     send, recv = jnp.sum(sizes, axis=1), jnp.sum(got_sizes, axis=1)
     chunk = -(-rows // n)  # an even share: a balanced routing moves in one chunked round
     move = functools.partial(ragged_move, axis=axis, how=how, chunk=chunk)
-    # anything may arrive from anyone: n x rows bounds what lands here (a buffer, not traffic)
-    got = move(jnp.take(x, order // k, axis=0), send, recv, n * rows)
-    place = _by_expert(got_sizes, n * rows)
+    # what may land here (a buffer, not traffic): a token's k experts are distinct, so it
+    # sends a device at most min(k, local) rows, and every device may send all its tokens
+    bound = n * n_tok * min(k, local)
+    got = move(jnp.take(x, order // k, axis=0), send, recv, bound)
+    place = _by_expert(got_sizes, bound)
     mine = jnp.zeros_like(got).at[place].set(got, unique_indices=True)
     ys = grouped(mine, w, jnp.sum(got_sizes, axis=0), activation, matmul=matmul)
     back = move(jnp.take(ys, place, axis=0), recv, send, rows)  # sorted by expert again
