@@ -137,3 +137,30 @@ def test_no_hf_architecture_is_claimed_for_a_deepseek_router():
         layout_for_model("llama", LlamaConfig(n_experts=8, router_score="sigmoid"))
     with pytest.raises(ConfigError, match="routed_scaling_factor"):
         layout_for_model("llama", LlamaConfig(n_experts=8, routed_scaling_factor=2.5))
+
+
+def test_sequence_balance_is_deepseeks_formula():
+    """DeepSeek-V3's (eq. 17-20): per sequence, ``sum_i f_i P_i`` with ``f_i = E / (k T)``
+    times the tokens choosing ``i`` and ``P_i`` the mean normalised score; averaged over the
+    sequences; padding (mask 0) counts in neither."""
+    from zjax.nn.moe import sequence_balance
+
+    rng = np.random.default_rng(3)
+    seqs, t, e, k = 4, 10, 8, 3
+    logits = rng.normal(size=(seqs * t, e)).astype(np.float32)
+    mask = np.ones(seqs * t, np.float32)
+    mask[t - 3:t] = 0  # the first sequence's last 3 tokens are padding
+    routing = route_sigmoid(jnp.asarray(logits), jnp.zeros(e), k=k)
+    got = float(sequence_balance(routing, seqs, jnp.asarray(mask)))
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    norm = scores / scores.sum(-1, keepdims=True)
+    top = np.asarray(routing.experts)
+    want = []
+    for s in range(seqs):
+        rows = [i for i in range(s * t, (s + 1) * t) if mask[i]]
+        f = e / (k * len(rows)) * np.array([sum(j in top[i] for i in rows) for j in range(e)])
+        want.append(np.sum(f * norm[rows].mean(0)))
+    np.testing.assert_allclose(got, np.mean(want), rtol=1e-5)
+    grads = jax.grad(lambda lg: sequence_balance(route_sigmoid(lg, jnp.zeros(e), k=k), seqs))(
+        jnp.asarray(logits))
+    assert float(jnp.abs(grads).max()) > 0  # it trains the router through P

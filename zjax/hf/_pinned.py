@@ -51,7 +51,7 @@ LLAMA_PINNED = {
 LLAMA_FREE = ("remat", "max_seq_len", "attention", "context_attention", "loss_chunk",
               "mlp_chunk", "moe_matmul", "moe_exchange", "moe_chunks",
               "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
-              "router_bias_update_speed")
+              "router_bias_update_speed", "router_seq_aux_loss_coef")
 
 # GPTConfig fields (GPT-2's layout) -> why an import pins them
 GPT2_PINNED = {

@@ -25,6 +25,7 @@ class MoESettings(NamedTuple):
     groups: int = 1
     topk_groups: int = 1
     scaling: float = 1.0
+    seq_aux_loss_coef: float = 0.0
 
 
 class Yarn(NamedTuple):

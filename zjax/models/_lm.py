@@ -91,11 +91,13 @@ def router_losses(stats: RouterStats, loss_sum: jax.Array, count: jax.Array, cfg
     layers = cfg.n_layers - getattr(cfg, "first_k_dense", 0)  # the mixture's layers
     aux = stats.balance * (total / layers)
     z = stats.z * (total / layers)
+    seq = stats.seq_balance * (total / layers)
     moe = cfg.moe
-    loss_sum = loss_sum + moe.aux_loss_coef * aux + moe.z_loss_coef * z
+    loss_sum = (loss_sum + moe.aux_loss_coef * aux + moe.z_loss_coef * z
+                + moe.seq_aux_loss_coef * seq)
     # the same on every device: weighted by its tokens, the division by the batch's count
     # leaves the mean over the layers
     violation = stats.max_violation * (lax.stop_gradient(count) / layers)
     return loss_sum, count, {"moe_aux_loss": aux, "moe_z_loss": z,
                              "moe_dropped_tokens": stats.dropped,
-                             "moe_max_violation": violation}
+                             "moe_max_violation": violation, "moe_seq_aux_loss": seq}

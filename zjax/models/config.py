@@ -143,6 +143,9 @@ class LlamaConfig:
       router_bias_update_speed: DeepSeek-V3's auxiliary-loss-free balancing: each step every
         layer's ``router_bias`` moves by this much against its expert's load error (down if
         overloaded, up if idle; not by gradients); 0 keeps the bias as loaded.
+      router_seq_aux_loss_coef: the weight of DeepSeek-V3's sequence-wise balance loss
+        (``sum_e f_e P_e`` per sequence over normalised scores, averaged over the sequences
+        and the mixture's layers; DeepSeek-V3 used 0.0001); reported as ``moe_seq_aux_loss``.
       moe_chunks: dropless expert parallelism's tokens split into this many independent
         exchanges, so one chunk's all-to-all runs while another's experts compute (the same
         bytes); 1: one exchange. Must divide each device's tokens.
@@ -211,6 +214,7 @@ class LlamaConfig:
     router_topk_groups: int = positive(1)
     routed_scaling_factor: float = positive(1.0)
     router_bias_update_speed: float = non_negative(0.0)
+    router_seq_aux_loss_coef: float = non_negative(0.0)
 
     def __post_init__(self):
         validate(self, "model")
@@ -307,7 +311,8 @@ class LlamaConfig:
                            self.capacity_factor, self.router_aux_loss_coef,
                            self.router_z_loss_coef, self.moe_matmul, self.moe_exchange,
                            self.moe_chunks, self.router_score == "sigmoid", self.router_groups,
-                           self.router_topk_groups, self.routed_scaling_factor)
+                           self.router_topk_groups, self.routed_scaling_factor,
+                           self.router_seq_aux_loss_coef)
 
     @property
     def expert_ff(self) -> int:

@@ -221,7 +221,7 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
             activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul,
             exchange=moe.exchange, chunks=moe.chunks, scoring=Scoring(
                 self.router_bias[...], moe.groups, moe.topk_groups, moe.scaling)
-            if moe.sigmoid else None)
+            if moe.sigmoid else None, sequences=b if moe.seq_aux_loss_coef else None)
         if hasattr(self, "shared_gate"):
             out = out + self._mlp(column_parallel_input(flat), "shared")
         return out.reshape(b, t, d), stats

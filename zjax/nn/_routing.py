@@ -13,7 +13,7 @@ from jax import lax
 from zjax.runtime.mesh import CONTEXT, DATA, EXPERT, NODE, REPLICA
 
 __all__ = ["RouterStats", "Routing", "batch_sum", "load_feedback", "route", "route_sigmoid",
-           "router_stats"]
+           "router_stats", "sequence_balance"]
 
 # the mesh axes a step splits its batch's tokens over (never ``model``: its devices hold the
 # same tokens)
@@ -141,19 +141,21 @@ class RouterStats(NamedTuple):
     ``balance`` and ``z`` are this device's shares of the batch's means (their sums over the
     devices are the layer's losses), ``dropped`` the count of its token-expert assignments
     that a capacity dropped, ``max_violation`` the batch's most loaded expert over the mean
-    load, minus 1 (DeepSeek's MaxVio; the same on every device). Float32 scalars; a ``Stack``
-    carries their sum over its layers.
+    load, minus 1 (DeepSeek's MaxVio; the same on every device), ``seq_balance`` this
+    device's share of DeepSeek-V3's sequence-wise balance loss (:func:`sequence_balance`; 0
+    unless asked). Float32 scalars; a ``Stack`` carries their sum over its layers.
     """
 
     balance: jax.Array
     z: jax.Array
     dropped: jax.Array
     max_violation: jax.Array
+    seq_balance: jax.Array
 
     @classmethod
     def zeros(cls) -> RouterStats:
         z = jnp.zeros((), jnp.float32)
-        return cls(z, z, z, z)
+        return cls(z, z, z, z, z)
 
     def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
         return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
@@ -192,4 +194,24 @@ def router_stats(routing: Routing, mask: jax.Array | None = None,
     lost = jnp.zeros((), jnp.float32) if dropped is None else \
         jnp.sum(m[:, None] * dropped.astype(jnp.float32))
     violation = jnp.max(total[:-1]) / jnp.maximum(jnp.mean(total[:-1]), 1e-9) - 1.0
-    return RouterStats(balance, z, lost, violation)
+    return RouterStats(balance, z, lost, violation, jnp.zeros((), jnp.float32))
+
+
+def sequence_balance(routing: Routing, sequences: int, mask: jax.Array | None = None
+                     ) -> jax.Array:
+    """This device's share of DeepSeek-V3's sequence-wise balance loss, the mean over the
+    batch's sequences of ``sum_e f_e P_e``: ``f_e = E / (k T)`` times the sequence's tokens
+    that chose expert ``e``, ``P_e`` the mean over its ``T`` tokens of the router's scores
+    normalised per token (``routing.probs``). The ``N`` tokens are ``sequences`` rows of equal
+    length; ``mask`` leaves padding out of ``T`` and both sums."""
+    n, e = routing.probs.shape
+    k = routing.experts.shape[1]
+    m = jnp.ones((n,), jnp.float32) if mask is None else mask.astype(jnp.float32)
+    seq = jnp.arange(n) // (n // sequences)
+    counts = jax.ops.segment_sum(jnp.repeat(m, k), jnp.repeat(seq, k) * e
+                                 + routing.experts.reshape(-1), num_segments=sequences * e)
+    tokens = jnp.maximum(jax.ops.segment_sum(m, seq, num_segments=sequences), 1.0)
+    f = lax.stop_gradient(counts.reshape(sequences, e) * e / (k * tokens[:, None]))
+    p = jax.ops.segment_sum(m[:, None] * routing.probs, seq, num_segments=sequences)
+    per_sequence = jnp.sum(f * p / tokens[:, None], axis=-1)
+    return jnp.sum(per_sequence) / batch_sum(jnp.asarray(sequences, jnp.float32))

@@ -40,13 +40,14 @@ from zjax.nn._routing import (
     route,
     route_sigmoid,
     router_stats,
+    sequence_balance,
 )
 from zjax.nn.tensor_parallel import column_parallel_input, model_axis_size
 from zjax.runtime.mesh import EXPERT
 
 __all__ = ["GROUPED_MATMULS", "Experts", "RouterStats", "Routing", "Scoring", "batch_sum",
            "capacity", "grouped", "load_feedback", "moe_ffn", "route", "route_sigmoid",
-           "router_stats", "tiled_mlp"]
+           "router_stats", "sequence_balance", "tiled_mlp"]
 
 
 class Scoring(NamedTuple):
@@ -69,7 +70,8 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
             renormalize: bool = True, capacity_factor: float | None = None,
             activation: Callable = jax.nn.silu, mask: jax.Array | None = None,
             matmul: str = "auto", exchange: str = "auto", chunks: int = 1,
-            scoring: Scoring | None = None) -> tuple[jax.Array, RouterStats]:
+            scoring: Scoring | None = None,
+            sequences: int | None = None) -> tuple[jax.Array, RouterStats]:
     """The routed experts' output for tokens ``x``.
 
     Under tensor parallelism (inside a step with a ``model`` axis, each expert's hidden units
@@ -104,6 +106,8 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
       scoring: DeepSeek-V3's router (:class:`Scoring`: sigmoid scores, the selection bias,
         expert groups, the scaling factor); None: the softmax router. Its ``bias`` gets the
         load error as its gradient (:func:`load_feedback`).
+      sequences: the tokens are this many equal sequences: the statistics then hold
+        DeepSeek-V3's sequence-wise balance share (:func:`sequence_balance`); None: 0.
 
     Returns:
       ``([N, D] output in x's dtype, this device's RouterStats)``.
@@ -125,12 +129,16 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
     split = routing._replace(weights=column_parallel_input(routing.weights))
     x = column_parallel_input(x)
     kw = dict(activation=activation) if ep == 1 else dict(activation=activation, axis=EXPERT)
-    if capacity_factor is None:
-        if ep == 1:
-            return dropless(x, split, experts, matmul=matmul, **kw), router_stats(routing, mask)
+    dropped = None
+    if capacity_factor is None and ep == 1:
+        y = dropless(x, split, experts, matmul=matmul, **kw)
+    elif capacity_factor is None:
         y = parallel_dropless(x, split, experts, matmul=matmul, exchange=exchange,
                               pieces=chunks, **kw)
-        return y, router_stats(routing, mask)
-    run = with_capacity if ep == 1 else parallel_capacity
-    y, dropped = run(x, split, experts, factor=capacity_factor, **kw)
-    return y, router_stats(routing, mask, dropped)
+    else:
+        run = with_capacity if ep == 1 else parallel_capacity
+        y, dropped = run(x, split, experts, factor=capacity_factor, **kw)
+    stats = router_stats(routing, mask, dropped)
+    if sequences is not None:
+        stats = stats._replace(seq_balance=sequence_balance(routing, sequences, mask))
+    return y, stats
