@@ -2,7 +2,10 @@
 ``config.json`` and tensor names): latent attention (``DeepseekV3Attention``), dense first layers
 (``first_k_dense_replace``), the sigmoid group-limited router with its correction bias
 (``DeepseekV3TopkRouter``, masked groups read 0), routed experts weighted and scaled, plus the
-shared experts (``DeepseekV3MoE``).
+shared experts (``DeepseekV3MoE``); and of ``DeepseekV2ForCausalLM`` (the same attention with
+rotary on interleaved pairs, ``freqs_cis``; a softmax gate, ``greedy`` or
+``group_limited_greedy``, scaled and not renormalised; no correction bias). V2's softmax scale
+is transformers' (no YaRN ``mscale^2``) unless ``deepseek_scale``: DeepSeek's own code's.
 """
 
 from __future__ import annotations
@@ -22,12 +25,29 @@ DEEPSEEK = {**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4, "n_routed_
             "routed_scaling_factor": 2.5, "architectures": ["DeepseekV3ForCausalLM"]}
 
 
+V2 = {**{k: v for k, v in DEEPSEEK.items() if k not in ("n_group", "topk_group")},
+      "q_lora_rank": None, "n_shared_experts": 2, "topk_method": "greedy",
+      "routed_scaling_factor": 1.0, "architectures": ["DeepseekV2ForCausalLM"]}
+
+
 def deepseek_config(**changes) -> dict:
     """The ``config.json`` (as a dict) of a tiny DeepSeek-V3, made by transformers."""
     import transformers
 
     config = transformers.DeepseekV3Config(**{**DEEPSEEK, **changes})
     return json.loads(config.to_json_string())
+
+
+def deepseek_v2_config(**changes) -> dict:
+    """The ``config.json`` of a tiny DeepSeek-V2(-Lite), made by transformers."""
+    import transformers
+
+    config = transformers.DeepseekV2Config(**{**V2, **changes})
+    return json.loads(config.to_json_string())
+
+
+def _v2(hf: dict) -> bool:
+    return hf["model_type"] == "deepseek_v2"
 
 
 def deepseek_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -67,11 +87,20 @@ def _names(hf: dict) -> dict[str, tuple[int, ...]]:
             names |= {m + "gate_proj.weight": (width, d), m + "up_proj.weight": (width, d),
                       m + "down_proj.weight": (d, width)}
         if i >= hf["first_k_dense_replace"]:
-            names |= {p + "mlp.gate.weight": (e, d), p + "mlp.gate.e_score_correction_bias": (e,)}
+            names[p + "mlp.gate.weight"] = (e, d)
+            if not _v2(hf):
+                names[p + "mlp.gate.e_score_correction_bias"] = (e,)
     return names
 
 
-def _attention(hf, t, p, h):
+def _pairs(x, pos, inv, gain):
+    """V2's ``view_as_complex(x.reshape(..., -1, 2)) * freqs_cis``, ``freqs_cis`` times the
+    YaRN gain."""
+    c = (x[..., 0::2] + 1j * x[..., 1::2]) * (np.exp(1j * pos[:, None] * inv) * gain)[:, None]
+    return np.stack([c.real, c.imag], -1).reshape(x.shape)
+
+
+def _attention(hf, t, p, h, deepseek_scale=False):
     n, heads = h.shape[0], hf["num_attention_heads"]
     nope, rope, vd = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
     rank, eps, a = hf["kv_lora_rank"], hf["rms_norm_eps"], p + "self_attn."
@@ -86,20 +115,23 @@ def _attention(hf, t, p, h):
     kv = (_rms(kv[:, :rank], t[a + "kv_a_layernorm.weight"], eps)
           @ t[a + "kv_b_proj.weight"].T).reshape(n, heads, nope + vd)
     q_rot = q[..., nope:]
-    if hf["rope_interleave"]:
-        q_rot, k_rot = (x.reshape(*x.shape[:-1], rope // 2, 2).swapaxes(-1, -2).reshape(x.shape)
-                        for x in (q_rot, k_rot))
     inv = 1.0 / hf["rope_theta"] ** (np.arange(0, rope, 2, dtype=np.float64) / rope)
     gain, scale, scaling = 1.0, (nope + rope) ** -0.5, hf.get("rope_scaling")
     if scaling:
         inv, gain = _yarn(hf, inv, rope)
-        if scaling.get("mscale_all_dim"):
+        if scaling.get("mscale_all_dim") and (not _v2(hf) or deepseek_scale):
             m = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
             scale *= m * m
     pos = np.arange(n, dtype=np.float64)
-    q = np.concatenate([q[..., :nope], _rotary(q_rot, pos, inv, gain)], -1)
-    k = np.concatenate([kv[..., :nope], np.broadcast_to(_rotary(k_rot, pos, inv, gain),
-                                                        (n, heads, rope))], -1)
+    if _v2(hf):  # apply_rotary_emb: pairs (x[2i], x[2i + 1]) as complex numbers
+        rot = lambda x: _pairs(x, pos, inv, gain)
+    elif hf["rope_interleave"]:
+        rot = lambda x: _rotary(x.reshape(*x.shape[:-1], rope // 2, 2).swapaxes(-1, -2)
+                                .reshape(x.shape), pos, inv, gain)
+    else:
+        rot = lambda x: _rotary(x, pos, inv, gain)
+    q = np.concatenate([q[..., :nope], rot(q_rot)], -1)
+    k = np.concatenate([kv[..., :nope], np.broadcast_to(rot(k_rot), (n, heads, rope))], -1)
     scores = np.einsum("qhd,khd->hqk", q, k) * scale
     scores = np.where(np.tril(np.ones((n, n), bool)), scores, -np.inf)
     w = np.exp(scores - scores.max(-1, keepdims=True))
@@ -115,28 +147,41 @@ def _mlp(t, m, y):
 
 def _moe(hf, t, p, y):
     e, k = hf["n_routed_experts"], hf["num_experts_per_tok"]
-    groups, top_groups = hf["n_group"], hf["topk_group"]
-    scores = 1 / (1 + np.exp(-(y @ t[p + "mlp.gate.weight"].T)))
-    choice = scores + t[p + "mlp.gate.e_score_correction_bias"][None]
-    by_group = choice.reshape(-1, groups, e // groups)
-    group_scores = np.sort(by_group, -1)[..., -2:].sum(-1)
+    logits = y @ t[p + "mlp.gate.weight"].T
+    if _v2(hf):
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = scores / scores.sum(-1, keepdims=True)
+        if hf["topk_method"] == "greedy":
+            top = np.argsort(-scores, -1, kind="stable")[:, :k]
+            return _combine(hf, t, p, y, top, np.take_along_axis(scores, top, -1))
+        groups, top_groups, choice = hf["n_group"], hf["topk_group"], scores
+        group_scores = choice.reshape(-1, groups, e // groups).max(-1)
+    else:
+        groups, top_groups = hf["n_group"], hf["topk_group"]
+        scores = 1 / (1 + np.exp(-logits))
+        choice = scores + t[p + "mlp.gate.e_score_correction_bias"][None]
+        group_scores = np.sort(choice.reshape(-1, groups, e // groups), -1)[..., -2:].sum(-1)
     keep = np.zeros(group_scores.shape, bool)
     np.put_along_axis(keep, np.argsort(-group_scores, -1, kind="stable")[:, :top_groups], True,
                       axis=1)
     choice = np.where(np.repeat(keep, e // groups, axis=1), choice, 0.0)
     top = np.argsort(-choice, -1, kind="stable")[:, :k]
-    weights = np.take_along_axis(scores, top, -1)
-    if hf["norm_topk_prob"]:
+    return _combine(hf, t, p, y, top, np.take_along_axis(scores, top, -1))
+
+
+def _combine(hf, t, p, y, top, weights):
+    if hf["norm_topk_prob"] and not _v2(hf):  # V2's gate reads no norm_topk_prob
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     weights = weights * hf["routed_scaling_factor"]
     out = np.zeros_like(y)
-    for j in range(e):
+    for j in range(hf["n_routed_experts"]):
         w = np.where(top == j, weights, 0.0).sum(-1)
         out += w[:, None] * _mlp(t, f"{p}mlp.experts.{j}.", y)
     return out + _mlp(t, f"{p}mlp.shared_experts.", y)
 
 
-def deepseek_logits(hf: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+def deepseek_logits(hf: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray, *,
+                    deepseek_scale: bool = False) -> np.ndarray:
     """Float64 logits ``[B, T, vocab]``."""
     t = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
     eps, rows = hf["rms_norm_eps"], []
@@ -144,7 +189,8 @@ def deepseek_logits(hf: dict, tensors: dict[str, np.ndarray], tokens: np.ndarray
         x = t["model.embed_tokens.weight"][seq]
         for i in range(hf["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            x = x + _attention(hf, t, p, _rms(x, t[p + "input_layernorm.weight"], eps))
+            x = x + _attention(hf, t, p, _rms(x, t[p + "input_layernorm.weight"], eps),
+                               deepseek_scale)
             y = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
             x = x + (_mlp(t, p + "mlp.", y) if i < hf["first_k_dense_replace"]
                      else _moe(hf, t, p, y))

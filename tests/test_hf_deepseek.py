@@ -7,6 +7,11 @@
   and its greedy tokens through zjax's cached decoding.
 - import-hf -> 2 ZeRO-3 steps over ``data`` 4 x ``expert`` 2 -> export --format hf: the files
   hold the trained model (by the reference's forward), under the same ``config.json``.
+- ``DeepseekV2ForCausalLM`` (V2-Lite's shape: one ``q_proj``, a softmax ``greedy`` gate; and
+  V2's ``group_limited_greedy`` with a scaling factor) the same, exported back to the same
+  ``config.json`` and tensors. With YaRN, zjax follows DeepSeek's code (the softmax scale times
+  ``mscale(factor, mscale_all_dim)^2``, as V3 and later transformers do), not transformers
+  4.57's ``DeepseekV2Attention``, which leaves it out: the test shows both.
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from hf_deepseek import deepseek_config, deepseek_greedy, deepseek_logits, deepseek_tensors
+from hf_deepseek import (
+    deepseek_config,
+    deepseek_greedy,
+    deepseek_logits,
+    deepseek_tensors,
+    deepseek_v2_config,
+)
 from hf_reference import write_checkpoint
 
 import zjax
@@ -84,3 +95,42 @@ def test_import_train_export_gives_the_trained_model(tmp_path):
     assert np.abs(got["model.layers.1.mlp.gate.e_score_correction_bias"]
                   - tensors["model.layers.1.mlp.gate.e_score_correction_bias"]).max() > 0.005
     np.testing.assert_allclose(deepseek_logits(written, got, TOKENS), tuned, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
+         "routed_scaling_factor": 2.0},
+], ids=["v2-lite-greedy", "v2-group-limited"])
+def test_deepseek_v2_imports_and_exports_as_itself(tmp_path, changes):
+    hf = deepseek_v2_config(**changes)
+    tensors = deepseek_tensors(hf)
+    directory = write_checkpoint(tmp_path / "hf", hf, tensors)
+    assert HFCheckpoint(directory).layout.architecture == "DeepseekV2ForCausalLM"
+    np.testing.assert_allclose(_zjax_logits(directory), deepseek_logits(hf, tensors, TOKENS),
+                               atol=ATOL, rtol=0)
+    sampler = load_sampler(directory)
+    prompt = TOKENS[:, :6]
+    ours = generate(sampler.model, prompt, max_new_tokens=6, temperature=0,
+                    key=jax.random.key(0))
+    np.testing.assert_array_equal(ours, deepseek_greedy(hf, tensors, prompt, 6))
+    out = import_hf(directory, tmp_path / "imported")
+    config = load_config(out / "zjax.yaml", ["train.steps=1", "data.seq_len=16",
+                                             "data.batch_size=8", "train.eval_every=0"])
+    zjax.train(None, config, run_dir=tmp_path / "run")
+    exported = export(tmp_path / "run", tmp_path / "out", dtype="float32", format="hf")
+    written = json.loads((exported / "config.json").read_text())
+    assert written["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert {k: written[k] for k in hf if k != "torch_dtype"} == {
+        k: v for k, v in hf.items() if k != "torch_dtype"}
+    assert sorted(SafetensorsDir(exported).names()) == sorted(tensors)
+
+
+def test_deepseek_v2_yarn_takes_deepseeks_softmax_scale(tmp_path):
+    hf = deepseek_v2_config(rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6, "beta_fast": 8.0,
+        "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 0.707})
+    tensors = deepseek_tensors(hf)
+    got = _zjax_logits(write_checkpoint(tmp_path / "hf", hf, tensors))
+    np.testing.assert_allclose(got, deepseek_logits(hf, tensors, TOKENS, deepseek_scale=True),
+                               atol=ATOL, rtol=0)
+    assert np.abs(got - deepseek_logits(hf, tensors, TOKENS)).max() > 1e-3  # transformers'

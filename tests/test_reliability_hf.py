@@ -37,7 +37,7 @@ CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "mixtral": "Mixtr
            "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
            "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
            "gemma3_text": "Gemma3TextConfig", "gpt2": "GPT2Config",
-           "deepseek_v3": "DeepseekV3Config"}
+           "deepseek_v3": "DeepseekV3Config", "deepseek_v2": "DeepseekV2Config"}
 
 
 def _cli(capsys, *args: str) -> tuple[int, list[str]]:

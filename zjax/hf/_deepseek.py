@@ -1,4 +1,5 @@
-"""``DeepseekV3ForCausalLM`` (DeepSeek-V3, Kimi-K2's architecture) <-> zjax's Llama with latent
+"""``DeepseekV3ForCausalLM`` (DeepSeek-V3, Kimi-K2's architecture) and ``DeepseekV2ForCausalLM``
+(DeepSeek-V2, V2-Lite; at the end) <-> zjax's Llama with latent
 attention, a dense first stack and DeepSeek-V3's router (transformers 4.57's modelling file).
 
 - Attention: ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or ``q_proj`` where
@@ -21,11 +22,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from zjax.errors import ConfigError
+from zjax.errors import CheckpointError, ConfigError
 from zjax.hf._layout import Leaf, number
 from zjax.hf._llama import ANY, Family, family_layout
 
-__all__ = ["DEEPSEEK_V3"]
+__all__ = ["DEEPSEEK_V2", "DEEPSEEK_V3"]
 
 _MLP = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
 
@@ -49,8 +50,9 @@ def _stack(name: str, first: int, dense: bool, cfg) -> list[Leaf]:
             leaf((*keys, "wo"), f"{a}o_proj.weight", True)]
     if dense:
         return out + [leaf((*keys, w), f"{m}{n}.weight", True) for w, n in _MLP]
-    out += [leaf((*keys, "router"), f"{m}gate.weight", True),
-            leaf((*keys, "router_bias"), f"{m}gate.e_score_correction_bias", False)]
+    out.append(leaf((*keys, "router"), f"{m}gate.weight", True))
+    if cfg.router_score == "sigmoid":  # V3's correction bias
+        out.append(leaf((*keys, "router_bias"), f"{m}gate.e_score_correction_bias", False))
     out += [leaf((*keys, w), f"{m}experts.{{e}}.{n}.weight", True) for w, n in _MLP]
     if cfg.n_shared_experts:
         out += [leaf((*keys, w.replace("w_", "shared_")), f"{m}shared_experts.{n}.weight", True)
@@ -107,4 +109,52 @@ DEEPSEEK_V3 = family_layout(Family(
         "n_experts", "experts_per_token", "n_shared_experts", "moe_d_ff", "router_renormalize",
         "router_groups", "router_topk_groups", "routed_scaling_factor", "first_k_dense",
         "kv_lora_rank")}},
+    table=_table))
+
+
+# DeepSeek-V2 (and V2-Lite): V3's tensors without the correction bias, a softmax router
+# (``greedy``, or ``group_limited_greedy`` over ``n_group`` groups scored by their best),
+# the kept probabilities times ``routed_scaling_factor`` and not renormalised (transformers'
+# gate reads no ``norm_topk_prob``: only false, as both released models have, is read);
+# rotary on interleaved pairs (complex ``freqs_cis``: V3's ``rope_interleave``)
+_V2_KEYS = {k: v for k, v in _KEYS.items() if k not in (
+    "norm_topk_prob", "n_group", "topk_group", "rope_interleave")}
+
+
+def _v2_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    out = {field: number(hf, key, kind, source=source) for key, (field, kind) in _V2_KEYS.items()}
+    method = hf.get("topk_method")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise CheckpointError(f"{source}: topk_method = {method!r}; DeepseekV2ForCausalLM "
+                              "routes by 'greedy' or 'group_limited_greedy'")
+    grouped = method == "group_limited_greedy"
+    return {**out, "router_renormalize": False, "rope_interleave": True,
+            "q_lora_rank": number(hf, "q_lora_rank", int, source=source, none=True),
+            "router_groups": number(hf, "n_group", int, source=source) if grouped else 1,
+            "router_topk_groups": number(hf, "topk_group", int, source=source) if grouped else 1}
+
+
+def _v2_to_hf(cfg) -> dict[str, Any]:
+    if not cfg.kv_lora_rank:
+        raise ConfigError("DeepseekV2ForCausalLM has latent attention (model.kv_lora_rank > 0); "
+                          "the run has model.kv_lora_rank 0")
+    out = {key: getattr(cfg, field) for key, (field, _) in _V2_KEYS.items()}
+    grouped = cfg.router_groups > 1
+    return {**out, "moe_intermediate_size": cfg.expert_ff, "q_lora_rank": cfg.q_lora_rank,
+            "head_dim": cfg.qk_rope_head_dim, "norm_topk_prob": False,
+            "topk_method": "group_limited_greedy" if grouped else "greedy",
+            "n_group": cfg.router_groups if grouped else None,
+            "topk_group": cfg.router_topk_groups if grouped else None}
+
+
+DEEPSEEK_V2 = family_layout(Family(
+    architecture="DeepseekV2ForCausalLM", model_type="deepseek_v2",
+    fixed={"attention_bias": (False, None), "mlp_bias": (False, None),
+           "norm_topk_prob": (False, None), "scoring_func": ("softmax", None)},
+    mapped=(*_V2_KEYS, "q_lora_rank", "topk_method", "n_group", "topk_group"),
+    inert=("ep_size", "moe_layer_freq", "aux_loss_alpha", "seq_aux"),
+    options=_v2_options, to_hf=_v2_to_hf,
+    model={"router_renormalize": False, "rope_interleave": True, **{field: ANY for field in (
+        "n_experts", "experts_per_token", "n_shared_experts", "moe_d_ff", "router_groups",
+        "router_topk_groups", "routed_scaling_factor", "first_k_dense", "kv_lora_rank")}},
     table=_table))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from zjax.errors import CheckpointError, ConfigError
-from zjax.hf._deepseek import DEEPSEEK_V3
+from zjax.hf._deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from zjax.hf._families import LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3, QWEN3_MOE
 from zjax.hf._gemma import GEMMA, GEMMA2, GEMMA3
 from zjax.hf._gpt2 import GPT2
@@ -17,7 +17,7 @@ __all__ = ["LAYOUTS", "layout_for_hf", "layout_for_model"]
 # a run's model is exported as the first that can hold it (a Mistral without a window is a
 # Llama); a run started from a Hugging Face model keeps that model's architecture
 LAYOUTS = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3, MIXTRAL, QWEN3_MOE,
-           DEEPSEEK_V3, GPT2)
+           DEEPSEEK_V3, DEEPSEEK_V2, GPT2)
 
 
 def layout_for_hf(hf: dict[str, Any], *, source: str) -> Layout:

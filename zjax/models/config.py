@@ -137,7 +137,9 @@ class LlamaConfig:
       router_score: ``softmax`` (Mixtral, Qwen-MoE) or ``sigmoid`` (DeepSeek-V3: sigmoid
         scores, a per-expert selection bias ``router_bias`` in each layer, group-limited
         top-k; ``scoring_func``).
-      router_groups: DeepSeek-V3's expert groups (``n_group``; sigmoid only).
+      router_groups: DeepSeek's expert groups (``n_group``): a token chooses among the
+        ``router_topk_groups`` best groups' experts (V3: groups scored by their two best
+        biased sigmoid scores; V2's softmax ``group_limited_greedy``: by their best).
       router_topk_groups: the groups a token may choose from (``topk_group``).
       routed_scaling_factor: the routed experts' output times this (DeepSeek-V3's).
       router_bias_update_speed: DeepSeek-V3's auxiliary-loss-free balancing: each step every
@@ -281,13 +283,10 @@ class LlamaConfig:
 
     def _check_groups(self):
         groups, top = self.router_groups, self.router_topk_groups
-        if groups > 1 and self.router_score != "sigmoid":
-            raise ConfigError(f"model.router_groups: {groups} groups the experts of "
-                              "DeepSeek-V3's router; set model.router_score: sigmoid")
-        if groups > 1 and (self.n_experts % groups or self.n_experts // groups < 2):
+        least = 2 if self.router_score == "sigmoid" else 1  # V3 scores a group's best two
+        if groups > 1 and (self.n_experts % groups or self.n_experts // groups < least):
             raise ConfigError(f"model.router_groups: {groups} must divide model.n_experts "
-                              f"{self.n_experts} into groups of at least 2 (a group scores "
-                              "its two best experts)")
+                              f"{self.n_experts} into groups of at least {least}")
         if top > groups:
             raise ConfigError(f"model.router_topk_groups: {top} exceeds model.router_groups "
                               f"{groups}")

@@ -219,12 +219,20 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
             k=moe.k, renormalize=moe.renormalize,
             capacity_factor=None if dropless else moe.capacity_factor,
             activation=ACTIVATIONS[self.mlp_activation], mask=mask, matmul=moe.matmul,
-            exchange=moe.exchange, chunks=moe.chunks, scoring=Scoring(
-                self.router_bias[...], moe.groups, moe.topk_groups, moe.scaling)
-            if moe.sigmoid else None, sequences=b if moe.seq_aux_loss_coef else None)
+            exchange=moe.exchange, chunks=moe.chunks, scoring=self._scoring(),
+            sequences=b if moe.seq_aux_loss_coef else None)
         if hasattr(self, "shared_gate"):
             out = out + self._mlp(column_parallel_input(flat), "shared")
         return out.reshape(b, t, d), stats
+
+    def _scoring(self) -> Scoring | None:
+        """DeepSeek's router settings (V3's bias, V2's groups and scaling), or None."""
+        moe = self.moe
+        if moe.sigmoid:
+            return Scoring(self.router_bias[...], moe.groups, moe.topk_groups, moe.scaling)
+        if moe.groups > 1 or moe.scaling != 1.0:
+            return Scoring(None, moe.groups, moe.topk_groups, moe.scaling, sigmoid=False)
+        return None
 
     def __call__(self, x, cache: KVCache | None = None, start=0, *,
                  context: Packing | None = None, layer: jax.Array | None = None,

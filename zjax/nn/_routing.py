@@ -49,7 +49,8 @@ class Routing(NamedTuple):
     logits: jax.Array
 
 
-def route(logits: jax.Array, *, k: int, renormalize: bool = True) -> Routing:
+def route(logits: jax.Array, *, k: int, renormalize: bool = True, groups: int = 1,
+          topk_groups: int = 1, scaling: float = 1.0) -> Routing:
     """Mixtral's router: a softmax over the experts, the top ``k`` kept.
 
     Args:
@@ -57,13 +58,29 @@ def route(logits: jax.Array, *, k: int, renormalize: bool = True) -> Routing:
       k: experts per token.
       renormalize: divide the kept probabilities by their sum (Mixtral; Qwen3-MoE's
         ``norm_topk_prob``); False keeps them as they are (Qwen2-MoE, DeepSeek's V2).
+      groups: DeepSeek-V2's ``group_limited_greedy``: the experts form this many groups, each
+        scored by its best probability, and only the ``topk_groups`` best groups' experts
+        may be chosen (the others read 0); 1: every expert.
+      scaling: the kept weights times this (DeepSeek-V2's ``routed_scaling_factor``).
     """
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = lax.top_k(probs, k)
+    choice = probs if groups == 1 else _in_best_groups(
+        probs, groups, topk_groups, lambda g: jnp.max(g, axis=-1))
+    weights, experts = lax.top_k(choice, k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return Routing(weights, experts.astype(jnp.int32), probs, logits)
+    return Routing(weights * scaling, experts.astype(jnp.int32), probs, logits)
+
+
+def _in_best_groups(choice: jax.Array, groups: int, topk_groups: int, score) -> jax.Array:
+    """``choice`` with the experts outside the ``topk_groups`` groups of the best ``score``
+    set to 0 (transformers' ``masked_fill(~mask, 0.0)``)."""
+    n, n_experts = choice.shape
+    by_group = choice.reshape(n, groups, n_experts // groups)
+    best = lax.top_k(score(by_group), topk_groups)[1]
+    keep = jnp.zeros((n, groups), bool).at[jnp.arange(n)[:, None], best].set(True)
+    return jnp.where(keep[:, :, None], by_group, 0.0).reshape(n, n_experts)
 
 
 def route_sigmoid(logits: jax.Array, bias: jax.Array, *, k: int, groups: int = 1,
@@ -83,13 +100,9 @@ def route_sigmoid(logits: jax.Array, bias: jax.Array, *, k: int, groups: int = 1
     logits = logits.astype(jnp.float32)
     scores = jax.nn.sigmoid(logits)
     choice = scores + lax.stop_gradient(bias).astype(jnp.float32)
-    n, n_experts = scores.shape
-    if groups > 1:
-        by_group = choice.reshape(n, groups, n_experts // groups)
-        group_scores = jnp.sum(lax.top_k(by_group, 2)[0], axis=-1)
-        best = lax.top_k(group_scores, topk_groups)[1]
-        keep = jnp.zeros((n, groups), bool).at[jnp.arange(n)[:, None], best].set(True)
-        choice = jnp.where(keep[:, :, None], by_group, 0.0).reshape(n, n_experts)
+    if groups > 1:  # a group's score: its two best choices
+        choice = _in_best_groups(choice, groups, topk_groups,
+                                 lambda g: jnp.sum(lax.top_k(g, 2)[0], axis=-1))
     experts = lax.top_k(choice, k)[1]
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if renormalize:

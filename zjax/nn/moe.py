@@ -51,19 +51,22 @@ __all__ = ["GROUPED_MATMULS", "Experts", "RouterStats", "Routing", "Scoring", "b
 
 
 class Scoring(NamedTuple):
-    """DeepSeek-V3's router settings (:func:`route_sigmoid`).
+    """DeepSeek's router settings: V3's (:func:`route_sigmoid`), or with ``sigmoid`` False
+    V2's softmax groups and scaling (:func:`route`).
 
     Attributes:
-      bias: ``[E]`` the selection bias (``e_score_correction_bias``).
+      bias: ``[E]`` the selection bias (``e_score_correction_bias``; V3 only).
       groups: expert groups (``n_group``).
       topk_groups: groups a token may choose from (``topk_group``).
       scaling: the routed output's factor (``routed_scaling_factor``).
+      sigmoid: V3's sigmoid scores (else V2's softmax, groups scored by their best).
     """
 
-    bias: jax.Array
+    bias: jax.Array | None
     groups: int = 1
     topk_groups: int = 1
     scaling: float = 1.0
+    sigmoid: bool = True
 
 
 def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
@@ -120,11 +123,12 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
         raise ValueError(f"k = {k} experts per token, with {n_experts} experts")
     if scoring is None:
         routing = route(x @ router.astype(x.dtype), k=k, renormalize=renormalize)
-    else:  # transformers' DeepSeek-V3 router scores float32 inputs
+    else:  # transformers' DeepSeek routers score float32 inputs
         logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
-        routing = load_feedback(route_sigmoid(
-            logits, scoring.bias, k=k, groups=scoring.groups, topk_groups=scoring.topk_groups,
-            renormalize=renormalize, scaling=scoring.scaling), scoring.bias)
+        kw = dict(k=k, groups=scoring.groups, topk_groups=scoring.topk_groups,
+                  renormalize=renormalize, scaling=scoring.scaling)
+        routing = route(logits, **kw) if not scoring.sigmoid else load_feedback(
+            route_sigmoid(logits, scoring.bias, **kw), scoring.bias)
     # the weights scale partial sums under tensor parallelism: their gradient is summed
     split = routing._replace(weights=column_parallel_input(routing.weights))
     x = column_parallel_input(x)
