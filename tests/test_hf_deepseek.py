@@ -134,3 +134,17 @@ def test_deepseek_v2_yarn_takes_deepseeks_softmax_scale(tmp_path):
     np.testing.assert_allclose(got, deepseek_logits(hf, tensors, TOKENS, deepseek_scale=True),
                                atol=ATOL, rtol=0)
     assert np.abs(got - deepseek_logits(hf, tensors, TOKENS)).max() > 1e-3  # transformers'
+
+
+def test_a_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
+    """Kimi K2's ``config.json`` names ``DeepseekV3ForCausalLM`` under its own model_type (its
+    remote code's config class), one expert group, DeepSeek's keys beside: the same model."""
+    hf = {**deepseek_config(n_group=1, topk_group=1, num_nextn_predict_layers=0),
+          "model_type": "kimi_k2",
+          "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    tensors = deepseek_tensors(hf)
+    directory = write_checkpoint(tmp_path / "hf", hf, tensors)
+    assert HFCheckpoint(directory).layout.architecture == "DeepseekV3ForCausalLM"
+    np.testing.assert_allclose(_zjax_logits(directory), deepseek_logits(hf, tensors, TOKENS),
+                               atol=ATOL, rtol=0)

@@ -101,9 +101,11 @@ DEEPSEEK_V3 = family_layout(Family(
     fixed={"attention_bias": (False, None), "pretraining_tp": (1, None),
            "scoring_func": ("sigmoid", None), "topk_method": ("noaux_tc", None)},
     mapped=(*_KEYS, "q_lora_rank"),
-    # DeepSeek's deployment and training hints: transformers' model reads none of them
+    # DeepSeek's deployment and training hints: transformers' model reads none of them; the
+    # auto_map of DeepSeek-V3's and Kimi K2's hub configs names DeepSeek's own modelling code,
+    # which transformers' DeepseekV3 ports
     inert=("ep_size", "moe_layer_freq", "num_nextn_predict_layers", "aux_loss_alpha",
-           "seq_aux"),
+           "seq_aux", "auto_map"),
     options=_options, to_hf=_to_hf,
     model={"router_score": "sigmoid", **{field: ANY for field in (
         "n_experts", "experts_per_token", "n_shared_experts", "moe_d_ff", "router_renormalize",

@@ -160,8 +160,8 @@ def check_known(hf: dict[str, Any], known: tuple[str, ...], *, source: str,
     """Refuse ``config.json`` keys that change the model outside its modelling file
     (:data:`REFUSED`); name the keys that are neither ``known`` nor :data:`INERT`, which
     transformers' own model class does not read either, in a warning."""
-    for key in REFUSED:
-        if hf.get(key) is not None:
+    for key in REFUSED:  # unless the family vouches for it (DeepSeek-V3's own remote code)
+        if hf.get(key) is not None and key not in known:
             raise CheckpointError(f"{source}: {key} = {hf[key]!r}: {REFUSED[key]}")
     unknown = sorted(set(hf) - set(known) - set(INERT))
     if unknown:
