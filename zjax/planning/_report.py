@@ -250,7 +250,8 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     """
     plan, zero = zstep.plan, zstep.plan.zero
     shape = dict(model_shape or {})
-    n_experts = shape.pop("n_experts", None)  # not a FLOPs figure
+    n_experts = shape.pop("n_experts", None)  # not FLOPs figures
+    moe_layers = shape.pop("moe_layers", shape.get("n_layers"))
     n_params = n_params_of(zstep)
     # what one model slice holds: tensor parallelism divides the split leaves
     slice_params = sum(leaf.size // (plan.n_model if leaf.model_dim is not None else 1)
@@ -297,8 +298,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         context_per_layer=_per_layer(coll, plan, shape.get("n_layers")),
         active_params=n_params - shape["inactive_params"] if "inactive_params" in shape
         else None,
-        experts=expert_figures(plan, coll.by_axis, n_experts=n_experts,
-                               n_layers=shape.get("n_layers")),
+        experts=expert_figures(plan, coll.by_axis, n_experts=n_experts, n_layers=moe_layers),
         frozen=frozen_figures(zstep, trained),
     )
 

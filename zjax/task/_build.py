@@ -170,13 +170,16 @@ def flops_shape(config: Config) -> dict:
     if None in shape.values():
         shape = {}
     elif hasattr(model, "head_width"):  # Llama's: heads of their own width, windowed layers
-        shape |= {"attn_width": model.n_heads * model.head_width,
+        # latent attention: scores over the query/key width, the sum over the value width
+        width = (model.head_width + model.v_head_dim) / 2 if model.kv_lora_rank \
+            else model.head_width
+        shape |= {"attn_width": int(model.n_heads * width),
                   "window": model.sliding_window,
                   "windowed_layers": sum(map(model.windowed, range(model.n_layers)))}
         if getattr(model, "n_experts", 0):  # the experts a token is not routed to
-            shape["n_experts"] = model.n_experts
-            shape["inactive_params"] = (model.n_layers * (model.n_experts
-                                                          - model.experts_per_token)
+            moe_layers = model.n_layers - model.first_k_dense  # DeepSeek's dense ones apart
+            shape["n_experts"], shape["moe_layers"] = model.n_experts, moe_layers
+            shape["inactive_params"] = (moe_layers * (model.n_experts - model.experts_per_token)
                                         * 3 * model.d_model * model.expert_ff)
     if config.preference.enabled and config.preference.source == "model" and shape:
         shape["reference_forwards"] = 1  # the reference's forward over every sequence
