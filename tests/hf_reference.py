@@ -243,17 +243,35 @@ def _yarn(hf, inv, hd):
     return inv / factor * ramp + inv * (1 - ramp), gain
 
 
-def _rope(hf, sliding, hd):
-    """(frequencies, cos/sin gain) of a layer: Gemma 3's windowed layers have their own,
-    unscaled; linear or YaRN scaling."""
+def _longrope(hf, inv, n):
+    """transformers' ``_compute_longrope_parameters`` and its per-forward choice
+    (``_longrope_frequency_update``): the long factors when the forward's ``n`` positions
+    pass ``original_max_position_embeddings``."""
+    s = hf["rope_scaling"]
+    original = hf.get("original_max_position_embeddings")
+    factor = hf["max_position_embeddings"] / original if original else s.get("factor")
+    original = original or hf["max_position_embeddings"]
+    gain = s.get("attention_factor")
+    if gain is None:
+        gain = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = np.asarray(s["long_factor"] if n > original else s["short_factor"], np.float64)
+    return inv / ext, gain
+
+
+def _rope(hf, sliding, hd, n=0):
+    """(frequencies, cos/sin gain) of a layer for a forward of ``n`` positions: Gemma 3's
+    windowed layers have their own, unscaled; linear, YaRN or longrope scaling."""
     if sliding and hf["model_type"] == "gemma3_text":
         return 1.0 / hf["rope_local_base_freq"] ** (np.arange(0, hd, 2) / hd), 1.0
     inv = 1.0 / hf.get("rope_theta", 10000.0) ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     scaling = hf.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":
         return inv / scaling["factor"], 1.0
-    if scaling.get("rope_type") == "yarn":
+    kind = scaling.get("rope_type", scaling.get("type"))  # Phi-3's configs say "type"
+    if kind == "yarn":
         return _yarn(hf, inv, hd)
+    if kind == "longrope":
+        return _longrope(hf, inv, n)
     return inv, 1.0
 
 
@@ -270,8 +288,8 @@ def _attention(hf, t, p, x, i):
     d, h, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
     hd = hf.get("head_dim") or d // h
     eps, window = hf["rms_norm_eps"], _window(hf, i)
-    inv, gain = _rope(hf, window is not None, hd)
     n = len(x)
+    inv, gain = _rope(hf, window is not None, hd, n)
 
     def proj(name, heads):
         y = x @ t[p + f"self_attn.{name}_proj.weight"].T

@@ -109,6 +109,43 @@ YARNS = [YARN, {**YARN, "beta_fast": 8.0, "beta_slow": 2.0, "mscale": 1.0,
          {**YARN, "attention_factor": 0.8}]
 
 
+def test_phi3_longrope_picks_its_factors_per_forward_as_transformers(tmp_path):
+    """Phi-3's ``longrope``: a forward whose positions stay within
+    ``original_max_position_embeddings`` (8) takes the short factors, one past it the long
+    ones for every position (transformers' per-forward choice); the attention factor from
+    ``max_position_embeddings / original``. Greedy tokens from a 6-token prompt stay short
+    (cached decoding past the original length takes the long factors for the new positions
+    only, as transformers' cache does; a full forward takes them for all). Exported back to
+    the same ``rope_scaling`` and lengths."""
+    short, long = [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0], [2.0, 3.0, 4.0, 6.0, 8.0, 10.0,
+                                                           12.0, 16.0]  # 64 / 4 heads / 2
+    hf = tiny_config("phi3", original_max_position_embeddings=8, max_position_embeddings=64,
+                     rope_scaling={"type": "longrope", "short_factor": short,
+                                   "long_factor": long})
+    tensors = random_tensors(hf)
+    directory = write_checkpoint(tmp_path / "hf", hf, tensors)
+    cfg = HFCheckpoint(directory).config
+    assert cfg.rope_scaling == "longrope" and cfg.rope_factor == 8.0
+    source = HFCheckpoint(directory)
+    cls = model_class(source.config)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(source.config, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, nested(source.host_leaves()))
+    for tokens in (TOKENS[:, :8], TOKENS):  # 8 positions: short; 12: long
+        np.testing.assert_allclose(np.asarray(model(tokens)), logits(hf, tensors, tokens),
+                                   atol=ATOL, rtol=0)
+    same = {**hf, "rope_scaling": {**hf["rope_scaling"], "long_factor": short}}
+    assert np.abs(logits(same, tensors, TOKENS) - logits(hf, tensors, TOKENS)).max() > 1e-3
+    sampler = load_sampler(directory)
+    ours = generate(sampler.model, TOKENS[:, :4], max_new_tokens=4, temperature=0,
+                    key=jax.random.key(0))
+    np.testing.assert_array_equal(ours, greedy(hf, tensors, TOKENS[:, :4], 4))
+    written = HFCheckpoint(directory).layout.to_hf(cfg, dtype="float32")
+    assert written["rope_scaling"] == {"rope_type": "longrope", **{
+        k: hf["rope_scaling"][k] for k in ("short_factor", "long_factor")}}
+    assert (written["max_position_embeddings"], written["original_max_position_embeddings"]) \
+        == (64, 8)
+
+
 @pytest.mark.parametrize("scaling", YARNS, ids=["defaults", "deepseek", "factor"])
 def test_yarn_scaled_logits_equal_the_reference_and_map_both_ways(tmp_path, scaling):
     hf = tiny_config("qwen2", rope_scaling=scaling)

@@ -81,9 +81,12 @@ def test_llama3_rope_scaling_is_huggingfaces():
                                np.concatenate([z.real, z.imag], axis=-1), atol=2e-4)
     cfg = LlamaConfig(d_model=256, n_heads=2, rope_theta=theta, rope_scaling="llama3")
     assert cfg.rope == (theta, scaling)
-    with pytest.raises(zjax.ConfigError, match=r"model.rope_scaling: 'longrope' is not "
-                       r"supported; choose llama3 .*, linear, yarn"):
-        LlamaConfig(rope_scaling="longrope")
+    with pytest.raises(zjax.ConfigError, match=r"model.rope_scaling: 'dynamic' is not "
+                       r"supported; choose llama3 .*, linear, yarn, longrope"):
+        LlamaConfig(rope_scaling="dynamic")
+    with pytest.raises(zjax.ConfigError, match=r"model.rope_short_factor: expected 64 "):
+        LlamaConfig(d_model=256, n_heads=2, rope_scaling="longrope",
+                    rope_short_factor=[1.0] * 3, rope_long_factor=[1.0] * 64)
 
 
 def test_linear_rope_scaling_divides_every_frequency_and_windows_need_a_window():

@@ -317,7 +317,7 @@ WEIGHTS = {"vocab_size": 264, "d_model": 128, "n_layers": 1, "d_ff": 96, "n_head
            "router_score": "sigmoid", "router_groups": (1, 2), "router_topk_groups": (2, 1),
            "routed_scaling_factor": 2.0, "first_k_dense": 1, "kv_lora_rank": (8, 16),
            "q_lora_rank": (12, 24), "qk_nope_head_dim": 4, "qk_rope_head_dim": 2,
-           "v_head_dim": 4}
+           "v_head_dim": 4, "rope_short_factor": [1.5] * 12, "rope_long_factor": [2.0] * 12}
 
 
 def test_every_model_field_is_pinned_or_free_by_decision():

@@ -22,8 +22,8 @@ to Llama's (transformers 4.57's modelling files):
   for adding it).
 - ``Phi3ForCausalLM``: Llama's computation with fused tensors: ``qkv_proj`` (the query heads,
   then the key heads, then the value heads) and ``gate_up_proj`` (gate, then up); Mistral's
-  ``sliding_window``. The 128k variants' ``rope_scaling: longrope`` is refused (not yet
-  implemented), as are dropout and partial rotary.
+  ``sliding_window``. The 128k variants' ``rope_scaling: longrope`` (short and long factors,
+  ``original_max_position_embeddings``) is read; dropout and partial rotary are refused.
 
 Gemma 1, 2 and 3 are in ``_gemma.py``.
 
@@ -172,5 +172,13 @@ PHI3 = family_layout(Family(
            "partial_rotary_factor": (1, 1.0, None)},
     mapped=("sliding_window",), inert=("original_max_position_embeddings",),
     options=lambda hf, source: {"sliding_window": _window(hf, source)},
-    to_hf=lambda cfg: {"sliding_window": cfg.sliding_window}, model={"sliding_window": ANY},
-    table=_phi3_table))
+    to_hf=lambda cfg: {"sliding_window": cfg.sliding_window, **_phi3_longrope(cfg)},
+    model={"sliding_window": ANY}, table=_phi3_table))
+
+
+def _phi3_longrope(cfg) -> dict[str, Any]:
+    """``longrope``'s lengths: the attention factor is read back from their ratio."""
+    if cfg.rope_scaling != "longrope":
+        return {}
+    return {"original_max_position_embeddings": cfg.rope_original_max_len,
+            "max_position_embeddings": round(cfg.rope_factor * cfg.rope_original_max_len)}

@@ -122,10 +122,12 @@ def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
         return {"rope_scaling": "linear", "rope_factor": float(scaling["factor"])}
     if kind == "yarn":
         return _yarn_keys(hf, scaling)
+    if kind == "longrope":
+        return _longrope_keys(hf, scaling)
     if kind != "llama3":
         raise CheckpointError(f"{source}: rope_scaling = {scaling!r} is not supported by zjax "
-                              "(it supports None, rope_type 'llama3' (Llama 3.1's), 'linear' "
-                              "or 'yarn')")
+                              "(it supports None, rope_type 'llama3' (Llama 3.1's), 'linear', "
+                              "'yarn' or 'longrope')")
     return {"rope_scaling": "llama3", "rope_factor": float(scaling["factor"]),
             "rope_low_freq_factor": float(scaling["low_freq_factor"]),
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
@@ -136,6 +138,21 @@ def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
 _YARN = {"beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
          "mscale": ("rope_mscale", 0.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0),
          "attention_factor": ("rope_attention_factor", None), "truncate": ("rope_truncate", True)}
+
+
+def _longrope_keys(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's ``rope_type: longrope``: its two factor lists; the attention factor's ``factor``
+    is ``max_position_embeddings / original_max_position_embeddings`` where the config has
+    the latter (transformers' ``_compute_longrope_parameters``), else ``rope_scaling``'s."""
+    original = hf.get("original_max_position_embeddings")
+    factor = (hf["max_position_embeddings"] / original if original
+              else float(scaling.get("factor") or 1.0))
+    out = {"rope_scaling": "longrope", "rope_short_factor": list(scaling["short_factor"]),
+           "rope_long_factor": list(scaling["long_factor"]), "rope_factor": factor,
+           "rope_original_max_len": int(original or hf["max_position_embeddings"])}
+    if scaling.get("attention_factor") is not None:
+        out["rope_attention_factor"] = float(scaling["attention_factor"])
+    return out
 
 
 def _yarn_keys(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +238,11 @@ def _hf_config(family: Family, cfg: LlamaConfig, *, dtype: str) -> dict[str, Any
 def _hf_rope_scaling(cfg: LlamaConfig) -> dict[str, Any] | None:
     if cfg.rope_scaling == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "longrope":
+        out = {"rope_type": "longrope", "short_factor": list(cfg.rope_short_factor),
+               "long_factor": list(cfg.rope_long_factor)}
+        return out | ({"attention_factor": cfg.rope_attention_factor}
+                      if cfg.rope_attention_factor is not None else {})
     if cfg.rope_scaling == "yarn":
         out = {"rope_type": "yarn", "factor": cfg.rope_factor,
                "original_max_position_embeddings": cfg.rope_original_max_len}

@@ -43,6 +43,7 @@ LLAMA_PINNED = {
     "routed_scaling_factor": _EXPERTS, "first_k_dense": _EXPERTS,
     "kv_lora_rank": _SHAPE, "q_lora_rank": _SHAPE, "qk_nope_head_dim": _SHAPE,
     "qk_rope_head_dim": _SHAPE, "v_head_dim": _SHAPE, "rope_interleave": _ROPE,
+    "rope_short_factor": _ROPE, "rope_long_factor": _ROPE,
 }
 # the run's: kernels (attention, context_attention, moe_matmul, moe_exchange), memory for compute
 # (loss_chunk, mlp_chunk, remat), the data's bound (max_seq_len: rotary has no table), and the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-__all__ = ["MoESettings", "Yarn", "yarn_mscale"]
+__all__ = ["LongRope", "MoESettings", "Yarn", "yarn_mscale"]
 
 
 class MoESettings(NamedTuple):
@@ -45,3 +45,15 @@ class Yarn(NamedTuple):
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class LongRope(NamedTuple):
+    """Phi-3's ``longrope`` (transformers' ``_compute_longrope_parameters``): each frequency
+    divided by its short factor, or by its long one when the call's longest position passes
+    ``original_max_len`` (transformers picks per forward), cos and sin times
+    ``attention_factor``."""
+
+    short: tuple[float, ...]
+    long: tuple[float, ...]
+    original_max_len: int
+    attention_factor: float

@@ -7,8 +7,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from zjax.models.config import Yarn
+from zjax.models.config import LongRope, Yarn
+from zjax.runtime.mesh import CONTEXT
 
 __all__ = ["llama3_frequencies", "rotary", "yarn_frequencies"]
 
@@ -20,20 +22,27 @@ def rotary(x: jax.Array, theta: float, start: jax.Array | int = 0,
     ``start``..``start``+T-1, or at ``positions`` ``[B, T]`` (packed documents); ``scaling``
     is Llama 3.1's ``(factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings)``, a number: linear scaling's factor (every frequency
-    divided by it, Hugging Face's ``rope_type: linear``), or :class:`~zjax.models.config.Yarn`
+    divided by it, Hugging Face's ``rope_type: linear``), :class:`~zjax.models.config.Yarn`
     (its frequencies, and cos and sin times its attention factor, as transformers applies
-    it)."""
+    it) or :class:`~zjax.models.config.LongRope` (Phi-3's, factors chosen by this call's
+    longest position)."""
     t, hd = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
     gain = 1.0
-    if isinstance(scaling, Yarn):
+    if positions is None:
+        positions = (start + jnp.arange(t, dtype=jnp.float32))[None]
+    if isinstance(scaling, LongRope):  # the long factors once the call passes the original
+        longest = _longest(positions) + 1
+        factors = jnp.where(longest > scaling.original_max_len,
+                            jnp.asarray(scaling.long, jnp.float32),
+                            jnp.asarray(scaling.short, jnp.float32))
+        inv_freq, gain = inv_freq / factors, scaling.attention_factor
+    elif isinstance(scaling, Yarn):
         inv_freq, gain = yarn_frequencies(inv_freq, theta, scaling), scaling.attention_factor
     elif isinstance(scaling, tuple):
         inv_freq = llama3_frequencies(inv_freq, *scaling)
     elif scaling is not None:
         inv_freq = inv_freq / scaling
-    if positions is None:
-        positions = (start + jnp.arange(t, dtype=jnp.float32))[None]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B or 1, T, hd]
     # cos and sin stay [.., T, hd] and broadcast over heads at the multiply: a [.., T, 1, hd]
@@ -74,3 +83,13 @@ def yarn_frequencies(inv_freq: jax.Array, theta: float, y: Yarn) -> jax.Array:
     high = high + 0.001 if low == high else high  # transformers' guard
     ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
     return inv_freq / y.factor * ramp + inv_freq * (1 - ramp)
+
+
+def _longest(positions: jax.Array) -> jax.Array:
+    """The call's longest position: over the whole sequence where a ``context`` axis splits
+    it (inside a step's ``shard_map``), as transformers reads it from the full forward."""
+    longest = jnp.max(positions)
+    try:
+        return lax.pmax(longest, CONTEXT)
+    except NameError:  # no context axis bound
+        return longest

@@ -5,13 +5,14 @@ is read and validated without loading the model."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from zjax.errors import ConfigError
-from zjax.models._derived_config import MoESettings, Yarn, yarn_mscale
+from zjax.models._derived_config import LongRope, MoESettings, Yarn, yarn_mscale
 from zjax.models._gpt_config import GPTConfig
 from zjax.schema import choices, non_negative, positive, validate
 
-__all__ = ["GPTConfig", "LlamaConfig", "MoESettings", "Yarn"]
+__all__ = ["GPTConfig", "LlamaConfig", "LongRope", "MoESettings", "Yarn"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,9 @@ class LlamaConfig:
       rope_mscale_all_dim: ``yarn``: DeepSeek's ``mscale_all_dim`` (0: unset).
       rope_attention_factor: ``yarn``: ``attention_factor`` given outright (empty: derived).
       rope_truncate: ``yarn``: round the ramp's bounds to whole dimensions (``truncate``).
+      rope_short_factor, rope_long_factor: ``longrope`` (Phi-3's): a divisor per frequency, the
+        long ones once a call's positions pass ``rope_original_max_len``; the attention factor
+        from ``rope_factor`` (``max_position_embeddings / original_max_position_embeddings``).
       tie_embeddings: reuse the token embedding as the output projection (untied in Llama).
       attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
         backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
@@ -191,6 +195,8 @@ class LlamaConfig:
     rope_mscale_all_dim: float = non_negative(0.0)
     rope_attention_factor: float | None = positive(None, none_means="derived from the factor")
     rope_truncate: bool = True
+    rope_short_factor: list | None = None
+    rope_long_factor: list | None = None
     norm_eps: float = positive(1e-5)
     tie_embeddings: bool = False
     remat: bool = True
@@ -227,9 +233,11 @@ class LlamaConfig:
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_kv_heads: {self.kv_heads} does not divide "
                               f"model.n_heads {self.n_heads} (grouped-query attention)")
-        if self.rope_scaling not in (None, "llama3", "linear", "yarn"):
+        if self.rope_scaling not in (None, "llama3", "linear", "yarn", "longrope"):
             raise ConfigError(f"model.rope_scaling: {self.rope_scaling!r} is not supported; "
-                              "choose llama3 (Llama 3.1's), linear, yarn or leave it empty")
+                              "choose llama3 (Llama 3.1's), linear, yarn, longrope or leave it "
+                              "empty")
+        self._check_longrope()
         for key in ("global_every", "local_rope_theta"):
             if getattr(self, key) is not None and self.sliding_window is None:
                 raise ConfigError(f"model.{key}: {getattr(self, key)} needs "
@@ -265,6 +273,19 @@ class LlamaConfig:
             raise ConfigError(f"model.mlp_chunk: {self.mlp_chunk} tiles a dense MLP; with "
                               f"model.n_experts {self.n_experts} the experts run on grouped "
                               "matmuls; set it to 0")
+
+    def _check_longrope(self):
+        for key in ("rope_short_factor", "rope_long_factor"):
+            value = getattr(self, key)
+            if value is None and self.rope_scaling != "longrope":
+                continue
+            half = self.head_width // 2
+            if (not isinstance(value, list | tuple) or len(value) != half
+                    or not all(isinstance(v, int | float) and v > 0 for v in value)):
+                raise ConfigError(f"model.{key}: expected {half} positive numbers (one per "
+                                  f"rotary frequency) for rope_scaling longrope; got "
+                                  f"{str(value)[:60]}")
+            object.__setattr__(self, key, tuple(float(v) for v in value))  # hashable
 
     def _check_mla(self):
         if not self.kv_lora_rank:
@@ -324,6 +345,12 @@ class LlamaConfig:
         llama3's 4-tuple, linear's factor or :class:`Yarn`)."""
         if self.rope_scaling == "yarn":
             return self.rope_theta, self._yarn()
+        if self.rope_scaling == "longrope":
+            factor, orig = self.rope_factor, self.rope_original_max_len
+            attention = self.rope_attention_factor or (
+                1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+            return self.rope_theta, LongRope(self.rope_short_factor, self.rope_long_factor,
+                                             orig, float(attention))
         scaling = {"llama3": (self.rope_factor, self.rope_low_freq_factor,
                               self.rope_high_freq_factor, self.rope_original_max_len),
                    "linear": self.rope_factor}.get(self.rope_scaling)
