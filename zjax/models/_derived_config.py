@@ -57,3 +57,12 @@ class LongRope(NamedTuple):
     long: tuple[float, ...]
     original_max_len: int
     attention_factor: float
+
+    @classmethod
+    def of(cls, short, long, factor: float, original_max_len: int,
+           attention_factor: float | None) -> LongRope:
+        """The attention factor, where not given, as transformers derives it."""
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else math.sqrt(
+                1 + math.log(factor) / math.log(original_max_len))
+        return cls(tuple(short), tuple(long), original_max_len, float(attention_factor))

@@ -5,7 +5,6 @@ is read and validated without loading the model."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from zjax.errors import ConfigError
 from zjax.models._derived_config import LongRope, MoESettings, Yarn, yarn_mscale
@@ -52,7 +51,9 @@ class LlamaConfig:
         the heads, values ``v_head_dim`` wide; 0: standard attention.
       q_lora_rank: MLA's queries through a normalised latent this wide; empty: one
         projection.
-      qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA's head widths.
+      qk_nope_head_dim: MLA's query/key head width from the latent (no rotary).
+      qk_rope_head_dim: MLA's rotary query/key width (the key's shared by the heads).
+      v_head_dim: MLA's value head width.
       rope_interleave: MLA's rotary part de-interleaved before rotating (transformers'
         ``rope_interleave``, DeepSeek's checkpoints).
       post_norms: an RMSNorm on the attention's and on the MLP's output before each residual
@@ -89,9 +90,9 @@ class LlamaConfig:
       rope_mscale_all_dim: ``yarn``: DeepSeek's ``mscale_all_dim`` (0: unset).
       rope_attention_factor: ``yarn``: ``attention_factor`` given outright (empty: derived).
       rope_truncate: ``yarn``: round the ramp's bounds to whole dimensions (``truncate``).
-      rope_short_factor, rope_long_factor: ``longrope`` (Phi-3's): a divisor per frequency, the
-        long ones once a call's positions pass ``rope_original_max_len``; the attention factor
-        from ``rope_factor`` (``max_position_embeddings / original_max_position_embeddings``).
+      rope_short_factor: ``longrope`` (Phi-3's): a divisor per rotary frequency; attention
+        factor from ``rope_factor`` (``max_position_embeddings / original_...``).
+      rope_long_factor: ``longrope``: the divisors once a call passes ``rope_original_max_len``.
       tie_embeddings: reuse the token embedding as the output projection (untied in Llama).
       attention: the attention kernel (:func:`zjax.nn.attention`): ``auto`` picks per
         backend (splash on TPU, Pallas Triton on GPU, dense for short and blockwise for long
@@ -280,11 +281,10 @@ class LlamaConfig:
             if value is None and self.rope_scaling != "longrope":
                 continue
             half = self.head_width // 2
-            if (not isinstance(value, list | tuple) or len(value) != half
-                    or not all(isinstance(v, int | float) and v > 0 for v in value)):
+            if not isinstance(value, list | tuple) or len(value) != half or not all(
+                    isinstance(v, int | float) and v > 0 for v in value):
                 raise ConfigError(f"model.{key}: expected {half} positive numbers (one per "
-                                  f"rotary frequency) for rope_scaling longrope; got "
-                                  f"{str(value)[:60]}")
+                                  f"rotary frequency) for longrope; got {str(value)[:60]}")
             object.__setattr__(self, key, tuple(float(v) for v in value))  # hashable
 
     def _check_mla(self):
@@ -346,11 +346,9 @@ class LlamaConfig:
         if self.rope_scaling == "yarn":
             return self.rope_theta, self._yarn()
         if self.rope_scaling == "longrope":
-            factor, orig = self.rope_factor, self.rope_original_max_len
-            attention = self.rope_attention_factor or (
-                1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
-            return self.rope_theta, LongRope(self.rope_short_factor, self.rope_long_factor,
-                                             orig, float(attention))
+            return self.rope_theta, LongRope.of(self.rope_short_factor, self.rope_long_factor,
+                                                self.rope_factor, self.rope_original_max_len,
+                                                self.rope_attention_factor)
         scaling = {"llama3": (self.rope_factor, self.rope_low_freq_factor,
                               self.rope_high_freq_factor, self.rope_original_max_len),
                    "linear": self.rope_factor}.get(self.rope_scaling)
