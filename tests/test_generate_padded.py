@@ -25,6 +25,10 @@ CONFIGS = {
     "llama_moe": (Llama, dataclasses.replace(LLAMA, n_experts=4, experts_per_token=2,
                                              moe_d_ff=16)),
     "gpt": (GPT, dataclasses.replace(TINY, n_layers=2)),
+    # DeepSeek's latent attention: decoding attends over the latent cache
+    "llama_mla": (Llama, dataclasses.replace(LLAMA, n_kv_heads=None, kv_lora_rank=8,
+                                             q_lora_rank=12, qk_nope_head_dim=4,
+                                             qk_rope_head_dim=4, v_head_dim=6)),
 }
 LENGTHS = (3, 5, 8)
 WIDTH, NEW = 8, 6

@@ -14,6 +14,12 @@ under YaRN, as DeepSeek's code and transformers' V3 apply it.
 
 Weights (``[in, out]``): ``wq`` or ``wq_a`` / ``q_a_norm`` / ``wq_b``, ``wkv_a``, ``kv_a_norm``,
 ``wkv_b``, ``wo``.
+
+Decoding caches the latent, not the heads (:func:`mla_decode`): per position the normalised
+``kv_lora_rank`` latent and the rotated shared key part (DeepSeek-V3: 576 numbers where the
+heads' keys and values are 40960), and attends in the latent space: the queries' non-rotary
+part through ``kv_b_proj``'s key half, the weighted latents out through its value half (the
+"absorbed" form of DeepSeek's inference code: the same sums in another order).
 """
 
 from __future__ import annotations
@@ -24,11 +30,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zjax.models._layers import RMSNorm, param
+from zjax.models._layers import KVCache, RMSNorm, param
 from zjax.models._rope import rotary
 from zjax.models.config import LlamaConfig
 
-__all__ = ["MLA", "init_mla", "mla_qkv"]
+__all__ = ["MLA", "init_mla", "mla_cache", "mla_decode", "mla_qkv"]
 
 
 class MLA(NamedTuple):
@@ -81,12 +87,7 @@ def mla_qkv(block, y: jax.Array, rope: tuple, start, positions, drop=None
     width, for normalised ``y`` ``[B, T, D]``."""
     m: MLA = block.mla
     b, t, _ = y.shape
-    if hasattr(block, "wq_a"):
-        q = block._linear(block.q_a_norm(block._linear(y, "wq_a", drop=drop)), "wq_b",
-                          drop=drop)
-    else:
-        q = block._linear(y, "wq", drop=drop)
-    q = q.reshape(b, t, m.heads, m.nope + m.rope)
+    q = _queries(block, y, drop)
     kv = block._linear(y, "wkv_a", drop=drop)
     latent, k_rot = kv[..., :m.kv_rank], kv[..., m.kv_rank:].reshape(b, t, 1, m.rope)
     kv = block._linear(block.kv_a_norm(latent), "wkv_b", drop=drop)
@@ -100,3 +101,54 @@ def mla_qkv(block, y: jax.Array, rope: tuple, start, positions, drop=None
                         axis=-1)
     v = jnp.pad(kv[..., m.nope:], ((0, 0), (0, 0), (0, 0), (0, m.nope + m.rope - m.v)))
     return q, k, v
+
+
+def mla_cache(n_layers: int, batch: int, length: int, m: MLA, dtype) -> KVCache:
+    """An empty latent cache: ``k`` ``[L, B, S, 1, kv_lora_rank + qk_rope]`` (the latent, then
+    the rotated shared key part); ``v`` a placeholder one wide."""
+    return KVCache(jnp.zeros((n_layers, batch, length, 1, m.kv_rank + m.rope), dtype),
+                   jnp.zeros((n_layers, batch, length, 1, 1), dtype))
+
+
+def _queries(block, y, drop):
+    m: MLA = block.mla
+    if hasattr(block, "wq_a"):
+        q = block._linear(block.q_a_norm(block._linear(y, "wq_a", drop=drop)), "wq_b",
+                          drop=drop)
+    else:
+        q = block._linear(y, "wq", drop=drop)
+    return q.reshape(*y.shape[:2], m.heads, m.nope + m.rope)
+
+
+def mla_decode(block, y: jax.Array, cache: KVCache, start, rope: tuple, positions,
+               pads=None) -> tuple[jax.Array, KVCache]:
+    """Attention of ``y`` ``[B, T, D]`` at cache indices ``start``.. over the latent cache:
+    ``([B, T, H * v_head_dim], cache with these positions written)``."""
+    m: MLA = block.mla
+    b, t, _ = y.shape
+    q = _queries(block, y, None)
+    kv = block._linear(y, "wkv_a")
+    latent = block.kv_a_norm(kv[..., :m.kv_rank])
+    k_rot, q_rot = kv[..., m.kv_rank:].reshape(b, t, 1, m.rope), q[..., m.nope:]
+    if m.interleave:
+        q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+    q_rot, k_rot = (rotary(x, rope[0], start, rope[1], positions) for x in (q_rot, k_rot))
+    cache = cache.write(jnp.concatenate([latent[:, :, None], k_rot], -1),
+                        jnp.zeros((b, t, 1, 1), cache.v.dtype), start)
+    c, r = cache.k[:, :, 0, :m.kv_rank], cache.k[:, :, 0, m.kv_rank:]  # [B, S, ...]
+    w = block._weight("wkv_b", dtype=jnp.float32).astype(jnp.float32).reshape(
+        m.kv_rank, m.heads, m.nope + m.v)  # with its adapters merged
+    f32 = lambda a: a.astype(jnp.float32)
+    q_lat = jnp.einsum("bthn,rhn->bthr", f32(q[..., :m.nope]), w[..., :m.nope])
+    scores = (jnp.einsum("bthr,bsr->bhts", q_lat, f32(c))
+              + jnp.einsum("bthd,bsd->bhts", f32(q_rot), f32(r))) * m.scale
+    s = jnp.arange(c.shape[1])
+    seen = s[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]: causal over the cache
+    if pads is not None:  # left padding is no one's key
+        seen = seen[None] & (s[None, None, :] >= pads[:, None, None])
+    seen = seen if seen.ndim == 3 else seen[None]
+    # a padding query sees no key: a finite average, as the other attention paths give it
+    p = jax.nn.softmax(jnp.where(seen[:, None], scores, jnp.finfo(jnp.float32).min), axis=-1)
+    out = jnp.einsum("bhts,bsr->bthr", p, f32(c))
+    out = jnp.einsum("bthr,rhv->bthv", out, w[..., m.nope:])
+    return out.reshape(b, t, m.heads * m.v).astype(y.dtype), cache

@@ -31,7 +31,7 @@ from zjax.lora import LoraConfig
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
 from zjax.models._linears import AdaptedLinears, Modules
-from zjax.models._mla import init_mla, mla_qkv
+from zjax.models._mla import MLA, init_mla, mla_cache, mla_decode, mla_qkv
 from zjax.models._rope import llama3_frequencies, rotary, yarn_frequencies
 from zjax.models.config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
@@ -164,6 +164,8 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
             pos = jnp.maximum(start + jnp.arange(t) - pads[:, None], 0)
         if self.mla is None:
             q, k, v = (self._project(y, name, drop) for name in "qkv")
+        elif cache is not None:  # latent attention decodes over its latent cache
+            return mla_decode(self, y, cache, start, self.rope, pos, pads)
         else:  # latent attention: its rotary parts rotated already, values padded
             q, k, v = mla_qkv(self, y, self.rope, start, pos, drop)
 
@@ -342,6 +344,8 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> KVCache:
         """An empty key/value cache for ``batch`` sequences of up to ``length`` tokens."""
         cfg = self.cfg
+        if cfg.kv_lora_rank:  # latent attention caches its latent
+            return mla_cache(cfg.n_layers, batch, length, MLA.of(cfg), dtype)
         return KVCache.zeros(cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_width, dtype)
 
     def decode(self, tokens: jax.Array, cache: KVCache, start, *,
