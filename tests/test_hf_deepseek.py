@@ -148,3 +148,27 @@ def test_a_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
     assert HFCheckpoint(directory).layout.architecture == "DeepseekV3ForCausalLM"
     np.testing.assert_allclose(_zjax_logits(directory), deepseek_logits(hf, tensors, TOKENS),
                                atol=ATOL, rtol=0)
+
+
+def test_multi_token_prediction_layers_are_left_as_transformers_leaves_them(tmp_path, caplog):
+    """DeepSeek-V3's checkpoints hold its multi-token-prediction layer after the last one
+    (``model.layers.{num_hidden_layers}.*``); transformers' model reads none of it, and zjax
+    imports the rest with a warning naming it; a stray tensor elsewhere is still refused."""
+    import logging
+
+    from zjax.errors import CheckpointError
+
+    hf = deepseek_config(num_nextn_predict_layers=1)
+    tensors = deepseek_tensors(hf)
+    mtp = {"model.layers.3.enorm.weight": np.ones(64, np.float32),
+           "model.layers.3.eh_proj.weight": np.zeros((64, 128), np.float32),
+           "model.layers.3.self_attn.kv_a_layernorm.weight": np.ones(16, np.float32)}
+    directory = write_checkpoint(tmp_path / "hf", hf, {**tensors, **mtp})
+    with caplog.at_level(logging.WARNING, logger="zjax"):
+        got = _zjax_logits(directory)
+    assert "3 tensor(s) DeepseekV3ForCausalLM's model does not read" in caplog.text
+    np.testing.assert_allclose(got, deepseek_logits(hf, tensors, TOKENS), atol=ATOL, rtol=0)
+    stray = write_checkpoint(tmp_path / "stray", hf,
+                             {**tensors, "model.layers.1.mlp.extra.weight": np.ones(4)})
+    with pytest.raises(CheckpointError, match="zjax's model has no place for"):
+        HFCheckpoint(stray)

@@ -87,6 +87,14 @@ def _options(hf: dict[str, Any], source: str) -> dict[str, Any]:
             "q_lora_rank": number(hf, "q_lora_rank", int, source=source, none=True)}
 
 
+def _mtp_layer(cfg, name: str) -> bool:
+    """A multi-token-prediction layer's tensor (``model.layers.{n_layers + d}.*``): DeepSeek's
+    checkpoints hold ``num_nextn_predict_layers`` of them; transformers' model reads none."""
+    parts = name.split(".")
+    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= cfg.n_layers)
+
+
 def _to_hf(cfg) -> dict[str, Any]:
     if not cfg.kv_lora_rank:
         raise ConfigError("DeepseekV3ForCausalLM has latent attention (model.kv_lora_rank > 0); "
@@ -106,7 +114,7 @@ DEEPSEEK_V3 = family_layout(Family(
     # which transformers' DeepseekV3 ports
     inert=("ep_size", "moe_layer_freq", "num_nextn_predict_layers", "aux_loss_alpha",
            "seq_aux", "auto_map"),
-    options=_options, to_hf=_to_hf,
+    options=_options, to_hf=_to_hf, unread=lambda cfg, name: _mtp_layer(cfg, name),
     model={"router_score": "sigmoid", **{field: ANY for field in (
         "n_experts", "experts_per_token", "n_shared_experts", "moe_d_ff", "router_renormalize",
         "router_groups", "router_topk_groups", "routed_scaling_factor", "first_k_dense",

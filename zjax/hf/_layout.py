@@ -126,6 +126,8 @@ class Layout:
       pinned: the fields they fix, each with why (``zjax.hf._pinned``); with ``free``, every
         field of the model config.
       ignored: suffixes of tensors some checkpoints hold that are not weights (buffers).
+      unread: ``(model config, name) -> bool``: weights the model's transformers class does not
+        read either (DeepSeek-V3's multi-token-prediction layers), left with a warning.
       prefix: a prefix some checkpoints leave out of every name (GPT-2's ``transformer.``).
       mapped: the ``config.json`` keys that set the model's computation (each changes it).
       bounds: keys mapped to a bound on the data, not the computation
@@ -141,6 +143,7 @@ class Layout:
     free: tuple[str, ...] = ("remat",)
     pinned: dict[str, str] = dataclasses.field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    unread: Callable[[Any, str], bool] = lambda cfg, name: False
     prefix: str = ""
     mapped: tuple[str, ...] = ()
     bounds: tuple[str, ...] = ()

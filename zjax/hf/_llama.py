@@ -93,6 +93,8 @@ class Family:
       to_hf: ``LlamaConfig -> config.json keys`` of the family's own.
       table: ``LlamaConfig -> [Leaf]``: the tensor names (default Llama's, :data:`LEAVES`;
         Phi-3 fuses some).
+      unread: ``(config, tensor name) -> bool``: tensors the family's transformers model does not
+        read (:attr:`zjax.hf._layout.Layout.unread`).
       model: the ``LlamaConfig`` options the family has, as ``{field: value}`` (:data:`ANY`:
         any value); a model config with another value, or not the default of an option the
         family does not list, is not of this family.
@@ -107,6 +109,7 @@ class Family:
     to_hf: Callable[[LlamaConfig], dict] = lambda cfg: {}
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
     table: Callable[[LlamaConfig], tuple[Leaf, ...]] = lambda cfg: LEAVES
+    unread: Callable[[LlamaConfig, str], bool] = lambda cfg, name: False
 
 
 def _rope_scaling(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -297,6 +300,6 @@ def family_layout(family: Family) -> Layout:
         to_hf=lambda cfg, *, dtype: _hf_config(family, cfg, dtype=dtype),
         leaves=lambda cfg: leaves(cfg, family.table(cfg)), free=LLAMA_FREE,
         pinned=LLAMA_PINNED,
-        ignored=("rotary_emb.inv_freq",),
+        ignored=("rotary_emb.inv_freq",), unread=family.unread,
         mapped=tuple(k for k in (*MAPPED, *family.mapped) if k not in family.inert),
         bounds=BOUNDS)

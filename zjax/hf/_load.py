@@ -132,6 +132,11 @@ class HFCheckpoint:
         tied = {self._file_name("lm_head.weight")} if cfg.tie_embeddings else set()
         extra = [n for n in self.tensors.names()
                  if n not in names | tied and not n.endswith(self.layout.ignored)]
+        unread = [n for n in extra if self.layout.unread(cfg, n)]
+        if unread:  # as transformers loads them: not at all, with a warning
+            log.warning("%s: %d tensor(s) %s's model does not read, e.g. %s; not imported",
+                        self.directory, len(unread), self.layout.architecture, unread[0])
+            extra = [n for n in extra if n not in set(unread)]
         if extra:
             raise CheckpointError(
                 f"{self.directory}: {len(extra)} tensor(s) zjax's model has no place for, e.g. "
