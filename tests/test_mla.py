@@ -78,16 +78,23 @@ def _attention(cfg, p, h, positions):
     return out @ p["wo"]
 
 
-def _logits(cfg, params, tokens):
+def _layer(cfg, p, x):
+    positions = np.arange(len(x), dtype=np.float64)
+    x = x + _attention(cfg, p, _rms(x, p["ln1"]["scale"], cfg.norm_eps), positions)
+    h = _rms(x, p["ln2"]["scale"], cfg.norm_eps)
+    return x + (_silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+def _trunk(cfg, params, tokens):
     x = params["embed"][tokens]
-    layers = params["blocks"]["layers"]
-    positions = np.arange(len(tokens), dtype=np.float64)
     for i in range(cfg.n_layers):
-        p = jax.tree.map(lambda a, i=i: a[i], layers)
-        x = x + _attention(cfg, p, _rms(x, p["ln1"]["scale"], cfg.norm_eps), positions)
-        h = _rms(x, p["ln2"]["scale"], cfg.norm_eps)
-        x = x + (_silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-    return _rms(x, params["ln_f"]["scale"], cfg.norm_eps) @ params["head"]
+        x = _layer(cfg, jax.tree.map(lambda a, i=i: a[i], params["blocks"]["layers"]), x)
+    return x
+
+
+def _logits(cfg, params, tokens):
+    return _rms(_trunk(cfg, params, tokens), params["ln_f"]["scale"], cfg.norm_eps) \
+        @ params["head"]
 
 
 def _model(cfg):
@@ -135,7 +142,7 @@ def test_a_zero3_step_equals_one_device():
 DEEPSEEK = dataclasses.replace(
     MLA, n_layers=3, n_experts=8, experts_per_token=2, moe_d_ff=12, n_shared_experts=1,
     first_k_dense=1, router_score="sigmoid", router_groups=4, router_topk_groups=2,
-    routed_scaling_factor=2.5)
+    routed_scaling_factor=2.5, mtp_layers=1)
 
 
 @pytest.mark.parametrize("expert", [1, 2])
@@ -152,3 +159,38 @@ def test_a_deepseek_shaped_step_equals_one_device(expert):
     zstep, state, losses = train_steps(llama_trainable(DEEPSEEK), zero, batches, mesh=mesh)
     assert_matches_reference(losses, state, expected)
     assert zstep.plan.leaves_by_path["dense_blocks/layers/w_gate"].shape == (1, 32, 48)
+
+
+def _ce(logits, targets):
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, targets[:, None], -1)[:, 0]
+
+
+def test_multi_token_prediction_adds_the_token_after_next(tmp_path):
+    """``model.mtp_layers: 1``: the loss is the next-token cross-entropy plus
+    ``mtp_loss_coef`` times the mean cross-entropy of the token after next, predicted from
+    ``eh_proj([enorm(embed(t[i+1])); hnorm(h[i])])`` through one more layer, its norm and the
+    shared head (DeepSeek-V3's module, vLLM's order), each computed here in float64."""
+    from zjax.models import lm_loss
+
+    cfg = dataclasses.replace(MLA, mtp_layers=1, mtp_loss_coef=0.3)
+    model, params = _model(cfg)
+    batch = np.random.default_rng(0).integers(0, 64, (2, 9))
+    loss_sum, count, metrics = lm_loss(model, jnp.asarray(batch))
+    eps, main, mtp = cfg.norm_eps, [], []
+    for row in batch:
+        inputs, targets = row[:-1], row[1:]
+        h = _trunk(cfg, params, inputs)
+        main.append(_ce(_rms(h, params["ln_f"]["scale"], eps) @ params["head"], targets))
+        x = np.concatenate([_rms(params["embed"][targets[:-1]], params["mtp_enorm"]["scale"],
+                                 eps), _rms(h[:-1], params["mtp_hnorm"]["scale"], eps)], -1)
+        layer = jax.tree.map(lambda a: a[0], params["mtp_blocks"]["layers"])
+        x = _layer(cfg, layer, x @ params["mtp_proj"])
+        mtp.append(_ce(_rms(x, params["mtp_norm"]["scale"], eps) @ params["head"],
+                       targets[1:]))
+    want_mtp = np.mean(np.concatenate(mtp))
+    assert float(count) == 16
+    np.testing.assert_allclose(float(metrics["mtp_loss"]) / 16, want_mtp, rtol=1e-5)
+    np.testing.assert_allclose(float(loss_sum) / 16,
+                               np.mean(np.concatenate(main)) + 0.3 * want_mtp, rtol=1e-5)

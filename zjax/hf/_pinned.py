@@ -43,7 +43,7 @@ LLAMA_PINNED = {
     "routed_scaling_factor": _EXPERTS, "first_k_dense": _EXPERTS,
     "kv_lora_rank": _SHAPE, "q_lora_rank": _SHAPE, "qk_nope_head_dim": _SHAPE,
     "qk_rope_head_dim": _SHAPE, "v_head_dim": _SHAPE, "rope_interleave": _ROPE,
-    "rope_short_factor": _ROPE, "rope_long_factor": _ROPE,
+    "rope_short_factor": _ROPE, "rope_long_factor": _ROPE, "mtp_layers": _SHAPE,
 }
 # the run's: kernels (attention, context_attention, moe_matmul, moe_exchange), memory for compute
 # (loss_chunk, mlp_chunk, remat), the data's bound (max_seq_len: rotary has no table), and the
@@ -52,7 +52,7 @@ LLAMA_PINNED = {
 LLAMA_FREE = ("remat", "max_seq_len", "attention", "context_attention", "loss_chunk",
               "mlp_chunk", "moe_matmul", "moe_exchange", "moe_chunks",
               "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
-              "router_bias_update_speed", "router_seq_aux_loss_coef")
+              "router_bias_update_speed", "router_seq_aux_loss_coef", "mtp_loss_coef")
 
 # GPTConfig fields (GPT-2's layout) -> why an import pins them
 GPT2_PINNED = {

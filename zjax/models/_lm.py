@@ -32,6 +32,8 @@ def lm_loss(model, batch) -> tuple:
       ``(sum of token losses, token count)``: zjax divides by the global count, so a sharded
       run equals a single-device one; a mixture adds ``{metric: sum}`` (its router losses).
     """
+    if getattr(model.cfg, "mtp_layers", 0):
+        return _with_mtp(model, batch)
     losses, weights, stats = token_losses(model, batch)
     if weights is None:
         loss_sum, count = jnp.sum(losses), jnp.asarray(losses.size, jnp.float32)
@@ -40,6 +42,39 @@ def lm_loss(model, batch) -> tuple:
     if stats is None:
         return loss_sum, count
     return router_losses(stats, loss_sum, count, model.cfg)
+
+
+def _ce(model, hidden, targets):
+    return chunked_cross_entropy(hidden, model.head_weight(), targets,
+                                 chunk=model.cfg.loss_chunk,
+                                 softcap=getattr(model.cfg, "final_softcap", None))
+
+
+def _with_mtp(model, batch) -> tuple:
+    """:func:`lm_loss` plus DeepSeek-V3's multi-token prediction loss: the mean cross-entropy
+    of the token after next (where both following targets count), times
+    ``model.mtp_loss_coef``, reported as ``mtp_loss``."""
+    if model_axis_size(CONTEXT) > 1:
+        raise ValueError("model.mtp_layers: multi-token prediction under a context axis is "
+                         "not built (its shifted sequence crosses the devices' stripes)")
+    tokens = batch["tokens"] if isinstance(batch, Mapping) else batch
+    check_length(tokens[:, 1:], model.cfg.max_seq_len)
+    inputs, targets, weights, packing = split_batch(batch)
+    hidden, stats = model.hidden_and_stats(inputs, packing)
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+    loss_sum, count = jnp.sum(_ce(model, model.ln_f(hidden), targets) * w), jnp.sum(w)
+    shifted = None if packing is None else jax.tree.map(lambda a: a[:, :-1], packing)
+    mtp = _ce(model, model.mtp_features(hidden[:, :-1], targets[:, :-1], shifted),
+              targets[:, 1:])
+    mw = w[:, :-1] * w[:, 1:]
+    totals = batch_sum(lax.stop_gradient(jnp.stack([count, jnp.sum(mw)])))
+    mtp_loss = jnp.sum(mtp * mw) * (totals[0] / jnp.maximum(totals[1], 1.0))
+    loss_sum = loss_sum + model.cfg.mtp_loss_coef * mtp_loss
+    metrics = {"mtp_loss": lax.stop_gradient(mtp_loss)}
+    if stats is None:
+        return loss_sum, count, metrics
+    loss_sum, count, router = router_losses(stats, loss_sum, count, model.cfg)
+    return loss_sum, count, {**router, **metrics}
 
 
 def token_losses(model, batch, *, temperature: float = 1.0

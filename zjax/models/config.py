@@ -9,6 +9,7 @@ import dataclasses
 from zjax.errors import ConfigError
 from zjax.models._derived_config import LongRope, MoESettings, Yarn, yarn_mscale
 from zjax.models._gpt_config import GPTConfig
+from zjax.models._options_config import check_groups, check_longrope, check_mla, check_mtp
 from zjax.schema import choices, non_negative, positive, validate
 
 __all__ = ["GPTConfig", "LlamaConfig", "LongRope", "MoESettings", "Yarn"]
@@ -56,6 +57,11 @@ class LlamaConfig:
       v_head_dim: MLA's value head width.
       rope_interleave: MLA's rotary part de-interleaved before rotating (transformers'
         ``rope_interleave``, DeepSeek's checkpoints).
+      mtp_layers: DeepSeek-V3's multi-token prediction: 1 adds a module (the hidden state and
+        the next token's embedding, each normalised, projected, one more layer, the shared
+        head) that predicts the token after next; its cross-entropy is an extra loss.
+      mtp_loss_coef: that loss's weight (DeepSeek-V3's lambda: 0.3, later 0.1); reported as
+        ``mtp_loss``.
       post_norms: an RMSNorm on the attention's and on the MLP's output before each residual
         add (Gemma 2/3's ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
       mlp_activation: the gated MLP's activation: ``silu`` (SwiGLU, Llama's), ``gelu_tanh``
@@ -179,6 +185,8 @@ class LlamaConfig:
     qk_rope_head_dim: int = positive(64)
     v_head_dim: int = positive(128)
     rope_interleave: bool = True
+    mtp_layers: int = non_negative(0)
+    mtp_loss_coef: float = non_negative(0.3)
     mlp_activation: str = choices("silu", "gelu_tanh", "gelu", default="silu")
     norm_plus_one: bool = False
     embed_scale: bool = False
@@ -238,7 +246,7 @@ class LlamaConfig:
             raise ConfigError(f"model.rope_scaling: {self.rope_scaling!r} is not supported; "
                               "choose llama3 (Llama 3.1's), linear, yarn, longrope or leave it "
                               "empty")
-        self._check_longrope()
+        check_longrope(self)
         for key in ("global_every", "local_rope_theta"):
             if getattr(self, key) is not None and self.sliding_window is None:
                 raise ConfigError(f"model.{key}: {getattr(self, key)} needs "
@@ -247,7 +255,8 @@ class LlamaConfig:
                 and self.rope_high_freq_factor <= self.rope_low_freq_factor):
             raise ConfigError(f"model.rope_high_freq_factor: {self.rope_high_freq_factor} must "
                               f"exceed model.rope_low_freq_factor {self.rope_low_freq_factor}")
-        self._check_mla()
+        check_mla(self)
+        check_mtp(self)
         if self.head_width % 2 and not self.kv_lora_rank:
             key, what = (("model.head_dim", "") if self.head_dim else
                          ("model.n_heads", " (d_model / n_heads)"))
@@ -265,7 +274,7 @@ class LlamaConfig:
             raise ConfigError(f"model.experts_per_token: {self.experts_per_token} exceeds "
                               f"model.n_experts {self.n_experts}; route each token to at most "
                               "every expert")
-        self._check_groups()
+        check_groups(self)
         if self.first_k_dense >= self.n_layers or (self.first_k_dense and self.global_every):
             raise ConfigError(f"model.first_k_dense: {self.first_k_dense} must leave a mixture "
                               f"layer of model.n_layers {self.n_layers} (and takes no "
@@ -274,47 +283,6 @@ class LlamaConfig:
             raise ConfigError(f"model.mlp_chunk: {self.mlp_chunk} tiles a dense MLP; with "
                               f"model.n_experts {self.n_experts} the experts run on grouped "
                               "matmuls; set it to 0")
-
-    def _check_longrope(self):
-        for key in ("rope_short_factor", "rope_long_factor"):
-            value = getattr(self, key)
-            if value is None and self.rope_scaling != "longrope":
-                continue
-            half = self.head_width // 2
-            if not isinstance(value, list | tuple) or len(value) != half or not all(
-                    isinstance(v, int | float) and v > 0 for v in value):
-                raise ConfigError(f"model.{key}: expected {half} positive numbers (one per "
-                                  f"rotary frequency) for longrope; got {str(value)[:60]}")
-            object.__setattr__(self, key, tuple(float(v) for v in value))  # hashable
-
-    def _check_mla(self):
-        if not self.kv_lora_rank:
-            return
-        for key in ("qkv_bias", "qk_norm", "global_every", "sliding_window"):
-            if getattr(self, key):
-                raise ConfigError(f"model.{key}: {getattr(self, key)} is an option of standard "
-                                  f"attention; with model.kv_lora_rank {self.kv_lora_rank} "
-                                  "(latent attention) leave it unset")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; "
-                              "rotary embeddings rotate pairs")
-        if self.v_head_dim > self.head_width:
-            raise ConfigError(f"model.v_head_dim: {self.v_head_dim} exceeds the query/key "
-                              f"heads' {self.head_width} (qk_nope_head_dim + qk_rope_head_dim)")
-
-    def _check_groups(self):
-        groups, top = self.router_groups, self.router_topk_groups
-        least = 2 if self.router_score == "sigmoid" else 1  # V3 scores a group's best two
-        if groups > 1 and (self.n_experts % groups or self.n_experts // groups < least):
-            raise ConfigError(f"model.router_groups: {groups} must divide model.n_experts "
-                              f"{self.n_experts} into groups of at least {least}")
-        if top > groups:
-            raise ConfigError(f"model.router_topk_groups: {top} exceeds model.router_groups "
-                              f"{groups}")
-        if self.experts_per_token > top * (self.n_experts // groups):
-            raise ConfigError(f"model.experts_per_token: {self.experts_per_token} exceeds the "
-                              f"{top * (self.n_experts // groups)} experts of "
-                              f"model.router_topk_groups {top} groups")
 
     def dense_part(self) -> LlamaConfig:
         """The config of the first ``first_k_dense`` layers: no experts."""

@@ -301,6 +301,13 @@ class Llama(nnx.Module):
         self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), 0.02, ("embed", "vocab"))
+        if cfg.mtp_layers:  # DeepSeek-V3's multi-token prediction module
+            norm = functools.partial(RMSNorm, cfg.d_model, cfg.norm_eps,
+                                     plus_one=cfg.norm_plus_one)
+            self.mtp_enorm, self.mtp_hnorm, self.mtp_norm = norm(), norm(), norm()
+            self.mtp_proj = param(rngs, (2 * cfg.d_model, cfg.d_model), 0.02, (None, "embed"))
+            self.mtp_blocks = Stack(lambda r: LlamaBlock(cfg, rngs=r, lora=lora), 1, rngs=rngs,
+                                    remat=cfg.remat, indexed=indexed)
 
     def __call__(self, tokens: jax.Array, packing: Packing | None = None) -> jax.Array:
         """Float32 logits ``[B, T, vocab]`` for int tokens ``[B, T]``."""
@@ -314,14 +321,31 @@ class Llama(nnx.Module):
                            ) -> tuple[jax.Array, RouterStats | None]:
         """:meth:`features`, and a mixture's router statistics summed over its layers
         (None for a dense model)."""
+        h, stats = self.hidden_and_stats(tokens, packing)
+        return self.ln_f(h), stats
+
+    def hidden_and_stats(self, tokens: jax.Array, packing: Packing | None = None
+                         ) -> tuple[jax.Array, RouterStats | None]:
+        """The last layer's hidden states (before the final norm) and the router statistics."""
         check_length(tokens, self.cfg.max_seq_len)
         x = self._embed(tokens)
         if self.cfg.first_k_dense:
             x = self.dense_blocks(x, packing)
         if self.cfg.moe is None:
-            return self.ln_f(self.blocks(x, packing)), None
-        h, stats = self.blocks((x, RouterStats.zeros()), packing)
-        return self.ln_f(h), stats
+            return self.blocks(x, packing), None
+        return self.blocks((x, RouterStats.zeros()), packing)
+
+    def mtp_features(self, hidden: jax.Array, next_tokens: jax.Array,
+                     packing: Packing | None = None) -> jax.Array:
+        """DeepSeek-V3's multi-token prediction: normalised states ``[B, T, D]`` that the
+        shared head reads as the token after next, from the trunk's ``hidden`` states (before
+        the final norm) and the next tokens' embeddings (``eh_proj`` over both, normalised,
+        embeddings first, then one more layer). Its router statistics are not counted."""
+        x = jnp.concatenate([self.mtp_enorm(self._embed(next_tokens)),
+                             self.mtp_hnorm(hidden)], axis=-1)
+        x = x @ self.mtp_proj[...].astype(x.dtype)
+        out = self.mtp_blocks(x if self.cfg.moe is None else (x, RouterStats.zeros()), packing)
+        return self.mtp_norm(out if self.cfg.moe is None else out[0])
 
     def _embed(self, tokens):
         x = jnp.take(self.embed[...], tokens, axis=0)
