@@ -116,13 +116,19 @@ def test_deepseek_v2_imports_and_exports_as_itself(tmp_path, changes):
     out = import_hf(directory, tmp_path / "imported")
     config = load_config(out / "zjax.yaml", ["train.steps=1", "data.seq_len=16",
                                              "data.batch_size=8", "train.eval_every=0"])
-    zjax.train(None, config, run_dir=tmp_path / "run")
+    result = zjax.train(None, config, run_dir=tmp_path / "run")
+    cls = model_class(config.model)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(config.model, rngs=nnx.Rngs(0))))
+    tuned = np.asarray(nnx.merge(graphdef, jax.device_get(result.state.params))(TOKENS))
     exported = export(tmp_path / "run", tmp_path / "out", dtype="float32", format="hf")
     written = json.loads((exported / "config.json").read_text())
     assert written["architectures"] == ["DeepseekV2ForCausalLM"]
     assert {k: written[k] for k in hf if k != "torch_dtype"} == {
         k: v for k, v in hf.items() if k != "torch_dtype"}
-    assert sorted(SafetensorsDir(exported).names()) == sorted(tensors)
+    files = SafetensorsDir(exported)
+    assert sorted(files.names()) == sorted(tensors)
+    got = deepseek_logits(written, {n: files.array(n) for n in files.names()}, TOKENS)
+    np.testing.assert_allclose(got, tuned, atol=ATOL, rtol=0)  # the trained model, written
 
 
 def test_deepseek_v2_yarn_takes_deepseeks_softmax_scale(tmp_path):
