@@ -129,6 +129,7 @@ def test_latent_attention_equals_transformers(changes):
     np.testing.assert_allclose(np.concatenate(steps), got, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the DeepSeek-shaped step below covers latent attention in the quick loop
 def test_a_zero3_step_equals_one_device():
     batches = token_batches(2)
     expected = reference_run(llama_trainable(MLA).init,
@@ -145,7 +146,7 @@ DEEPSEEK = dataclasses.replace(
     routed_scaling_factor=2.5, mtp_layers=1)
 
 
-@pytest.mark.parametrize("expert", [1, 2])
+@pytest.mark.parametrize("expert", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_a_deepseek_shaped_step_equals_one_device(expert):
     """Latent attention, a dense first layer (a stack of its own) and DeepSeek-V3's router
     with a shared expert, at ZeRO-3 over ``data`` x ``expert``."""

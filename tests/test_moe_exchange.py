@@ -1,9 +1,10 @@
 """Dropless expert parallelism moves the routed rows only (``zjax.nn._ragged``).
 
-- The layer under an ``expert`` axis of 4 (each device its two experts, the assignments
-  exchanged by the chunked ragged all-to-all XLA:CPU runs) equals the same layer on one device,
-  values and every gradient (``helpers.FP32``), for an even routing and for one that sends
-  every assignment to the first device (several rounds, the worst-case buffer filled).
+- The layer under an ``expert`` axis of 8 (every simulated device one expert) or 4 (two each),
+  the assignments exchanged by the chunked ragged all-to-all XLA:CPU runs, equals the same
+  layer on one device, values and every gradient (``helpers.FP32``): an even routing, and ones
+  that send every token to experts 0 and 1 (several rounds; the receive buffer filled to its
+  bound).
 - The compiled step's all-to-all bytes are the routed rows: ``tokens x k x d_model`` per
   exchange, two exchanges a layer, forward, recomputation and backward, plus a few bytes of
   per-expert counts, on XLA:CPU (chunked), ``h100:2x4`` and ``v5p:2x2x2``
@@ -24,12 +25,12 @@ from jax.sharding import PartitionSpec as P
 from zjax.nn.moe import Experts, moe_ffn
 from zjax.runtime.mesh import EXPERT
 
-E, K, N, D, F, EP = 8, 2, 24, 16, 24, 4  # N tokens per device
+E, K, N, D, F = 8, 2, 24, 16, 24  # N tokens per device
 
 
-def _inputs(skew: float):
+def _inputs(skew: float, ep: int):
     keys = jax.random.split(jax.random.key(3), 5)
-    x = jax.random.normal(keys[0], (EP * N, D), jnp.float32)
+    x = jax.random.normal(keys[0], (ep * N, D), jnp.float32)
     router = jax.random.normal(keys[1], (D, E), jnp.float32)
     # a constant feature and a large weight on it: every token's top-2 are experts 0 and 1
     x, router = x.at[:, 0].set(3.0), router.at[0, :2].add(skew)
@@ -47,17 +48,20 @@ def _parallel(mesh, k, x, router, *w):
                          out_specs=split, check_vma=False)(x, router, *w)
 
 
-@pytest.mark.parametrize(("skew", "k"), [(0.0, K), (20.0, K), (20.0, 3)],
-                         ids=["even", "all-to-device-0", "top3-fills-the-bound"])
-def test_the_exchange_equals_one_device(skew, k):
-    """``top3-fills-the-bound``: every token sends 2 rows (its experts 0 and 1) to device 0,
-    min(k, experts per device) rows from each token: the receive buffer exactly full."""
-    x, router, w = _inputs(skew)
+@pytest.mark.parametrize(("skew", "k", "ep"), [(0.0, K, 8), (20.0, K, 8), (20.0, K, 4),
+                                               (20.0, 3, 4)],
+                         ids=["even-e8", "skewed-e8", "all-to-device-0-e4", "top3-fills-e4"])
+def test_the_exchange_equals_one_device(skew, k, ep):
+    """Skewed, every token's first two experts are 0 and 1: on 8 devices each of devices 0
+    and 1 receives one row from every token (``min(k, experts per device)``: its bound); on 4
+    both live on device 0, which receives two from every token (the bound again, with top-3's
+    third expert elsewhere)."""
+    x, router, w = _inputs(skew, ep)
     top = jax.lax.top_k(x @ router, k)[1]
     if skew:
         assert set(top[:, :2].reshape(-1).tolist()) == {0, 1}
-    mesh = jax.make_mesh((EP,), (EXPERT,), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:EP])
+    mesh = jax.make_mesh((ep,), (EXPERT,), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:ep])
     ct = jax.random.normal(jax.random.key(9), x.shape, jnp.float32)
 
     def loss(layer):
