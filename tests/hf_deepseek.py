@@ -14,7 +14,7 @@ import json
 import math
 
 import numpy as np
-from hf_reference import TINY, _rms, _rotary, _yarn
+from hf_reference import TINY, _rms, _rotary, _yarn, random_tensors
 
 # 3 layers (the first dense), 4 experts in 2 groups, one group and 2 experts a token, a shared
 # expert, latent attention with a query latent
@@ -52,12 +52,7 @@ def _v2(hf: dict) -> bool:
 
 def deepseek_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights (norms near 1, the correction bias random) for every tensor."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in _names(hf).items():
-        x = rng.standard_normal(shape).astype(np.float32)
-        out[name] = 1 + 0.1 * x if "norm" in name else (0.2 if "bias" in name else 0.08) * x
-    return out
+    return random_tensors(hf, seed, _names(hf))
 
 
 def _names(hf: dict) -> dict[str, tuple[int, ...]]:

@@ -166,12 +166,13 @@ def _unfuse(hf: dict, t: dict) -> dict:
     return t
 
 
-def random_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 weights: norms near 1 and biases near 0 but random, so a misplaced one
-    cannot hide behind ones or zeros."""
+def random_tensors(hf: dict, seed: int = 0, names: dict | None = None
+                   ) -> dict[str, np.ndarray]:
+    """Random float32 weights (of ``names``, default the Llama family's): norms near 1 and
+    biases near 0 but random, so a misplaced one cannot hide behind ones or zeros."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in tensor_names(hf).items():
+    for name, shape in (names or tensor_names(hf)).items():
         x = rng.standard_normal(shape).astype(np.float32)
         out[name] = 1 + 0.1 * x if "norm" in name else (0.1 if "bias" in name else 0.08) * x
     return out
