@@ -1,8 +1,9 @@
 """A reference Llama-family decoder in Flax NNX: RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU MLP, untied head; the layers in a ``Stack``. Options (``LlamaConfig``) give
 Mistral's sliding window, Qwen2's q/k/v biases, Qwen3's head norms and width, Gemma's
-1 + w norms, scaled embeddings and GELU-gated MLP, and Mixtral's and Qwen3-MoE's mixture of
-experts in place of the MLP (:mod:`zjax.nn.moe`).
+1 + w norms, scaled embeddings and GELU-gated MLP, Mixtral's, Qwen3-MoE's and DeepSeek's
+mixture of experts in place of the MLP (:mod:`zjax.nn.moe`), DeepSeek's latent attention
+(:mod:`zjax.models._mla`), dense first layers and multi-token prediction.
 
 The layout and conventions are Hugging Face's ``LlamaForCausalLM``: rotary embeddings rotate
 the two halves of each head (``rotate_half``), query head ``j`` reads key/value head
