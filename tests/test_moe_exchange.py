@@ -39,23 +39,25 @@ def _inputs(skew: float, ep: int):
     return x, router, w
 
 
-def _parallel(mesh, k, x, router, *w):
+def _parallel(mesh, k, chunks, x, router, *w):
     def layer(x, router, *w):
-        return moe_ffn(x, router, Experts(*w), k=k, matmul="tiled", exchange="chunked")[0]
+        return moe_ffn(x, router, Experts(*w), k=k, matmul="tiled", exchange="chunked",
+                       chunks=chunks)[0]
 
     split = P(EXPERT)
     return jax.shard_map(layer, mesh=mesh, in_specs=(split, P(), split, split, split),
                          out_specs=split, check_vma=False)(x, router, *w)
 
 
-@pytest.mark.parametrize(("skew", "k", "ep"), [(0.0, K, 8), (20.0, K, 8), (20.0, K, 4),
-                                               (20.0, 3, 4)],
-                         ids=["even-e8", "skewed-e8", "all-to-device-0-e4", "top3-fills-e4"])
-def test_the_exchange_equals_one_device(skew, k, ep):
+@pytest.mark.parametrize(("skew", "k", "ep", "chunks"), [
+    (0.0, K, 8, 1), (20.0, K, 8, 1), (20.0, K, 4, 1), (20.0, 3, 4, 1), (20.0, K, 4, 16)],
+    ids=["even-e8", "skewed-e8", "all-to-device-0-e4", "top3-fills-e4", "in-8-pieces-e4"])
+def test_the_exchange_equals_one_device(skew, k, ep, chunks):
     """Skewed, every token's first two experts are 0 and 1: on 8 devices each of devices 0
     and 1 receives one row from every token (``min(k, experts per device)``: its bound); on 4
     both live on device 0, which receives two from every token (the bound again, with top-3's
-    third expert elsewhere)."""
+    third expert elsewhere). ``moe_chunks`` 16 on 24 tokens a device: 8 independent pieces
+    (their greatest common divisor)."""
     x, router, w = _inputs(skew, ep)
     top = jax.lax.top_k(x @ router, k)[1]
     if skew:
@@ -70,7 +72,7 @@ def test_the_exchange_equals_one_device(skew, k, ep):
     one = loss(lambda x, r, *w: moe_ffn(x, r, Experts(*w), k=k, matmul="tiled")[0])
     put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(EXPERT)))
     args = (put(x), jax.device_put(router, NamedSharding(mesh, P())), *map(put, w))
-    many = jax.jit(jax.value_and_grad(loss(functools.partial(_parallel, mesh, k)),
+    many = jax.jit(jax.value_and_grad(loss(functools.partial(_parallel, mesh, k, chunks)),
                                       argnums=range(5)))
     want = jax.value_and_grad(one, argnums=range(5))(x, router, *w)
     assert abs(float(want[0])) > 1.0

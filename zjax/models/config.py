@@ -161,7 +161,7 @@ class LlamaConfig:
         and the mixture's layers; DeepSeek-V3 used 0.0001); reported as ``moe_seq_aux_loss``.
       moe_chunks: dropless expert parallelism's tokens split into this many independent
         exchanges, so one chunk's all-to-all runs while another's experts compute (the same
-        bytes); 1: one exchange. Must divide each device's tokens.
+        bytes, worst-case buffers 1 / N as large); 1: one exchange.
     """
 
     vocab_size: int = positive(256)

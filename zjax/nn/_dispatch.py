@@ -15,6 +15,7 @@ all-to-all over that axis (inside ``shard_map``). Expert ``e`` lives on device `
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -57,10 +58,10 @@ def parallel_dropless(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
 
     ``pieces`` > 1 splits the tokens into that many independent exchanges (each dispatched,
     computed and combined on its own), so the compiler can run one piece's all-to-all while
-    another's experts compute; the bytes are the same."""
+    another's experts compute; the bytes are the same. Fewer tokens than that divide into
+    (the greatest common divisor: a decode step's)."""
+    pieces = math.gcd(pieces, x.shape[0])  # a decode step's few tokens: fewer pieces
     if pieces > 1:
-        if x.shape[0] % pieces:
-            raise ValueError(f"{pieces} pieces do not divide {x.shape[0]} tokens")
         cut = lambda a, i: jnp.split(a, pieces)[i]
         return jnp.concatenate([
             parallel_dropless(cut(x, i), routing._replace(

@@ -105,7 +105,8 @@ def moe_ffn(x: jax.Array, router: jax.Array, experts: Experts, *, k: int,
         rounds, any backend); ``auto``: ``chunked`` on XLA:CPU (it has no
         ``ragged-all-to-all``), ``ragged`` elsewhere. Either moves the routed rows only.
       chunks: under dropless expert parallelism, the tokens in this many independent
-        exchanges (one's all-to-all overlaps another's experts); must divide ``N``.
+        exchanges (one's all-to-all overlaps another's experts); where it does not divide
+        ``N``, their greatest common divisor.
       scoring: DeepSeek-V3's router (:class:`Scoring`: sigmoid scores, the selection bias,
         expert groups, the scaling factor); None: the softmax router. Its ``bias`` gets the
         load error as its gradient (:func:`load_feedback`).
