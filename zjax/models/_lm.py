@@ -44,10 +44,13 @@ def lm_loss(model, batch) -> tuple:
     return router_losses(stats, loss_sum, count, model.cfg)
 
 
-def _ce(model, hidden, targets):
+def _ce(model, hidden, targets, temperature: float = 1.0):
+    """Each target's ``-log p`` through the head, ``model.loss_chunk`` tokens at a time; Gemma
+    2's final soft-cap where set (a GPT has none)."""
     return chunked_cross_entropy(hidden, model.head_weight(), targets,
                                  chunk=model.cfg.loss_chunk,
-                                 softcap=getattr(model.cfg, "final_softcap", None))
+                                 softcap=getattr(model.cfg, "final_softcap", None),
+                                 temperature=temperature)
 
 
 def _with_mtp(model, batch) -> tuple:
@@ -89,12 +92,7 @@ def token_losses(model, batch, *, temperature: float = 1.0
     features = getattr(model, "features_and_stats", None)
     hidden, stats = (model.features(inputs, packing), None) if features is None \
         else features(inputs, packing)
-    # Gemma 2's final soft-cap (a GPT has none)
-    losses = chunked_cross_entropy(hidden, model.head_weight(), targets,
-                                   chunk=model.cfg.loss_chunk,
-                                   softcap=getattr(model.cfg, "final_softcap", None),
-                                   temperature=temperature)
-    return losses, weights, stats
+    return _ce(model, hidden, targets, temperature), weights, stats
 
 
 def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, RouterStats | None]:

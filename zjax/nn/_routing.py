@@ -111,6 +111,11 @@ def route_sigmoid(logits: jax.Array, bias: jax.Array, *, k: int, groups: int = 1
     return Routing(weights * scaling, experts.astype(jnp.int32), probs, logits)
 
 
+# the load error travels as the bias's gradient at a scale that leaves a global gradient norm
+# (and so clipping) unchanged in practice; the bias's update reads only its sign
+_FEEDBACK_SCALE = 2.0 ** -40
+
+
 @jax.custom_vjp
 def _feedback(bias: jax.Array, error: jax.Array) -> jax.Array:
     return bias
@@ -125,9 +130,6 @@ def _feedback_bwd(error, _):
 
 
 _feedback.defvjp(_feedback_fwd, _feedback_bwd)
-# the load error travels as the bias's gradient at a scale that leaves a global gradient norm
-# (and so clipping) unchanged in practice; the bias's update reads only its sign
-_FEEDBACK_SCALE = 2.0 ** -40
 
 
 def load_feedback(routing: Routing, bias: jax.Array) -> Routing:
