@@ -9,6 +9,11 @@
   exchange, two exchanges a layer, forward, recomputation and backward, plus a few bytes of
   per-expert counts, on XLA:CPU (chunked), ``h100:2x4`` and ``v5p:2x2x2``
   (``ragged-all-to-all``; its output is a worst-case buffer, its operand the rows sent).
+- No two collectives of the compiled XLA:CPU step can run at once and share a rendezvous
+  (:func:`zjax.planning.unordered_collectives`): the chunked exchange's loops, the pieces of
+  ``moe_chunks``, the recomputed forward against the backward, and the loss's batch-wide
+  sums against the layers' router sums. Such a pair crashed the step read back from JAX's
+  compilation cache (a segmentation fault in XLA:CPU's all-reduce).
 """
 
 from __future__ import annotations
@@ -77,6 +82,17 @@ def test_the_exchange_equals_one_device(skew, k, ep, chunks):
     want = jax.value_and_grad(one, argnums=range(5))(x, router, *w)
     assert abs(float(want[0])) > 1.0
     assert_trees_close(many(*args), want, **FP32, what="value and grads")
+
+
+@pytest.mark.parametrize("extra", [(), ("model.moe_chunks=2", "model.mtp_layers=1")],
+                         ids=["one-exchange", "in-pieces-with-mtp"])
+def test_no_two_collectives_of_the_cpu_step_can_collide(extra):
+    from zjax.planning import unordered_collectives
+
+    _, compiled, _ = compiled_for(
+        "cpu", "model.n_experts=4", "model.experts_per_token=2", "model.moe_d_ff=64",
+        "mesh.expert=2", "zero.stage=2", *extra, file="configs/llama-tiny.yaml")
+    assert unordered_collectives(compiled.as_text()) == []
 
 
 @pytest.mark.slow  # compiles for the H100 and v5p targets

@@ -70,7 +70,9 @@ def _with_mtp(model, batch) -> tuple:
     mtp = _ce(model, model.mtp_features(hidden[:, :-1], targets[:, :-1], shifted),
               targets[:, 1:])
     mw = w[:, :-1] * w[:, 1:]
-    totals = batch_sum(lax.stop_gradient(jnp.stack([count, jnp.sum(mw)])))
+    totals = jnp.stack([count, jnp.sum(mw)])
+    totals, mtp = lax.optimization_barrier((totals, mtp))  # after the layers: router_losses
+    totals = batch_sum(lax.stop_gradient(totals))
     mtp_loss = jnp.sum(mtp * mw) * (totals[0] / jnp.maximum(totals[1], 1.0))
     loss_sum = loss_sum + model.cfg.mtp_loss_coef * mtp_loss
     metrics = {"mtp_loss": lax.stop_gradient(mtp_loss)}
@@ -120,7 +122,11 @@ def router_losses(stats: RouterStats, loss_sum: jax.Array, count: jax.Array, cfg
     ``moe_max_violation`` is DeepSeek's MaxVio (the most loaded expert's load over the mean,
     minus 1), averaged over the layers.
     """
-    total = batch_sum(lax.stop_gradient(count))
+    # after the layers (XLA:CPU would run this psum beside their loop's router psums, which
+    # share its rendezvous: zjax.planning.unordered_collectives)
+    # (both outputs used: XLA drops a barrier's unused ones, and the dependency with them)
+    count_after, stats = lax.optimization_barrier((count, stats))
+    total = batch_sum(lax.stop_gradient(count_after))
     layers = cfg.n_layers - getattr(cfg, "first_k_dense", 0)  # the mixture's layers
     aux = stats.balance * (total / layers)
     z = stats.z * (total / layers)

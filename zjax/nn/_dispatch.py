@@ -61,17 +61,22 @@ def parallel_dropless(x: jax.Array, routing: Routing, w: Experts, *, axis: str,
     another's experts compute; the bytes are the same. Fewer tokens than that divide into
     (the greatest common divisor: a decode step's)."""
     pieces = math.gcd(pieces, x.shape[0])  # a decode step's few tokens: fewer pieces
+    how = _exchange(exchange)
     if pieces > 1:
-        cut = lambda a, i: jnp.split(a, pieces)[i]
-        return jnp.concatenate([
-            parallel_dropless(cut(x, i), routing._replace(
-                weights=cut(routing.weights, i), experts=cut(routing.experts, i)), w,
-                axis=axis, activation=activation, matmul=matmul, exchange=exchange)
-            for i in range(pieces)])
+        def piece(part):
+            return parallel_dropless(part[0], routing._replace(weights=part[1], experts=part[2]),
+                                     w, axis=axis, activation=activation, matmul=matmul,
+                                     exchange=how)
+
+        parts = tuple(a.reshape(pieces, -1, *a.shape[1:])
+                      for a in (x, routing.weights, routing.experts))
+        if how == "chunked":  # the chunked loops one piece after another, backward too
+            return lax.map(piece, parts).reshape(x.shape)  # (_ragged's module doc)
+        return jnp.concatenate([piece(tuple(a[i] for a in parts)) for i in range(pieces)])
     n_tok, d = x.shape
     k = routing.experts.shape[1]
     n, local = lax.axis_size(axis), w.gate.shape[0]
-    how, rows = _exchange(exchange), n_tok * k
+    rows = n_tok * k
     flat = routing.experts.reshape(-1)  # assignment t * k + j
     order = jnp.argsort(flat, stable=True)  # by expert, so by destination
     sizes = jnp.bincount(flat, length=n * local).astype(jnp.int32).reshape(n, local)

@@ -16,6 +16,15 @@ zeros after). Two ways, one result:
 The move is linear; its gradient is the same move backwards (:func:`ragged_move`'s VJP), so
 neither way is differentiated through (the chunked loop has a trip count known only at run
 time).
+
+XLA:CPU runs a loop's collectives in an executor of its own, unordered against any collective
+outside the loop that no data dependency orders (every collective JAX emits has channel id 1:
+two all-to-alls in flight at once share one rendezvous and crash or hang the step;
+:func:`zjax.planning.unordered_collectives`). So chunked moves are put in sequence by data:
+a move's gradient loop takes its round count from its forward's result too (``after``), and
+the callers chain independent moves (:func:`~zjax.nn._dispatch.parallel_dropless`'s pieces).
+An optimization barrier alone does not do it: XLA drops a barrier's unused outputs, and the
+dependency with them.
 """
 
 from __future__ import annotations
@@ -45,10 +54,13 @@ def _ragged(x, send, recv, rows: int, axis: str) -> jax.Array:
     return lax.ragged_all_to_all(x, out, _starts(send), send, there, recv, axis_name=axis)
 
 
-def _chunked(x, send, recv, rows: int, axis: str, chunk: int) -> jax.Array:
+def _chunked(x, send, recv, rows: int, axis: str, chunk: int, after=None) -> jax.Array:
     d = x.shape[1:]
     lane = jnp.arange(chunk)
-    rounds = lax.pmax(jnp.max((send + chunk - 1) // chunk), axis)
+    rounds = jnp.max((send + chunk - 1) // chunk)
+    if after is not None:  # the loop waits for ``after`` (a NaN there: one empty round more)
+        rounds = jnp.maximum(rounds, jnp.isnan(after).astype(rounds.dtype))
+    rounds = lax.pmax(rounds, axis)
     in_starts, out_starts = _starts(send), _starts(recv)
 
     def one_round(r, y):
@@ -88,11 +100,16 @@ def ragged_move(x: jax.Array, send: jax.Array, recv: jax.Array, rows: int, axis:
 
 
 def _move_fwd(x, send, recv, rows, axis, how, chunk):
-    return ragged_move(x, send, recv, rows, axis, how, chunk), (send, recv, x.shape[0])
+    out = ragged_move(x, send, recv, rows, axis, how, chunk)
+    # a chunked move's gradient loop must not run while its forward loop does (module doc)
+    done = out[(0,) * out.ndim] if how == "chunked" else None
+    return out, (send, recv, x.shape[0], done)
 
 
 def _move_bwd(rows, axis, how, chunk, res, g):
-    send, recv, m = res
+    send, recv, m, done = res
+    if done is not None:  # chunked: not while the forward's loop (recomputed) may still run
+        return _chunked(g, recv, send, m, axis, chunk, after=done), None, None
     # each arrived row's gradient goes back to where it came from; the padding's is dropped
     return ragged_move(g, recv, send, m, axis, how, chunk), None, None
 
