@@ -1,8 +1,11 @@
-"""Tiled MLP (``zjax.nn.tiled``, ``model.mlp_chunk``): the same values and gradients as the
-untiled MLP, and a layer's working set that stops growing with tokens x d_ff.
+"""Tiled MLP (``zjax.nn.tiled``, ``zjax.nn.mlp.tiled_hidden``, ``model.mlp_chunk``): the same
+values and gradients as the untiled MLP, a layer's working set that stops growing with
+tokens x d_ff, and a tiled step that never holds more than the untiled one (few tokens next
+to wide weights: tiling over tokens used to add a sum of the weights' gradients).
 
 Tolerance: float32, 1e-5 relative / 1e-6 absolute (the weights' gradients are summed chunk by
-chunk: the same arithmetic in another order).
+chunk: the same arithmetic in another order); ``helpers.FP32`` for the hidden slices, whose
+input gradient is a sum of eight float32 slices (measured: 1.7e-6 at most).
 """
 
 import functools
@@ -12,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, compile_on
+from helpers import FP32, assert_trees_close, compile_on
 
 import zjax
 from zjax.models import GPT, GPTConfig, Llama, LlamaConfig, lm_loss
 from zjax.nn import tiled
+from zjax.nn.mlp import tiled_hidden
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -42,6 +46,25 @@ def test_tiled_equals_the_function_in_values_and_gradients(chunk):
     assert_trees_close(got_g, want_g, **TOL, what="grads")
 
 
+@pytest.mark.parametrize("chunk", [8, 30, 0])  # 8 slices of 40 hidden units; 2; untiled
+def test_tiled_hidden_equals_the_mlp_in_values_and_gradients(chunk):
+    k = jax.random.split(jax.random.key(1), 5)
+    x, g = jax.random.normal(k[0], (2, 24, 16)), jax.random.normal(k[1], (2, 24, 16))
+    gate, up = (jax.random.normal(kk, (16, 40)) * 0.3 for kk in k[2:4])
+    down = jax.random.normal(k[4], (40, 16)) * 0.3
+    hidden = lambda x, gate, up: jax.nn.silu(x @ gate) * (x @ up)
+    mlp = lambda x, gate, up, down: hidden(x, gate, up) @ down
+    split = lambda x, gate, up, down: tiled_hidden(hidden, x, (gate, up), down, chunk=chunk)
+
+    def value_and_grad(fn):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * g), (0, 1, 2, 3)))(
+            x, gate, up, down)
+
+    (want, want_g), (got, got_g) = value_and_grad(mlp), value_and_grad(split)
+    np.testing.assert_allclose(got, want, **FP32)
+    assert_trees_close(got_g, want_g, **FP32, what="grads")
+
+
 @pytest.mark.parametrize("kind", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_model_with_a_tiled_mlp_has_the_untiled_loss_and_gradients(kind):
     def model(chunk):
@@ -64,11 +87,11 @@ def test_a_model_with_a_tiled_mlp_has_the_untiled_loss_and_gradients(kind):
     assert_trees_close(got_g, want_g, **TOL, what="grads")
 
 
-def _temp(*overrides):
-    config = zjax.load_config("configs/llama-tiny.yaml", [
-        "model.n_layers=2", "model.d_model=128", "model.d_ff=2048", "data.seq_len=4096",
-        "model.max_seq_len=4096", "data.batch_size=8", "model.attention=blockwise",
-        *overrides])
+def _temp(*overrides, base=("model.d_model=128", "model.d_ff=2048", "data.seq_len=4096",
+                             "model.max_seq_len=4096", "data.batch_size=8",
+                             "model.attention=blockwise")):
+    config = zjax.load_config("configs/llama-tiny.yaml", ["model.n_layers=2", *base,
+                                                          *overrides])
     zstep = zjax.build_step(config)
     return compile_on(zstep.lower(zjax.abstract_batch(config))).memory_analysis()\
         .temp_size_in_bytes
@@ -83,3 +106,29 @@ def test_the_tiled_mlp_step_holds_one_chunk_of_hidden_units():
     plain, tiled_ = _temp(), _temp("model.mlp_chunk=512")
     hidden = 4096 * 2048 * 2
     assert plain - tiled_ >= 6 * hidden, (plain, tiled_)
+
+
+def test_tiling_never_holds_more_than_the_untiled_step():
+    """256 tokens a device through a 2048 x 8192 SwiGLU MLP: its hidden units are 4 MiB a
+    tensor, its weights 32 MiB a matrix. Tiled over tokens the step held 120 MiB more (571.2
+    -> 691.7 MiB: the weights' gradients summed over the chunks), sliced over hidden units 75
+    MiB more (the weight slices); neither is chosen, and the step is the untiled one."""
+    base = ("model.d_model=2048", "model.d_ff=8192", "model.n_heads=16", "model.n_kv_heads=2",
+            "data.batch_size=16", "data.seq_len=128")
+    plain, tiled_ = _temp(base=base), _temp("model.mlp_chunk=64", base=base)
+    assert tiled_ <= plain, (plain, tiled_)
+
+
+@pytest.mark.slow
+def test_sliced_hidden_units_hold_less_than_token_chunks_where_weights_are_wide(monkeypatch):
+    """1024 tokens a device, d_model 1024, d_ff 8192, chunks of 128 tokens: tiling over
+    tokens holds the weights' gradient sums (measured 421.3 -> 355.2 MiB), slicing the hidden
+    units (the choice) does not (325.3 MiB)."""
+    import zjax.models._linears as linears
+
+    base = ("model.d_model=1024", "model.d_ff=8192", "model.n_heads=8", "model.n_kv_heads=2",
+            "data.batch_size=64", "data.seq_len=128")
+    plain, chosen = _temp(base=base), _temp("model.mlp_chunk=128", base=base)
+    monkeypatch.setattr(linears, "choose_tiling", lambda **kw: ("tokens", 8))
+    by_tokens = _temp("model.mlp_chunk=128", base=base)
+    assert chosen < by_tokens < plain, (chosen, by_tokens, plain)

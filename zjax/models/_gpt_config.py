@@ -40,6 +40,10 @@ class GPTConfig:
       mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
         :func:`zjax.nn.tiled`): the backward holds one chunk's ``[mlp_chunk, d_ff]`` hidden
         units instead of every token's, for one more MLP forward; 0 (default) runs it whole.
+        Where the weights train and a device's tokens are few next to them, the hidden units
+        are sliced instead (as many at a time; :func:`zjax.nn.mlp.tiled_hidden`), and where
+        neither would hold less than the whole MLP it runs whole
+        (:func:`zjax.nn.mlp.choose_tiling`).
       remat: recompute each block in the backward pass instead of keeping its activations
         (ZeRO stages 0-2; the stage-3 schedule always keeps only the block inputs).
     """

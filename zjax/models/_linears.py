@@ -1,5 +1,6 @@
 """A block's linear layers under LoRA: adapters on the ``lora.targets`` modules, the frozen
-base stored quantized (``int8``, ``nf4``), and dropout on the adapters' input.
+base stored quantized (``int8``, ``nf4``), and dropout on the adapters' input; and the MLP's
+tiling (``model.mlp_chunk``), which depends on whether its weights train.
 
 Both reference blocks mix in :class:`AdaptedLinears` and call ``self._linear(y, name)`` for
 every linear weight. A block names its modules in a table, Hugging Face module name -> the
@@ -10,7 +11,7 @@ module: GPT-2's ``c_attn`` is ``wq``, ``wk``, ``wv``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from zjax.lora import (
 )
 from zjax.models._batch import Packing
 from zjax.nn import model_axis_size
+from zjax.nn.mlp import choose_tiling, tiled, tiled_hidden
 
 __all__ = ["AdaptedLinears", "Modules", "adapted_weights", "adapters_off"]
 
@@ -141,6 +143,21 @@ class AdaptedLinears:
             return w
         a, b = (getattr(self, f"{entry[0]}{s}")[...] for s in ("_lora_a", "_lora_b"))
         return merged_weight(w, a, b, self.lora_scale, row_parallel=row_parallel)
+
+    def _tiled(self, mlp: Callable, y, chunk: int, hidden: Callable, ins: tuple[str, ...],
+               down: str) -> jax.Array:
+        """``mlp(y)`` (the block's MLP) holding ``chunk`` tokens' worth of hidden units at a
+        time (``model.mlp_chunk``): over tokens, or sliced over its hidden units (``hidden``
+        of slices of the weights ``ins``, then ``down``), or whole, whichever
+        :func:`~zjax.nn.mlp.choose_tiling` finds holds the least."""
+        ws = [getattr(self, n)[...] for n in (*ins, down)]
+        how, _ = choose_tiling(
+            tokens=y.size // y.shape[-1], d_model=y.shape[-1], d_ff=ws[-1].shape[0],
+            chunk=chunk, weight_bytes=sum(w.size * w.dtype.itemsize for w in ws),
+            act_bytes=y.dtype.itemsize, trainable=self.lora_scale is None and self.quant is None)
+        if how == "hidden":
+            return tiled_hidden(hidden, y, tuple(ws[:-1]), ws[-1], chunk=chunk)
+        return tiled(mlp, y, chunk=chunk if how == "tokens" else 0)
 
     def _linear(self, y, name: str, *, row_parallel: bool = False,
                 drop: AdapterDropout | None = None) -> jax.Array:

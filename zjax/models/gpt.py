@@ -25,7 +25,7 @@ from zjax.models._layers import KVCache, LayerNorm, RMSNorm, check_length, param
 from zjax.models._linears import AdaptedLinears, Modules
 from zjax.models._lm import lm_loss
 from zjax.models.config import GPTConfig
-from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
+from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 from zjax.nn.attention import attention
 
 __all__ = ["GPT", "LINEAR_WEIGHTS", "GPTConfig", "lm_loss"]
@@ -118,7 +118,10 @@ class Block(AdaptedLinears, nnx.Module):
                                                             drop=drop)), "bo")
         y = column_parallel_input(self.ln2(x))
         mlp = functools.partial(self._mlp, drop=drop)
-        x = self._plus(x + row_parallel_output(tiled(mlp, y, chunk=self.mlp_chunk)), "b_down")
+        ins = ("w_up", "b_up") if self.bias else ("w_up",)
+        out = self._tiled(mlp, y, self.mlp_chunk,
+                          lambda x, w, *b: jax.nn.gelu(x @ w + (b[0] if b else 0)), ins, "w_down")
+        x = self._plus(x + row_parallel_output(out), "b_down")
         return x if cache is None else (x, cache)
 
 

@@ -35,7 +35,7 @@ from zjax.models._linears import AdaptedLinears, Modules
 from zjax.models._mla import MLA, init_mla, mla_cache, mla_decode, mla_qkv
 from zjax.models._rope import llama3_frequencies, rotary, yarn_frequencies
 from zjax.models.config import LlamaConfig
-from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output, tiled
+from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 from zjax.nn.attention import attention
 from zjax.nn.moe import Experts, RouterStats, Scoring, moe_ffn
 
@@ -266,7 +266,10 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
                                                             drop=drop)), "post_attn_norm")
         if self.moe is None:
             y = column_parallel_input(self.ln2(x))
-            out = tiled(functools.partial(self._mlp, drop=drop), y, chunk=self.mlp_chunk)
+            act = ACTIVATIONS[self.mlp_activation]
+            out = self._tiled(functools.partial(self._mlp, drop=drop), y, self.mlp_chunk,
+                              lambda x, g, u: act(x @ g) * (x @ u), ("w_gate", "w_up"),
+                              "w_down")
         else:  # decoding runs dropless: a capacity is a training-time budget
             out, layer_stats = self._experts(self.ln2(x), context, dropless=cache is not None)
             stats = None if stats is None else stats + layer_stats

@@ -15,7 +15,7 @@ moves which share:
   ``[heads, T, T]`` float32 scores and probabilities, or the fused kernels' per-row
   statistics.
 - ``mlp_bytes``: one layer's MLP hidden units and their gradients (``tokens x d_ff``; a
-  chunk's with ``model.mlp_chunk``).
+  tile's with ``model.mlp_chunk``, where :func:`zjax.nn.mlp.choose_tiling` tiles).
 - ``loss_bytes``: one chunk's ``[loss_chunk, vocab]`` float32 logits and their gradient,
   and the gradient of the final features.
 
@@ -26,6 +26,8 @@ of ``seq_len``); tensor parallelism divides the heads and the hidden units.
 from __future__ import annotations
 
 import dataclasses
+
+from zjax.nn.mlp import choose_tiling
 
 __all__ = ["ActivationShape", "activation_bytes", "estimate", "kernel"]
 
@@ -66,10 +68,13 @@ def activation_bytes(s: ActivationShape) -> dict[str, int]:
         work = s.sequences * heads * s.seq_len * s.seq_len * _F32 * 2  # scores, probabilities
     else:
         work = tokens * heads * _F32 * 2  # log-sum-exp, the backward's row sums
-    mlp_tokens = tokens if s.mlp_chunk <= 0 else min(s.mlp_chunk, tokens)
+    ff = s.d_ff // s.model
+    _, pieces = choose_tiling(  # the tiling the model runs (none where it would hold more)
+        tokens=tokens, d_model=s.d_model, d_ff=ff, chunk=s.mlp_chunk, act_bytes=s.act_bytes,
+        weight_bytes=(3 if s.gated else 2) * s.d_model * ff * s.act_bytes, trainable=True)
     # gate, up, the gate's activation and their product (SwiGLU); the up-projection before
-    # and after its activation (GELU)
-    hidden = mlp_tokens * (s.d_ff // s.model) * s.act_bytes * (4 if s.gated else 2)
+    # and after its activation (GELU); a tile's share
+    hidden = -(-tokens * ff // pieces) * s.act_bytes * (4 if s.gated else 2)
     layer = tokens * s.d_model * s.act_bytes
     if not s.recompute:  # no remat: the backward reads every layer's own activations
         layer += tensors + work + tokens * (s.d_ff // s.model) * s.act_bytes * (
