@@ -134,6 +134,55 @@ def test_the_chunked_loss_equals_the_plain_loss_and_its_gradients(chunk, tied):
     assert_trees_close(got_g, want_g, **TOL, what="grads")
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_few_tokens_next_to_a_wide_vocabulary_take_the_backward_by_vocabulary_slices(softcap):
+    """90 tokens, a 512-entry vocabulary, chunks of 16: the backward goes over 8 slices of the
+    vocabulary (the head's gradient written slice by slice, not summed over chunks) and
+    equals plain JAX's gradients, softcapped and at a sampling temperature too."""
+    from zjax.nn import loss
+
+    assert loss._vocab_pieces(90, 64, 512, 16, 4) == 8
+    h = jax.random.normal(jax.random.PRNGKey(0), (3, 30, 64))
+    w = jax.random.normal(jax.random.PRNGKey(1), (64, 512)) * 0.1
+    targets = jax.random.randint(jax.random.PRNGKey(2), (3, 30), 0, 512)
+    weights = jax.random.uniform(jax.random.PRNGKey(3), (3, 30))
+
+    def plain(h, w):
+        z = h @ w
+        z = z if softcap is None else softcap * jnp.tanh(z / softcap)
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(z / 0.7, targets)
+                       * weights)
+
+    def chunked(h, w):
+        return jnp.sum(chunked_cross_entropy(h, w, targets, chunk=16, softcap=softcap,
+                                             temperature=0.7) * weights)
+
+    want, want_g = jax.value_and_grad(plain, argnums=(0, 1))(h, w)
+    got, got_g = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(h, w)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert_trees_close(got_g, want_g, **TOL, what="grads")
+
+
+def test_the_backward_by_vocabulary_slices_holds_less_than_token_chunks(monkeypatch):
+    """512 tokens, D 1024, a 32768-entry bfloat16 head, chunks of 128: token chunks hold a
+    float32 sum of the head's gradient (measured 386.5 MiB of temp), four vocabulary slices
+    do not (196.0 MiB)."""
+    from zjax.nn import loss
+
+    def temp():
+        args = (jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1024, 32768), jnp.bfloat16),
+                jax.ShapeDtypeStruct((512,), jnp.int32))
+        grad = jax.grad(lambda h, w, t: jnp.sum(chunked_cross_entropy(h, w, t, chunk=128)),
+                        argnums=(0, 1))
+        return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    by_vocab = temp()
+    monkeypatch.setattr(loss, "_vocab_pieces", lambda *a: 0)
+    by_tokens = temp()
+    assert by_vocab < 0.6 * by_tokens, (by_vocab, by_tokens)
+
+
 @pytest.mark.slow
 def test_the_zero3_step_takes_packed_batches():
     """The scheduled layer scan carries the segment ids and positions to every layer: the

@@ -110,7 +110,9 @@ class LlamaConfig:
         heads are repeated up to it), ``ring`` (key/value blocks passed around the axis; any
         heads), ``auto`` (Ulysses where the heads split, else the ring).
       loss_chunk: tokens per chunk of the cross-entropy: the loss holds one chunk's
-        ``[loss_chunk, vocab]`` float32 logits, not every token's.
+        ``[loss_chunk, vocab]`` float32 logits, not every token's (where a device has few
+        tokens next to the vocabulary, the backward takes slices of the vocabulary holding
+        as many: :mod:`zjax.nn.loss`).
       mlp_chunk: tokens per chunk of each layer's MLP (ALST's TiledMLP,
         :func:`zjax.nn.tiled`): the backward holds one chunk's ``[mlp_chunk, d_ff]`` hidden
         units instead of every token's, for one more MLP forward; 0 (default) runs it whole.
