@@ -107,6 +107,31 @@ def test_scheduled_scan_matches_plain_scan(prefetch, bucket, tpu):
     assert cb.counts["reduce_scatter"] == per_layer * L
 
 
+@pytest.mark.parametrize(("cap", "per_layer"), [(4096, 1), (4095, 2)])
+def test_a_layer_over_the_bucket_cap_moves_leaf_by_leaf(monkeypatch, cap, per_layer):
+    """A layer's two sharded leaves gather 4096 bytes: one bucket up to a cap of 4096, leaf by
+    leaf below it (the bucket's copies cost a layer's worth each: ``BUCKET_CAP_BYTES``)."""
+    from zjax.partition import _schedule_spec, schedule
+
+    monkeypatch.setattr(schedule, "BUCKET_CAP_BYTES", cap)
+    L, D, F = 4, 16, 32
+    params = {"a": jnp.ones((L, D, F), jnp.float32) * 0.1,
+              "b": jnp.ones((L, F, D), jnp.float32) * 0.1}
+    spec = ScheduleSpec(dims=(2, 1), prefetch=1, bucket=True, comm=Comm())
+    assert _schedule_spec.BUCKET_CAP_BYTES == 4 << 30
+
+    def local(shards, x):
+        return jax.grad(lambda s: jnp.sum(scheduled_scan(
+            lambda p, h: jnp.tanh(h @ p["a"]) @ p["b"], s, x, spec=spec) ** 2))(shards)
+
+    specs = {"a": P(None, None, "data"), "b": P(None, "data")}
+    f = smap(local, (specs, P("data")), specs)
+    x = jnp.ones((16, D), jnp.float32)
+    cb = collective_bytes(f.lower(params, x).compile().as_text())
+    assert cb.counts["all_gather"] == per_layer * (2 * L + 1)
+    assert cb.counts["reduce_scatter"] == per_layer * L
+
+
 @pytest.mark.parametrize(("prefetch", "bucket"), [(0, False), (1, False), (1, True),
                                                    (2, True)])
 def test_scheduled_scan_with_a_secondary_partition_matches_plain_scan(prefetch, bucket):

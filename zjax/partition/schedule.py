@@ -55,7 +55,7 @@ from zjax.partition._layer_io import (
     refill,
     slice_layer,
 )
-from zjax.partition._schedule_spec import ScheduleSpec
+from zjax.partition._schedule_spec import BUCKET_CAP_BYTES, ScheduleSpec, bucket_bytes
 from zjax.partition.gather import (
     UINT,
     all_gather_bucket,
@@ -154,7 +154,8 @@ def scheduled_loop(
     bucketed = [d is not None and is_float(x) and c is comm and not f
                 for x, d, c, f in zip(leaves_in, spec.dims, comms, frozen, strict=True)]
     hpz = comm.node_axis is not None
-    if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize:
+    if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize or bucket_bytes(
+            [x for x, b in zip(leaves_in, bucketed, strict=True) if b], comm) > BUCKET_CAP_BYTES:
         bucketed = [False] * len(bucketed)
     in_bucket = [i for i, b in enumerate(bucketed) if b]
     bucket_dims = [spec.dims[j] - 1 for j in in_bucket]
