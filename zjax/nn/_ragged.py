@@ -22,9 +22,9 @@ outside the loop that no data dependency orders (every collective JAX emits has 
 two all-to-alls in flight at once share one rendezvous and crash or hang the step;
 :func:`zjax.planning.unordered_collectives`). So chunked moves are put in sequence by data:
 a move's gradient loop takes its round count from its forward's result too (``after``), and
-the callers chain independent moves (:func:`~zjax.nn._dispatch.parallel_dropless`'s pieces).
-An optimization barrier alone does not do it: XLA drops a barrier's unused outputs, and the
-dependency with them.
+:func:`~zjax.nn._dispatch.parallel_dropless` runs its pieces one after another. (An
+optimization barrier tying a value to one it does not return would not do: XLA drops a
+barrier's unused outputs, and the dependency with them.)
 """
 
 from __future__ import annotations
