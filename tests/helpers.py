@@ -181,8 +181,9 @@ def cli_env(**changes: str | None) -> dict[str, str]:
     No simulated device count in ``XLA_FLAGS`` and no ``JAX_PLATFORMS`` (the CLI simulates
     its own devices, as for a user) and no ``ZJAX_*`` (``zjax launch``'s variables); the rest
     of what conftest set for every process stays: XLA:CPU's optimisation level (a child
-    compiles the programs the tests compile, so the compilation cache, also kept, serves both)
-    and ``ALLOW_MULTIPLE_LIBTPU_LOAD``. A change of None removes the key.
+    compiles the programs the tests compile, bit for bit), the cache settings (JAX's
+    executable cache off, the folder for the targets' figures) and
+    ``ALLOW_MULTIPLE_LIBTPU_LOAD``. A change of None removes the key.
     """
     import re
 

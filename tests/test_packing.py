@@ -142,6 +142,7 @@ def test_few_tokens_next_to_a_wide_vocabulary_take_the_backward_by_vocabulary_sl
     from zjax.nn import loss
 
     assert loss._vocab_pieces(90, 64, 512, 16, 4) == 8
+    assert loss._vocab_pieces(90, 64, 509, 16, 4) == 0  # a prime vocabulary: token chunks
     h = jax.random.normal(jax.random.PRNGKey(0), (3, 30, 64))
     w = jax.random.normal(jax.random.PRNGKey(1), (64, 512)) * 0.1
     targets = jax.random.randint(jax.random.PRNGKey(2), (3, 30), 0, 512)

@@ -20,7 +20,7 @@ from helpers import FP32, assert_trees_close, compile_on
 import zjax
 from zjax.models import GPT, GPTConfig, Llama, LlamaConfig, lm_loss
 from zjax.nn import tiled
-from zjax.nn.mlp import tiled_hidden
+from zjax.nn.mlp import choose_tiling, tiled_hidden
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -117,6 +117,9 @@ def test_tiling_never_holds_more_than_the_untiled_step():
             "data.batch_size=16", "data.seq_len=128")
     plain, tiled_ = _temp(base=base), _temp("model.mlp_chunk=64", base=base)
     assert tiled_ <= plain, (plain, tiled_)
+    # no divisor of d_ff near the slices wanted (a prime): no hidden slivers, tokens instead
+    assert choose_tiling(tokens=1024, d_model=1024, d_ff=8191, chunk=128, act_bytes=2,
+                         weight_bytes=3 * 1024 * 8191 * 2, trainable=True) == ("tokens", 8)
 
 
 @pytest.mark.slow

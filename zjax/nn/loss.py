@@ -77,6 +77,8 @@ def _vocab_pieces(tokens: int, d: int, vocab: int, chunk: int, w_bytes: int) -> 
         return 0
     want = -(-tokens // chunk)
     pieces = next(p for p in range(min(want, vocab), vocab + 1) if vocab % p == 0)
+    if pieces > 2 * want:  # a vocabulary with no divisor near (a prime): slivers, a long loop
+        return 0
     width = vocab // pieces
     by_tokens = 8 * d * vocab + 12 * min(chunk, tokens) * vocab
     by_vocab = 4 * tokens * d + 2 * d * width * w_bytes + 12 * tokens * width

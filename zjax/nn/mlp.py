@@ -113,7 +113,7 @@ def choose_tiling(*, tokens: int, d_model: int, d_ff: int, chunk: int, weight_by
     costs = {"none": (held, 1),
              "tokens": (held // by_tokens + (3 * weight_bytes // 2 if trainable else 0),
                         by_tokens)}
-    if trainable:
+    if trainable and by_hidden <= 2 * by_tokens:  # (no divisor of d_ff near: slivers)
         costs["hidden"] = (held // by_hidden + 2 * weight_bytes // by_hidden
                            + 8 * tokens * d_model, by_hidden)
     how = min(costs, key=lambda k: costs[k][0])  # a tie keeps the first: untiled
