@@ -101,6 +101,23 @@ gc.set_threshold(20_000, 50, 100)
 simulate_cpu_devices(8)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Two pytest-xdist workers, one test file each at a time (module fixtures run once), the
+    slowest files first (this file's order, not xdist's by number of tests), unless the
+    command line says otherwise (``-n 0``: serially). Set here rather than in ``addopts``:
+    without xdist installed, ``-n`` there made pytest refuse the command line and collect
+    nothing. (Runs before xdist's own hook: a conftest registers after the plugin. A worker
+    runs this file too, and must not start workers of its own.)"""
+    worker = hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ
+    if (config.pluginmanager.hasplugin("xdist") and not worker
+            and config.option.numprocesses is None):
+        config.option.numprocesses = 2
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+            config.option.loadscopereorder = False
+
+
 @pytest.fixture
 def cli_logging():
     """Undo what an in-process ``cli.main`` does to the zjax logger (a handler on this test's
