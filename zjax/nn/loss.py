@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zjax.nn._wire import varying_zeros
+from zjax.nn.mlp import divisor_slices
 
 __all__ = ["chunked_cross_entropy"]
 
@@ -75,9 +76,8 @@ def _vocab_pieces(tokens: int, d: int, vocab: int, chunk: int, w_bytes: int) -> 
     as many logits as a chunk (the fewest dividing the vocabulary)."""
     if tokens >= vocab:
         return 0
-    want = -(-tokens // chunk)
-    pieces = next(p for p in range(min(want, vocab), vocab + 1) if vocab % p == 0)
-    if pieces > 2 * want:  # a vocabulary with no divisor near (a prime): slivers, a long loop
+    pieces = divisor_slices(tokens, vocab, chunk)
+    if pieces > 2 * -(-tokens // chunk):  # no divisor near (a prime vocabulary): slivers
         return 0
     width = vocab // pieces
     by_tokens = 8 * d * vocab + 12 * min(chunk, tokens) * vocab

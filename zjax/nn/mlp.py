@@ -28,7 +28,7 @@ from jax import lax
 
 from zjax.nn._split_mlp import split_hidden
 
-__all__ = ["choose_tiling", "hidden_pieces", "tiled", "tiled_hidden"]
+__all__ = ["choose_tiling", "divisor_slices", "tiled", "tiled_hidden"]
 
 
 def tiled(fn: Callable[[jax.Array], jax.Array], x: jax.Array, *, chunk: int) -> jax.Array:
@@ -79,19 +79,20 @@ def tiled_hidden(hidden: Callable, x: jax.Array, ins: tuple, down: jax.Array, *,
     """
     lead, d = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, d)
-    pieces = hidden_pieces(flat.shape[0], down.shape[0], chunk)
+    pieces = divisor_slices(flat.shape[0], down.shape[0], chunk)
     if pieces == 1:
         return (hidden(flat, *ins) @ down).reshape(*lead, -1)
     return split_hidden(hidden, flat, tuple(ins), down, pieces).reshape(*lead, -1)
 
 
-def hidden_pieces(tokens: int, d_ff: int, chunk: int) -> int:
-    """The fewest slices of ``d_ff`` hidden units, dividing it, each at most
-    ``chunk / tokens`` of them (1: untiled)."""
+def divisor_slices(tokens: int, width: int, chunk: int) -> int:
+    """The fewest slices of ``width`` (hidden units, a vocabulary), dividing it, each at most
+    ``chunk / tokens`` of it: as many elements a slice as ``chunk`` tokens of the whole
+    (1: unsliced)."""
     if chunk <= 0 or tokens <= chunk:
         return 1
     want = -(-tokens // chunk)
-    return next(p for p in range(min(want, d_ff), d_ff + 1) if d_ff % p == 0)
+    return next(p for p in range(min(want, width), width + 1) if width % p == 0)
 
 
 def choose_tiling(*, tokens: int, d_model: int, d_ff: int, chunk: int, weight_bytes: int,
@@ -109,7 +110,7 @@ def choose_tiling(*, tokens: int, d_model: int, d_ff: int, chunk: int, weight_by
         return "none", 1
     held = 8 * tokens * d_ff * act_bytes
     by_tokens = -(-tokens // chunk)
-    by_hidden = hidden_pieces(tokens, d_ff, chunk)
+    by_hidden = divisor_slices(tokens, d_ff, chunk)
     costs = {"none": (held, 1),
              "tokens": (held // by_tokens + (3 * weight_bytes // 2 if trainable else 0),
                         by_tokens)}
