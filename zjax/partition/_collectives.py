@@ -12,6 +12,7 @@ way: within the node (to the slice), then across nodes (to the shard).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -30,6 +31,7 @@ from zjax.partition._quantized import (
 from zjax.partition._rows import from_rows, to_rows
 
 __all__ = [
+    "RING_LONGEST",
     "RING_SCOPE",
     "SCATTER_METHODS",
     "UINT",
@@ -41,6 +43,7 @@ __all__ = [
     "quantized_all_gather",
     "reduce_scatter",
     "reduce_scatter_bucket",
+    "ring_factors",
     "scatter_levels",
 ]
 
@@ -66,10 +69,13 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int, name: str | None = No
 SCATTER_METHODS = ("direct", "all_reduce", "ring", "quantized")
 # the name scope of a ring's collective-permutes: zjax.planning reads them as one reduce-scatter
 RING_SCOPE = "zjax_ring_reduce_scatter"
+# the longest ring a reduce-scatter runs: more devices are split into rings within rings
+RING_LONGEST = 16
 
 
 def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "direct",
-                   block: int = 256, scale_dtype=np.float32) -> jax.Array:
+                   block: int = 256, scale_dtype=np.float32,
+                   ring_longest: int = RING_LONGEST) -> jax.Array:
     """Tiled reduce-scatter of ``x`` along ``dim`` over ``axis_name``.
 
     ``method`` (:data:`SCATTER_METHODS`):
@@ -83,6 +89,8 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "dir
     - ``ring``: ``n - 1`` collective-permutes of one tile each around the ring of
       ``axis_name``, adding this device's tile of the passing sum at every hop: the bytes of
       a reduce-scatter, on a compiler that would run ``direct`` as an all-reduce (libtpu).
+      Over more than ``ring_longest`` devices, rings within rings
+      (:func:`ring_factors`): the same bytes in fewer hops.
       Sums in a different order than ``direct`` (rounding differs, not the result).
     - ``quantized``: ZeRO++'s qgZ: every device's tile for device j is quantized to blockwise
       int8 (``block`` elements per ``scale_dtype`` scale), an all-to-all delivers each device the
@@ -95,24 +103,67 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, dim: int, method: str = "dir
         return quantized_reduce_scatter(x, axis_name, dim=dim, block=block,
                                         scale_dtype=scale_dtype)
     n = lax.axis_size(axis_name)
-    size = x.shape[dim] // n
-    me = lax.axis_index(axis_name)
     if method == "all_reduce":
-        return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), me * size, size, axis=dim)
+        size = x.shape[dim] // n
+        return lax.dynamic_slice_in_dim(lax.psum(x, axis_name), lax.axis_index(axis_name) * size,
+                                        size, axis=dim)
     if method != "ring":
         raise ValueError(f"reduce_scatter method {method!r}; choose from {SCATTER_METHODS}")
 
-    def tile(j):
-        return lax.dynamic_slice_in_dim(x, (j % n) * size, size, axis=dim)
+    return _ring_reduce_scatter(x, axis_name, dim=dim,
+                                factors=ring_factors(n, longest=ring_longest))
 
-    # after hop s the passing sum covers devices me - s .. me of tile me - s - 1: after
-    # n - 1 hops every device holds the whole sum of its own tile
-    with jax.named_scope(RING_SCOPE):
-        ring = [(j, (j + 1) % n) for j in range(n)]
-        acc = tile(me + n - 1)
-        for s in range(1, n):
-            acc = lax.ppermute(acc, axis_name, ring) + tile(me + n - 1 - s)
-    return acc
+
+def ring_factors(n: int, *, longest: int = RING_LONGEST) -> list[int]:
+    """The ring lengths of a ring reduce-scatter over ``n`` devices: ``n`` itself up to
+    ``longest``, else factors of ``n`` of at most ``longest`` each where ``n`` has them
+    (a prime over it stays whole), largest first."""
+    if n <= longest:
+        return [n]
+    primes, m, p = [], n, 2
+    while p * p <= m:
+        while m % p == 0:
+            primes.append(p)
+            m //= p
+        p += 1
+    primes += [m] if m > 1 else []
+    factors: list[int] = []
+    for q in sorted(primes, reverse=True):  # each prime into the smallest ring it fits
+        fit = [i for i, f in enumerate(factors) if f * q <= longest]
+        if fit:
+            i = min(fit, key=lambda i: factors[i])
+            factors[i] *= q
+        else:
+            factors.append(q)
+    return sorted(factors, reverse=True)
+
+
+def _ring_reduce_scatter(x: jax.Array, axis_name, *, dim: int, factors: list[int]) -> jax.Array:
+    """Rings within rings: device ``me = i_0 (f_1 f_2 ...) + i_1 (f_2 ...) + ...`` first sums,
+    around the ring of the devices differing only in ``i_0``, its ``1 / f_0`` chunk ``i_0``,
+    then within that chunk over ``i_1``, and so on: ``(n - 1) / n`` of the tensor moved, as
+    one ring of ``n`` moves, in ``sum(f - 1)`` hops instead of ``n - 1`` (at 1,024 devices
+    29 for 1,023: the compiler's time grows with the hops)."""
+    n, stride = math.prod(factors), math.prod(factors)
+    me = lax.axis_index(axis_name)
+    # the scope names the ring's size and hops: zjax.planning reads each hop's share of it
+    with jax.named_scope(f"{RING_SCOPE}_n{n}_h{sum(f - 1 for f in factors)}"):
+        for f in factors:
+            stride //= f
+            i, size = (me // stride) % f, x.shape[dim] // f
+            ring = [(j, j + stride if (j // stride) % f < f - 1 else j - (f - 1) * stride)
+                    for j in range(n)]
+
+            def tile(t, x=x, f=f, size=size):
+                return lax.dynamic_slice_in_dim(x, (t % f) * size, size, axis=dim)
+
+            # after hop s the passing sum covers ring positions i - s .. i of chunk
+            # i - s - 1: after f - 1 hops every device holds the whole sum of its own chunk
+            acc = tile(i + f - 1)
+            for s in range(1, f):
+                acc = lax.ppermute(acc, axis_name, ring) + tile(i + f - 1 - s)
+            x = acc
+    return x
 
 
 def all_gather_bucket(shards: list[jax.Array], dims: list[int], axis_name: str) -> list[jax.Array]:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zjax.partition._collectives import (
+    RING_LONGEST,
     RING_SCOPE,
     SCATTER_METHODS,
     UINT,
@@ -33,12 +34,14 @@ from zjax.partition._collectives import (
     quantized_all_gather,
     reduce_scatter,
     reduce_scatter_bucket,
+    ring_factors,
     scatter_levels,
 )
 
 __all__ = [
     "GATHERED",
     "REMAT_POLICY",
+    "RING_LONGEST",
     "RING_SCOPE",
     "SCATTER_METHODS",
     "UINT",
@@ -54,6 +57,7 @@ __all__ = [
     "quantized_all_gather",
     "reduce_scatter",
     "reduce_scatter_bucket",
+    "ring_factors",
     "scatter_levels",
 ]
 

@@ -11,13 +11,15 @@ before anything compiles. This package compiles the step (ahead of time, from
   ``memory_analysis()``, collective bytes and overlap from the scheduled HLO, the ZeRO paper's
   formula beside them (:func:`report`, :func:`formula`).
 - :func:`autotune` -> :class:`TuneResult`: the fitting configuration with the least
-  communication (:func:`search` is the search itself, given any ``compile_report``).
+  communication (:func:`search` is the search itself, given any ``compile_report``; with
+  :func:`estimate_config`'s :class:`Estimate` it compiles only the candidates that may fit).
 - :func:`longest_sequence` -> :class:`LongestResult`: the longest sequence per device that
   fits a budget.
 - The HLO reader: :func:`collective_bytes`, :func:`collective_sites`,
   :func:`unordered_collectives`, and the text helpers :func:`axes_of`, :func:`group_size`.
 """
 
+from zjax.planning._estimate import Estimate, estimate_config
 from zjax.planning._hlo import (
     CollectiveBytes,
     CollectiveSite,
@@ -46,6 +48,7 @@ __all__ = [
     "Candidate",
     "CollectiveBytes",
     "CollectiveSite",
+    "Estimate",
     "LongestResult",
     "PlanReport",
     "TuneResult",
@@ -56,6 +59,7 @@ __all__ = [
     "collective_sites",
     "compile_report",
     "compiled_memory",
+    "estimate_config",
     "format_bytes",
     "formula",
     "group_size",

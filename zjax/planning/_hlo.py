@@ -38,6 +38,7 @@ __all__ = ["CollectiveBytes", "CollectiveSite", "UnorderedPair", "collective_byt
 
 # zjax.partition.gather.RING_SCOPE: the op_name scope of a ring reduce-scatter's permutes
 _RING_SCOPE = "zjax_ring_reduce_scatter"
+_RING_SIZES = re.compile(_RING_SCOPE + r"_n(\d+)_h(\d+)")
 _START_SHAPE_RESULT = {"all-gather", "reduce-scatter", "collective-permute"}  # (operand, result)
 # instructions that are not compute: moving, viewing or waiting on data
 _NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
@@ -108,7 +109,7 @@ class CollectiveSite:
         all-reduce whose result is dynamic-sliced is a ``reduce_scatter``).
       nbytes: tensor bytes per execution (gathered / pre-scatter size).
       weight: executions per step (loop trip counts multiplied); each of a ring
-        reduce-scatter's ``n - 1`` permutes carries ``1 / (n - 1)`` of the ring's.
+        reduce-scatter's ``h`` hops carries ``1 / h`` of the ring's.
       computation: the scheduled computation it runs in.
       name: its instruction there (the start of an async pair, or the TPU fusion).
       overlapped: whether compute is scheduled between its start and its done.
@@ -242,6 +243,22 @@ def _ring_length(line: str) -> int:
     return len(pairs)
 
 
+def _ring_hop(line: str, nbytes: int, weight: float) -> tuple[float, float]:
+    """``(bytes, weight)`` of one hop of a ring reduce-scatter, a hop moving ``nbytes``: its
+    share of the reduce-scatter's full tensor. The scope names the ring's devices ``n`` and
+    hops ``h`` (rings within rings: hops of several sizes); the ``n - 1`` hops of one ring
+    together move ``(n - 1) / n`` of the tensor, so each hop counts ``nbytes x n / (n - 1)``
+    bytes, ``1 / h`` of one reduce-scatter."""
+    m = _RING_SIZES.search(line)
+    if m:
+        n, h = int(m.group(1)), int(m.group(2))
+    else:  # one ring of the cycle's length (the scope of older programs)
+        n = _ring_length(line)
+        h = n - 1
+    h = max(1, h)
+    return nbytes * n / max(1, n - 1) * h, weight / h
+
+
 def _bytes_and_overlap(instr: Instr, phase: str, instrs: list[Instr], site: int,
                        users) -> tuple[int, bool]:
     """A collective's tensor bytes, and whether compute is scheduled between its start and
@@ -324,9 +341,7 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
                 nbytes *= group_size(instr.line)
             site_weight = w
             if kind == "collective_permute" and _RING_SCOPE in instr.line:
-                # one hop of a ring reduce-scatter: a tile of the summed tensor
-                n = _ring_length(instr.line)
-                kind, nbytes, site_weight = "reduce_scatter", nbytes * n, w / max(1, n - 1)
+                kind, nbytes, site_weight = "reduce_scatter", *_ring_hop(instr.line, nbytes, w)
             if (kind != "all_reduce" or phase != "sync" or not decomposed
                     or group_size(instr.line) == 1):
                 sites.append(CollectiveSite(kind, nbytes, site_weight, site_comp, site_name,

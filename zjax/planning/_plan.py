@@ -25,6 +25,7 @@ import yaml
 from zjax.config import Config
 from zjax.errors import ConfigError, did_you_mean, first_line
 from zjax.planning._activations import estimate
+from zjax.planning._estimate import estimate_config
 from zjax.planning._longest import LongestResult
 from zjax.planning._longest import longest_sequence as _longest
 from zjax.planning._report import PlanReport, report
@@ -162,7 +163,9 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
     """
     devs, compile_, budget_bytes = _budgeted(budget, devices, target)
     search = functools.partial(_autotune, budget_bytes=budget_bytes, n_devices=len(devs),
-                               compile_report=compile_, progress=progress, **space)
+                               compile_report=compile_, progress=progress,
+                               estimate=functools.partial(estimate_config, devices=devs),
+                               **space)
     if base_dtypes is None:
         return search(config)
     refused = []
@@ -175,7 +178,8 @@ def autotune(config: Config, *, budget: int | str | None = None, devices: int | 
                 raise
             refused.append(f"lora.base_dtype {dtype}: {str(e).removeprefix('--budget: ')}")
             continue
-        return dataclasses.replace(result, notes=(*refused, f"lora.base_dtype: {dtype}"))
+        return dataclasses.replace(result, notes=(*refused, f"lora.base_dtype: {dtype}",
+                                                  *result.notes))
     raise ConfigError("--budget: no allowed lora.base_dtype fits: " + "; ".join(refused))
 
 

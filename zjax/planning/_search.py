@@ -23,12 +23,15 @@ from collections.abc import Callable, Sequence
 from zjax.config import Config
 from zjax.errors import ConfigError
 from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+from zjax.planning._estimate import Estimate
 from zjax.planning._memory import format_bytes as _size
 from zjax.planning._report import PlanReport
 
 __all__ = ["ACTIVATIONS", "OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
 
 OFFLOADS = ("none", "optimizer", "optimizer+param")
+# a candidate whose calibrated estimate exceeds the budget by more than this is not compiled
+ESTIMATE_MARGIN = 0.10
 # the saved layer inputs, most preferred first: on the device; split over ``model``
 # (ZeRO-R's partitioned activations: an all-gather per layer, no transfer); in host memory
 ACTIVATIONS = ("device", "partition", "offload")
@@ -151,14 +154,64 @@ def _variants(stage: int, grad_accum: int, model: int, *, offloads, prefetch,
 
 
 class _Search:
-    """The candidates compiled so far (each once), with a progress line per compile."""
+    """The candidates compiled so far (each once), with a progress line per compile, and
+    (with ``estimate``) those ruled out without a compile."""
 
     def __init__(self, config: Config, compile_report, budget_bytes: int, space: int,
-                 progress: Callable[[str], None] | None):
+                 progress: Callable[[str], None] | None,
+                 estimate: Callable[[Config], Estimate] | None = None):
         self.config, self.compile_report, self.budget_bytes = config, compile_report, budget_bytes
-        self.space, self.progress = space, progress
+        self.space, self.progress, self.estimate = space, progress, estimate
         self.seen: dict[Candidate, PlanReport | None] = {}
         self.rows: list[tuple[Candidate, PlanReport]] = []  # every one built, in order
+        self.estimates: dict[Candidate, Estimate | None] = {}
+        self.skipped: dict[Candidate, str] = {}  # ruled out by the estimate: why
+
+    def estimate_of(self, cand: Candidate) -> Estimate | None:
+        """``cand``'s estimate (None: no estimator, or it cannot be built)."""
+        if self.estimate is None:
+            return None
+        if cand not in self.estimates:
+            try:
+                self.estimates[cand] = self.estimate(cand.apply(self.config))
+            except ConfigError:
+                self.estimates[cand] = None  # its compile says why
+        return self.estimates[cand]
+
+    def wire_floor(self, cand: Candidate) -> int:
+        e = self.estimate_of(cand)
+        return 0 if e is None else e.wire_floor
+
+    def _factor(self, cand: Candidate) -> float | None:
+        """The working-set factor measured on the compiled candidate most like ``cand``
+        (the same stage, model axis, activations, offload, micro-batches: in that order)."""
+        alike = [(sum((c.stage == cand.stage, c.model == cand.model,
+                       c.activations == cand.activations, c.offload == cand.offload,
+                       c.grad_accum == cand.grad_accum)), i, self.estimates[c].factor(
+                           r.per_device["total_bytes"]))
+                 for i, (c, r) in enumerate(self.rows) if self.estimates.get(c) is not None]
+        return max(alike)[2] if alike else None
+
+    def ruled_out(self, cand: Candidate) -> bool:
+        """Whether ``cand`` cannot fit by its estimate: its floor (state and kept inputs in
+        device memory) over the budget, or its calibrated prediction over it by more than
+        :data:`ESTIMATE_MARGIN`. Never compiled then."""
+        if cand in self.seen or (e := self.estimate_of(cand)) is None:
+            return False
+        if cand not in self.skipped:
+            factor = self._factor(cand)
+            if e.floor_bytes > self.budget_bytes:
+                self.skipped[cand] = (f"needs at least {_size(e.floor_bytes)} (its state and "
+                                      "kept layer inputs in device memory)")
+            elif factor is not None and \
+                    e.predicted(factor) > self.budget_bytes * (1 + ESTIMATE_MARGIN):
+                self.skipped[cand] = f"estimated {_size(e.predicted(factor))}"
+            else:
+                return False
+            if self.progress is not None:
+                self.progress(f"[ruled out] {cand.describe()}: {self.skipped[cand]}, not "
+                              "compiled")
+        return True
 
     def evaluate(self, cand: Candidate) -> PlanReport | None:
         """``cand``'s report, or None when it cannot be built (its build says why)."""
@@ -178,6 +231,13 @@ class _Search:
         return self.seen[cand]
 
     def nothing_fits(self, leanest: list[tuple[Candidate, PlanReport]]) -> ConfigError:
+        if not leanest:  # every candidate ruled out by its floor, none compiled
+            floors = [(e.floor_bytes, c) for c, e in self.estimates.items() if e is not None]
+            least, c = min(floors, key=lambda fc: fc[0])
+            return ConfigError(
+                f"--budget: {_size(self.budget_bytes)} per device fits no configuration; the "
+                f"smallest needs at least {_size(least)} (its state and kept layer inputs; "
+                f"{c.describe()})")
         c, r = min(leanest, key=lambda cr: cr[1].per_device["total_bytes"])
         return ConfigError(
             f"--budget: {_size(self.budget_bytes)} per device fits no configuration; the "
@@ -212,33 +272,38 @@ def _best_first(search: _Search, groups: dict[tuple[int, int], list[int]], varia
     heap: list = []
     order = itertools.count()  # ties never reach the entries' reports
 
-    def push(stage: int, m: int, accums: list[int], bound: int = 0, first=None) -> None:
+    def push(stage: int, m: int, accums: list[int], bound: int = 0, head=None) -> None:
         if accums:  # key: least wire, fewer micro-batches, higher stage, narrower model
+            bound = max(bound, search.wire_floor(variants(stage, accums[0], m)[0]))
             heapq.heappush(heap, ((bound, accums[0], -stage, m), next(order), stage, m, accums,
-                                  first))
+                                  head))
 
     for (stage, m), accums in groups.items():
         push(stage, m, accums)
     fits: list[tuple[Candidate, PlanReport]] = []
     built = False
     while heap and len(fits) <= runners_up:
-        key, _, stage, m, accums, first = heapq.heappop(heap)
+        key, _, stage, m, accums, head = heapq.heappop(heap)
         group = variants(stage, accums[0], m)
-        if first is None:  # a lower bound so far: compile the group's first variant
-            first = search.evaluate(group[0])
+        if head is None:  # a lower bound so far: compile the group's first variant that may fit
+            i = next((i for i, c in enumerate(group) if not search.ruled_out(c)), None)
+            first = None if i is None else search.evaluate(group[i])
             if first is not None:
                 built = True
-                push(stage, m, accums, first.collectives["wire_bytes"], first)
+                push(stage, m, accums, first.collectives["wire_bytes"], (i, first))
             else:
                 push(stage, m, accums[1:], key[0])
             continue
         push(stage, m, accums[1:], key[0])
-        for i, cand in enumerate(group):
-            r = first if i == 0 else search.evaluate(cand)
+        start, first = head
+        for i, cand in enumerate(group[start:], start):
+            if i > start and search.ruled_out(cand):
+                continue
+            r = first if i == start else search.evaluate(cand)
             if r is not None and r.fits(search.budget_bytes):
                 fits.append((cand, r))
                 break
-    if not built and not fits:
+    if not built and not fits and not search.skipped:
         raise ConfigError("--budget: no configuration in the search space could be built")
     if not fits:
         raise search.nothing_fits(search.rows)
@@ -260,6 +325,7 @@ def autotune(
     model: Sequence[int] | None = None,
     runners_up: int = 2,
     progress: Callable[[str], None] | None = None,
+    estimate: Callable[[Config], Estimate] | None = None,
 ) -> TuneResult:
     """The fitting configuration with the fewest collective bytes, then the least offload.
 
@@ -278,6 +344,11 @@ def autotune(
       progress: called with one line before the search and after each candidate compiled
         (``[3/72] model 1 stage 3 ...: 12.3 MiB per device, fits (4.1 s)``; 72 is the size of
         the search space, which the search stops well short of).
+      estimate: ``estimate(config) -> Estimate`` (:func:`zjax.planning._estimate.
+        estimate_config`): with it, a candidate whose floor exceeds the budget, or whose
+        estimate calibrated on the compiled candidates exceeds it by more than
+        :data:`ESTIMATE_MARGIN`, is ruled out without a compile, groups are compiled in the
+        order of their wire floors, and the leanest candidates are not compiled up front.
     """
     has_remat = any(f.name == "remat" for f in dataclasses.fields(config.model))
     sizes = [m for m in (model or range(1, min(8, n_devices) + 1)) if n_devices % m == 0]
@@ -300,7 +371,7 @@ def autotune(
                                  activations=activations)
     space = {c for m in sizes for stage in stages for ga in accums[m]
              for c in variants(stage, ga, m)}
-    search = _Search(config, compile_report, budget_bytes, len(space), progress)
+    search = _Search(config, compile_report, budget_bytes, len(space), progress, estimate)
     if progress is not None:
         progress(f"searching {len(space)} candidates for {_size(budget_bytes)} per device, "
                  "least communication first (each one tried is compiled)")
@@ -308,7 +379,8 @@ def autotune(
     # but raises each device's share of the batch (fewer data replicas), so which is leanest
     # depends on the model.
     top = max(stages)
-    _check_leanest(search, [[
+    # with estimates, the walk itself rules out what cannot fit: no compile up front
+    _check_leanest(search, [] if estimate is not None else [[
         Candidate(top, max(accums[m]), off if top else "none",
                   min(prefetch) if top == 3 else None,
                   (True if True in remat else None) if top < 3 else None, m,
@@ -320,4 +392,7 @@ def autotune(
     best_cand, best = fits[0]
     rest = sorted((cr for cr in search.rows if not cr[1].fits(budget_bytes)),
                   key=lambda cr: cr[1].per_device["total_bytes"])
-    return TuneResult(best_cand.apply(config), best, fits + rest, budget_bytes)
+    notes = () if estimate is None else (
+        f"compiled {len(search.rows)} of {len(space)} candidates; {len(search.skipped)} ruled "
+        "out by their estimates without a compile",)
+    return TuneResult(best_cand.apply(config), best, fits + rest, budget_bytes, notes)
