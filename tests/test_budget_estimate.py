@@ -1,5 +1,6 @@
-"""``zjax plan --budget`` with estimates: candidates that cannot fit are ruled out without a
-compile, and the answer is the exhaustive search's.
+"""``zjax plan --budget``: with estimates, candidates that cannot fit are ruled out without a
+compile, and the answer is the exhaustive search's; the answer exposes the least
+communication.
 
 The fast tests drive the search with a model of the compiler (each candidate's exact total
 and wire known); the slow one checks that the estimator's floors are floors of real compiles.
@@ -27,6 +28,7 @@ class _Report:
 
     per_device: dict
     collectives: dict
+    overlap: dict = dataclasses.field(default_factory=dict)
 
     def fits(self, budget: int) -> bool:
         return self.per_device["total_bytes"] <= budget
@@ -40,8 +42,8 @@ def _truth(cand: Candidate) -> tuple[Estimate, int, int]:
     kept = 0 if cand.activations == "offload" else 10 * GIB // cand.grad_accum
     work = (1 + (cand.prefetch or 0)) * 6 * GIB
     wire = (3 if cand.stage == 3 else 1) * 10 * GIB * (cand.grad_accum if cand.stage else 1)
-    e = Estimate(floor_bytes=state + kept, working_bytes=work, wire_floor=wire)
-    return e, e.predicted(1.5), wire + GIB  # the compiled wire: over its floor
+    e = Estimate(floor_bytes=state + kept, working_bytes=work, state_bytes=state)
+    return e, e.predicted(1.5), wire
 
 
 def _run(budget: int, *, estimated: bool, compiled: list | None = None):
@@ -104,14 +106,43 @@ def test_a_budget_under_every_floor_compiles_nothing():
     ["zero.stage=3", "train.grad_accum=2", "zero.prefetch_layers=0"],
 ])
 def test_the_floors_are_floors_of_the_compiled_step(setting):
-    """Ruling out by the estimate is sound only where it never exceeds the compile: device
-    state and kept inputs <= the compiled peak, the wire floor <= the compiled wire."""
+    """Ruling out by the floor is sound only where it never exceeds the compile: device
+    state and kept inputs <= the compiled peak."""
     import jax
 
     config = zjax.load_config(None, ["model.n_layers=2", "data.seq_len=64", "data.batch_size=16",
                                      "zero.param_persistence_threshold=0", *setting])
     e = estimate_config(config, jax.devices())
     r = compile_report(config, jax.devices())
-    assert 0 < e.floor_bytes <= r.per_device["total_bytes"]
-    assert 0 < e.wire_floor <= r.collectives["wire_bytes"]
+    assert 0 < e.state_bytes <= e.floor_bytes <= r.per_device["total_bytes"]
     assert e.working_bytes > 0
+
+
+def test_the_search_prefers_the_least_exposed_communication():
+    """Two stages that fit: stage 0 moves less (one all-reduce of the gradients) but none of
+    it overlaps; stage 3 moves more, nearly all behind compute. The search takes stage 3 (the
+    fewest bytes no compute hides); with no overlap reported (XLA:CPU) it takes stage 0, the
+    fewest bytes moved."""
+    from zjax.planning import exposed_bytes
+
+    def run(overlap3: float):
+        def compile_report_(cfg):
+            s = cfg.zero.stage
+            coll = {"all_gather_bytes": 0 if s == 0 else 20 * GIB,
+                    "reduce_scatter_bytes": 0 if s == 0 else 10 * GIB,
+                    "all_reduce_bytes": 10 * GIB if s == 0 else 0}
+            coll["wire_bytes"] = coll["all_gather_bytes"] + coll["reduce_scatter_bytes"] + \
+                2 * coll["all_reduce_bytes"]
+            return dataclasses.replace(
+                _Report({"total_bytes": GIB}, coll),
+                overlap={"all_gather": overlap3, "reduce_scatter": overlap3} if s else {})
+
+        return _search(zjax.load_config(None, ["model.n_layers=2"]), budget_bytes=8 * GIB,
+                       compile_report=compile_report_, n_devices=8, stages=(0, 3),
+                       offloads=("none",), prefetch=(1,), grad_accum=(1,), remat=(True,),
+                       model=(1,), activations=("device",))
+
+    hidden = run(0.9)
+    assert hidden.config.zero.stage == 3
+    assert exposed_bytes(hidden.report) == round(30 * GIB * 0.1)
+    assert run(0.0).config.zero.stage == 0

@@ -107,29 +107,43 @@ def test_scheduled_scan_matches_plain_scan(prefetch, bucket, tpu):
     assert cb.counts["reduce_scatter"] == per_layer * L
 
 
-@pytest.mark.parametrize(("cap", "per_layer"), [(4096, 1), (4095, 2)])
-def test_a_layer_over_the_bucket_cap_moves_leaf_by_leaf(monkeypatch, cap, per_layer):
-    """A layer's two sharded leaves gather 4096 bytes: one bucket up to a cap of 4096, leaf by
-    leaf below it (the bucket's copies cost a layer's worth each: ``BUCKET_CAP_BYTES``)."""
-    from zjax.partition import _schedule_spec, schedule
+@pytest.mark.parametrize(("cap", "per_layer"), [(6144, 1), (6143, 2), (4096, 2), (2048, 3)])
+def test_a_layer_over_the_bucket_cap_gathers_in_runs_of_leaves(monkeypatch, cap, per_layer):
+    """A layer's three sharded leaves gather 2048 bytes each: one bucket up to a cap of
+    6144, below it gathered in runs of consecutive leaves up to the cap (two leaves, then
+    one), leaf by leaf at 2048, and its gradients reduced leaf by leaf (the bucket's copies
+    cost a layer's worth each: ``BUCKET_CAP_BYTES``). Values and gradients as a plain scan
+    either way."""
+    from zjax.partition import _schedule_spec
 
-    monkeypatch.setattr(schedule, "BUCKET_CAP_BYTES", cap)
+    monkeypatch.setattr(_schedule_spec, "BUCKET_CAP_BYTES", cap)
     L, D, F = 4, 16, 32
-    params = {"a": jnp.ones((L, D, F), jnp.float32) * 0.1,
-              "b": jnp.ones((L, F, D), jnp.float32) * 0.1}
-    spec = ScheduleSpec(dims=(2, 1), prefetch=1, bucket=True, comm=Comm())
-    assert _schedule_spec.BUCKET_CAP_BYTES == 4 << 30
+    rng = np.random.default_rng(3)
+    params = {k: jnp.asarray(rng.normal(size=shape) * 0.2, jnp.float32)
+              for k, shape in (("a", (L, D, F)), ("b", (L, F, D)), ("c", (L, D, F)))}
+    spec = ScheduleSpec(dims=(2, 1, 2), prefetch=1, bucket=True, comm=Comm())
 
-    def local(shards, x):
-        return jax.grad(lambda s: jnp.sum(scheduled_scan(
-            lambda p, h: jnp.tanh(h @ p["a"]) @ p["b"], s, x, spec=spec) ** 2))(shards)
+    def layer(p, h):
+        return jnp.tanh(jnp.tanh(h @ p["a"]) @ p["b"]) @ p["c"] @ p["b"]
 
-    specs = {"a": P(None, None, "data"), "b": P(None, "data")}
-    f = smap(local, (specs, P("data")), specs)
-    x = jnp.ones((16, D), jnp.float32)
+    def local(shards, x):  # each device's own rows' loss; the gradients summed over them
+        loss, grads = jax.value_and_grad(lambda s: jnp.sum(scheduled_scan(
+            layer, s, x, spec=spec) ** 2))(shards)
+        return loss[None], grads
+
+    specs = {"a": P(None, None, "data"), "b": P(None, "data"), "c": P(None, None, "data")}
+    f = smap(local, (specs, P("data")), (P("data"), specs))
+    x = jnp.asarray(rng.normal(size=(16, D)), jnp.float32)
     cb = collective_bytes(f.lower(params, x).compile().as_text())
     assert cb.counts["all_gather"] == per_layer * (2 * L + 1)
-    assert cb.counts["reduce_scatter"] == per_layer * L
+    # the gradients of a layer over the cap: leaf by leaf (no joined copy of a run)
+    assert cb.counts["reduce_scatter"] == (1 if per_layer == 1 else 3) * L
+    want = jax.value_and_grad(lambda p: jnp.sum(jax.lax.scan(
+        lambda h, w: (layer(w, h), None), x, p)[0] ** 2))(params)
+    loss, grads = f(params, x)
+    np.testing.assert_allclose(loss.sum(), want[0], rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(grads[k], want[1][k], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize(("prefetch", "bucket"), [(0, False), (1, False), (1, True),

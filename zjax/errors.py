@@ -11,8 +11,8 @@ import json
 from collections.abc import Iterable
 
 __all__ = ["ArgumentError", "CheckpointError", "ConfigError", "DamagedCheckpoint",
-           "GatherFallbackWarning", "NonFiniteError", "NotGatheredError", "RewardError",
-           "ZjaxError", "did_you_mean", "first_line", "is_damage"]
+           "DoesNotFitError", "GatherFallbackWarning", "NonFiniteError", "NotGatheredError",
+           "RewardError", "ZjaxError", "did_you_mean", "first_line", "is_damage"]
 
 
 class ZjaxError(Exception):
@@ -42,6 +42,15 @@ class ArgumentError(ConfigError):
     def renamed(self, keys: dict[str, str]) -> ConfigError:
         """The same error naming the config key ``keys`` maps the argument to."""
         return ConfigError(f"{keys.get(self.argument, self.argument)}: {self.detail}")
+
+
+class DoesNotFitError(ConfigError):
+    """The compiler refused a step over the device memory (libtpu); ``temp_bytes``: the
+    temporaries it said the step needs, where it said."""
+
+    def __init__(self, message: str, *, temp_bytes: int | None = None):
+        super().__init__(message)
+        self.temp_bytes = temp_bytes
 
 
 class CheckpointError(ZjaxError, OSError):

@@ -10,14 +10,14 @@ from jax import lax
 
 from zjax.partition.gather import Comm
 
-__all__ = ["BUCKET_CAP_BYTES", "ScheduleSpec", "bucket_bytes"]
+__all__ = ["BUCKET_CAP_BYTES", "ScheduleSpec", "bucket_bytes", "bucket_groups", "over_cap"]
 
 # A layer's bucket is gathered whole, split into its leaves (a copy of it) and, in the
 # backward, its gradients are joined (another): a few layers' worth of temp. Past this many
-# gathered bytes the leaves go one by one. A trillion-parameter layer (d_model 20480, d_ff
-# 81920: 11.1 GiB gathered in bfloat16), v5p:2x2x2, 2 layers: temp 88.59 -> 57.24 GiB,
-# gathers overlapped 63% -> 45%; the layers measured with the bucket (up to Llama 3 70B's,
-# 1.6 GiB) keep it.
+# gathered bytes a layer moves in runs of leaves up to this size (bucket_groups). A
+# trillion-parameter layer (d_model 20480, d_ff 81920: 11.1 GiB gathered in bfloat16),
+# v5p:2x2x2, 2 layers: temp 88.59 -> 57.24 GiB leaf by leaf, gathers overlapped 63% -> 45%;
+# the layers measured with the bucket (up to Llama 3 70B's, 1.6 GiB) keep it.
 BUCKET_CAP_BYTES = 4 << 30
 
 
@@ -30,6 +30,32 @@ def bucket_bytes(shards, comm: Comm) -> int:
     n = math.prod(lax.axis_size(a) for a in axes)
     itemsize = np.dtype(comm.gather_dtype or np.float32).itemsize
     return sum(math.prod(x.shape[1:]) for x in shards) * n * itemsize
+
+
+def bucket_groups(candidates: list[int], stacked: list, comm: Comm) -> list[list[int]]:
+    """The layer buckets of the leaves ``candidates`` (indices into ``stacked``, a layer
+    stack's sharded leaves inside ``shard_map``): all of them as one bucket where they gather
+    to at most :data:`BUCKET_CAP_BYTES`, else runs of consecutive leaves up to it each (a
+    leaf alone moves by itself). Only groups of two or more are returned."""
+    cap = BUCKET_CAP_BYTES
+    sizes = [bucket_bytes([stacked[i]], comm) for i in candidates]
+    if sum(sizes) <= cap:
+        groups = [list(candidates)]
+    else:
+        groups, total = [[]], 0
+        for i, size in zip(candidates, sizes, strict=True):
+            if groups[-1] and total + size > cap:
+                groups.append([])
+                total = 0
+            groups[-1].append(i)
+            total += size
+    return [g for g in groups if len(g) > 1]
+
+
+def over_cap(buckets: list[list[int]], candidates: list[int]) -> bool:
+    """Whether a layer meant to move as one bucket (``candidates``) was split by
+    :func:`bucket_groups` (it gathers to more than :data:`BUCKET_CAP_BYTES`)."""
+    return bool(candidates) and buckets != [list(candidates)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ from zjax.partition._layer_io import (
     refill,
     slice_layer,
 )
-from zjax.partition._schedule_spec import BUCKET_CAP_BYTES, ScheduleSpec, bucket_bytes
+from zjax.partition._schedule_spec import ScheduleSpec, bucket_groups, over_cap
 from zjax.partition.gather import (
     UINT,
     all_gather_bucket,
@@ -154,11 +154,17 @@ def scheduled_loop(
     bucketed = [d is not None and is_float(x) and c is comm and not f
                 for x, d, c, f in zip(leaves_in, spec.dims, comms, frozen, strict=True)]
     hpz = comm.node_axis is not None
-    if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize or bucket_bytes(
-            [x for x, b in zip(leaves_in, bucketed, strict=True) if b], comm) > BUCKET_CAP_BYTES:
+    if not spec.bucket or not k or sum(bucketed) < 2 or comm.quantize:
         bucketed = [False] * len(bucketed)
-    in_bucket = [i for i, b in enumerate(bucketed) if b]
-    bucket_dims = [spec.dims[j] - 1 for j in in_bucket]
+    # one bucket a layer, or (a layer over BUCKET_CAP_BYTES) runs of leaves up to it
+    candidates = [i for i, b in enumerate(bucketed) if b]
+    buckets = bucket_groups(candidates, leaves_in, comm)
+    bucketed = [any(i in g for g in buckets) for i in range(len(bucketed))]
+    bucket_dims = [[spec.dims[j] - 1 for j in g] for g in buckets]
+    # a layer over the cap: its gathers in runs, its gradients reduced leaf by leaf (joining
+    # them is one more copy of the run; the ring's permutes overlap one by one anyway)
+    joined = not over_cap(buckets, candidates)
+    scattered = [b and joined for b in bucketed]  # reduce-scattered with their bucket
 
     def gather_layer(leaves, i):
         """Layer ``i``'s weights, and (hpZ) their secondary partitions, kept for the backward."""
@@ -173,16 +179,15 @@ def scheduled_loop(
                 w, sec = gather_levels(w, c, axis=dim - 1)
             out.append(w)
             secondary.append(sec)
-        if in_bucket:
+        for group, dims in zip(buckets, bucket_dims, strict=True):
             # split as soon as gathered: carrying the rows to the use measured worse on TPU
             # (v5p:2x2x2, d_model 1024: temp 897 -> 923 MB at prefetch 1)
-            parts = [out[j] for j in in_bucket]
+            parts = [out[j] for j in group]
             if hpz:  # one bucket per level; the first level's leaves kept as their bits
-                parts = all_gather_bucket(parts, bucket_dims, comm.node_axis)
-                for j, c in zip(in_bucket, parts, strict=True):
+                parts = all_gather_bucket(parts, dims, comm.node_axis)
+                for j, c in zip(group, parts, strict=True):
                     secondary[j] = lax.bitcast_convert_type(c, UINT[c.dtype.itemsize])
-            full = all_gather_bucket(parts, bucket_dims, comm.axis_name)
-            for j, w in zip(in_bucket, full, strict=True):
+            for j, w in zip(group, all_gather_bucket(parts, dims, comm.axis_name), strict=True):
                 out[j] = w
         return tuple(out), tuple(secondary)
 
@@ -205,11 +210,10 @@ def scheduled_loop(
             out.append(gather_within(jax.tree.map(lambda v: slice_layer(v, i), sec), c,
                                      axis=dim - 1, shard_shape=leaf.shape[1:],
                                      dtype=gather_dtype if floating else leaf.dtype))
-        if in_bucket:
+        for group, dims in zip(buckets, bucket_dims, strict=True):
             parts = [lax.bitcast_convert_type(slice_layer(secondary[j], i), gather_dtype)
-                     for j in in_bucket]
-            for j, w in zip(in_bucket, all_gather_bucket(parts, bucket_dims, comm.axis_name),
-                            strict=True):
+                     for j in group]
+            for j, w in zip(group, all_gather_bucket(parts, dims, comm.axis_name), strict=True):
                 out[j] = w
         return tuple(out)
 
@@ -297,7 +301,7 @@ def scheduled_loop(
             dc = [d for d, f in zip(jax.tree.leaves(dc), float_consts, strict=True) if f]
             dconsts = [acc + d for acc, d in zip(dconsts, dc, strict=True)]
             shards, pend = [], []  # pend: hpZ's first level, crossing nodes next iteration
-            for dw, dim, b, lc in zip(dws, spec.dims, bucketed, comms, strict=True):
+            for dw, dim, b, lc in zip(dws, spec.dims, scattered, comms, strict=True):
                 p = None
                 if dw is None:  # frozen
                     pass
@@ -308,13 +312,12 @@ def scheduled_loop(
                     dw = scatter_levels(dw.astype(reduce_dtype), lc, dim=dim - 1)
                 shards.append(dw)
                 pend.append(p)
-            if in_bucket:
-                mine = reduce_scatter_bucket([dws[j].astype(reduce_dtype) for j in in_bucket],
-                                             bucket_dims, comm.axis_name, **scatter_kw)
+            for group, dims in zip(buckets, bucket_dims, strict=True) if joined else ():
+                mine = reduce_scatter_bucket([dws[j].astype(reduce_dtype) for j in group],
+                                             dims, comm.axis_name, **scatter_kw)
                 if hpz:  # the second level, across nodes
-                    mine = reduce_scatter_bucket(mine, bucket_dims, comm.node_axis,
-                                                 **scatter_kw)
-                for j, dw in zip(in_bucket, mine, strict=True):
+                    mine = reduce_scatter_bucket(mine, dims, comm.node_axis, **scatter_kw)
+                for j, dw in zip(group, mine, strict=True):
                     shards[j] = dw
             shards = [None if dw is None else dw.astype(g)
                       for dw, g in zip(shards, grad_dtypes, strict=True)]
@@ -348,7 +351,7 @@ def scheduled_loop(
             jnp.zeros(tuple(d * nodes if j == dim - 1 else d
                             for j, d in enumerate(leaf.shape[1:])), reduce_dtype)
             if hpz and dim is not None and not b and not f else None
-            for leaf, dim, b, f in zip(leaves, spec.dims, bucketed, frozen, strict=True))
+            for leaf, dim, b, f in zip(leaves, spec.dims, scattered, frozen, strict=True))
 
         def step(c, t):
             dy, buf, grads, dconsts, dxs, pend = c

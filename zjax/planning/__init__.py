@@ -19,6 +19,7 @@ before anything compiles. This package compiles the step (ahead of time, from
   :func:`unordered_collectives`, and the text helpers :func:`axes_of`, :func:`group_size`.
 """
 
+from zjax.planning._candidates import Candidate
 from zjax.planning._estimate import Estimate, estimate_config
 from zjax.planning._hlo import (
     CollectiveBytes,
@@ -40,7 +41,7 @@ from zjax.planning._plan import (
     run_cli_json,
 )
 from zjax.planning._report import PlanReport, report
-from zjax.planning._search import Candidate, TuneResult, parse_bytes
+from zjax.planning._search import TuneResult, exposed_bytes, parse_bytes
 from zjax.planning._search import autotune as search
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "compile_report",
     "compiled_memory",
     "estimate_config",
+    "exposed_bytes",
     "format_bytes",
     "formula",
     "group_size",

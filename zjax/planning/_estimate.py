@@ -1,7 +1,7 @@
 """What a configuration needs, from its shardings and shapes alone: the autotuner's pruning.
 
 A compile is exact and, for a trillion parameters over 1,024 chips, minutes long. Building
-the step is not (its abstract state and sharding plan: under a second), and fixes three
+the step is not (its abstract state and sharding plan: under a second), and gives these
 figures without compiling:
 
 - ``floor_bytes``: device bytes every compile of it holds at its peak: the state placed in
@@ -12,10 +12,8 @@ figures without compiling:
   below stage 3), and one layer's activations at work (:mod:`zjax.planning._activations`).
   The compiler's buffers differ from this sum by a factor the search measures on the
   candidates it compiles (:meth:`Estimate.factor`).
-- ``wire_floor``: collective bytes per step no configuration of this stage, model axis and
-  micro-batch count moves less than: the sharded gradients reduced once (every micro-batch
-  from stage 2), and at stage 3 the weights gathered twice (forward, backward), in their
-  dtypes.
+- ``state_bytes``: the device state alone, which with the temporaries a compiler's refusal
+  names (libtpu) gives the total it refused.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ class Estimate:
 
     floor_bytes: int
     working_bytes: int
-    wire_floor: int
+    state_bytes: int  # of floor_bytes: the state in device memory (a compile's arguments)
 
     def predicted(self, factor: float) -> int:
         """The device total with the working set scaled by a compile-measured ``factor``."""
@@ -63,12 +61,9 @@ def estimate_config(config: Config, devices: list) -> Estimate:
     gather, reduce = plan.zero.gather, plan.reduce_dtype
     stage3 = plan.zero.stage >= 3
     layers = _layers(config)
-    # per device: the sharded leaves gathered (the stack's twice a micro-batch, forward and
-    # backward; the rest once, kept for the backward) and every trained gradient reduced
+    # per device: the layer stack's sharded leaves gathered, every trained gradient
     stack = sum(plan.leaf_bytes(leaf, gather, False) for leaf in plan.leaves
                 if leaf.dim is not None and leaf.stacked)
-    other = sum(plan.leaf_bytes(leaf, gather, False) for leaf in plan.leaves
-                if leaf.dim is not None and not leaf.stacked)
     grads = sum(plan.leaf_bytes(leaf, reduce, False) for leaf in plan.leaves if not leaf.frozen)
     acts = activation_estimate(config.model, config.data, config.train, config.zero,
                                n_batch=plan.n_batch, n_model=plan.n_model,
@@ -84,12 +79,6 @@ def estimate_config(config: Config, devices: list) -> Estimate:
     else:  # the whole gradient (in the reduce dtype) before its reduction
         weights = grads
     work = sum(acts.get(k, 0) for k in ("attention_bytes", "mlp_bytes", "loss_bytes"))
-    # quantized collectives (ZeRO++'s qwZ, qgZ) move less than the dtypes say: no floor
-    wire = (0 if plan.scatter == "quantized" else grads) + (
-        2 * stack + other if stage3 and not plan.zero.quantized_weights else 0)
-    if plan.zero.stage >= 2:  # reduced (and gathered) every micro-batch
-        wire *= config.train.grad_accum
-    if plan.n_shard * plan.n_replica == 1:  # nothing to reduce over
-        wire = 0
-    return Estimate(floor_bytes=nbytes(zstep.abstract_state, memory="device") + kept,
-                    working_bytes=int(weights + work), wire_floor=int(wire))
+    state = nbytes(zstep.abstract_state, memory="device")
+    return Estimate(floor_bytes=state + kept, working_bytes=int(weights + work),
+                    state_bytes=state)

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import jax
 import yaml
 
 from zjax.config import Config
-from zjax.errors import ConfigError, did_you_mean, first_line
+from zjax.errors import ConfigError, DoesNotFitError, did_you_mean, first_line
 from zjax.planning._activations import estimate
 from zjax.planning._estimate import estimate_config
 from zjax.planning._longest import LongestResult
@@ -66,10 +67,10 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
         # libtpu refuses a program over its HBM instead of reporting it: the answer to
         # "does it fit" is no, said as an error naming the target and the figures
         where = f"--target {target.name}" if target else "the step"
-        raise ConfigError(
+        raise DoesNotFitError(
             f"{where}: does not fit: "
             f"{first_line(e).removeprefix('RESOURCE_EXHAUSTED: ').rstrip('.')}; "
-            f"{FIT_ADVICE}") from None
+            f"{FIT_ADVICE}", temp_bytes=_refused_temp(str(e))) from None
     plan_ = zstep.plan
     activations = estimate(config.model, config.data, config.train, config.zero,
                            n_batch=plan_.n_batch, n_model=plan_.n_model,
@@ -83,6 +84,14 @@ def compile_report(config: Config, devices: list, *, target: Target | None = Non
     return dataclasses.replace(out, rollout=rollout_figures(
         zstep, config.rl, config.data, devices, compile_only=target is not None,
         capacity=target.capacity_bytes if target else None))
+
+
+def _refused_temp(message: str) -> int | None:
+    """The temporaries libtpu's refusal names ("the total memory required for HLO
+    temporaries (193.53G) exceeds available HBM (95.74G)"), in bytes; None if it names none."""
+    m = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    return round(float(m.group(1)) * scale[m.group(2)]) if m else None
 
 
 def _target_devices(name: str, devices: int | None) -> tuple[Target, list]:
@@ -141,7 +150,8 @@ def run_cli_json(config: Config, args: list[str]) -> dict:
 def autotune(config: Config, *, budget: int | str | None = None, devices: int | None = None,
              target: str | None = None, progress: Callable[[str], None] | None = None,
              base_dtypes: Sequence[str] | None = None, **space) -> TuneResult:
-    """The fitting configuration with the fewest collective bytes, then the least offload.
+    """The fitting configuration that exposes the fewest collective bytes (those no compute
+    overlaps; then the fewest in all), then the least offload.
 
     Args:
       config: the starting configuration.

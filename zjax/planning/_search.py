@@ -1,13 +1,16 @@
-"""``zjax plan --budget``: the best-communicating configuration that fits a memory budget.
+"""``zjax plan --budget``: the fitting configuration that exposes the least communication.
 
-Every candidate is compiled (nothing allocated) and judged on its exact figures. Collective
-bytes depend only on the stage, the number of micro-batches and the ``model`` axis size
-(offload, prefetch and remat move no collective bytes), so the search ranks (stage,
+Every candidate tried is compiled (nothing allocated) and judged on its exact figures:
+device memory, and the wire bytes of its collectives with the share no compute overlaps.
+Collective bytes depend mostly on the stage, the number of micro-batches and the ``model``
+axis size (offload, prefetch and remat move about the same), so the search ranks (stage,
 grad_accum, model) groups by one compiled candidate each and walks them from the least
-communicating, trying each group's variants from the most to the least preferred (least
-offload, no remat, deepest prefetch); the first variant that fits is the answer. Groups with
-more micro-batches are compiled only when the walk reaches them (they never communicate less).
-DeepSpeed's autotuner runs experiments instead.
+exposed (then least moved), trying each group's variants from the most to the least
+preferred (least offload, no remat, deepest prefetch); the first variant that fits is the
+answer. Groups with more micro-batches are compiled only when the walk reaches them (they
+repeat the collectives per micro-batch). With estimates (:mod:`zjax.planning._estimate`)
+a candidate that cannot fit is ruled out without its compile. DeepSpeed's autotuner runs
+experiments instead.
 """
 
 from __future__ import annotations
@@ -22,19 +25,16 @@ from collections.abc import Callable, Sequence
 
 from zjax.config import Config
 from zjax.errors import ConfigError
-from zjax.offload import OffloadConfig, OptimizerOffloadConfig
+from zjax.planning._candidates import ACTIVATIONS, OFFLOADS, Candidate, variants
 from zjax.planning._estimate import Estimate
 from zjax.planning._memory import format_bytes as _size
 from zjax.planning._report import PlanReport
 
-__all__ = ["ACTIVATIONS", "OFFLOADS", "Candidate", "TuneResult", "autotune", "parse_bytes"]
+__all__ = ["ACTIVATIONS", "OFFLOADS", "Candidate", "TuneResult", "autotune", "exposed_bytes",
+           "parse_bytes"]
 
-OFFLOADS = ("none", "optimizer", "optimizer+param")
 # a candidate whose calibrated estimate exceeds the budget by more than this is not compiled
 ESTIMATE_MARGIN = 0.10
-# the saved layer inputs, most preferred first: on the device; split over ``model``
-# (ZeRO-R's partitioned activations: an all-gather per layer, no transfer); in host memory
-ACTIVATIONS = ("device", "partition", "offload")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -49,48 +49,6 @@ def parse_bytes(text: str, *, key: str = "--budget") -> int:
     if size < 1:
         raise ConfigError(f"{key}: {text!r} is below one byte; write e.g. 80GiB, 16GB")
     return size
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One point of the search: the knobs the autotuner turns."""
-
-    stage: int
-    grad_accum: int
-    offload: str = "none"
-    prefetch: int | None = None
-    remat: bool | None = None
-    model: int = 1
-    activations: str = "device"  # where saved layer inputs live: one of ACTIVATIONS
-
-    def describe(self) -> str:
-        """One line: ``model 1 stage 3 offload none prefetch 1 accum 1 remat -
-        activations device``."""
-        return (f"model {self.model} stage {self.stage} offload {self.offload} prefetch "
-                f"{'-' if self.prefetch is None else self.prefetch} accum {self.grad_accum} "
-                f"remat {'-' if self.remat is None else self.remat} "
-                f"activations {self.activations}")
-
-    def apply(self, config: Config) -> Config:
-        """``config`` with this candidate's settings."""
-        zero = dataclasses.replace(
-            config.zero, stage=self.stage,
-            offload_optimizer=OptimizerOffloadConfig(
-                device="none" if self.offload == "none" else "host",
-                update_on="host" if self.offload == "optimizer+param" else "device"),
-            offload_param=OffloadConfig(
-                device="host" if self.offload == "optimizer+param" else "none"),
-            offload_activations=self.activations == "offload",
-            partition_activations=self.activations == "partition",
-            **({} if self.prefetch is None else
-               {"prefetch_layers": self.prefetch, "prefetch_bucket_size": None}))
-        model = config.model
-        if self.remat is not None:
-            model = dataclasses.replace(model, remat=self.remat)
-        mesh = dataclasses.replace(config.mesh, data=-1, model=self.model)
-        return dataclasses.replace(config, zero=zero, model=model, mesh=mesh,
-                                   train=dataclasses.replace(config.train,
-                                                             grad_accum=self.grad_accum))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,25 +92,6 @@ def _outcome(r: PlanReport, budget_bytes: int) -> str:
     return f"{_size(total)} per device, {'fits' if r.fits(budget_bytes) else 'does not fit'}"
 
 
-def _variants(stage: int, grad_accum: int, model: int, *, offloads, prefetch,
-              remat, activations=("device",)) -> list[Candidate]:
-    """A group's candidates, most preferred first (partitioned activations only where a
-    ``model`` axis splits them). Below stage 3 the saved inputs leave the device only once
-    recompute is on (ZeRO-R's kept inputs are what a recomputing layer saves)."""
-    acts = [a for a in activations if a != "partition" or model > 1]
-    out = []
-    for off in offloads if stage else ("none",):
-        if stage == 3:
-            out += [Candidate(stage, grad_accum, off, p, None, model, a)
-                    for a in acts for p in prefetch]
-            continue
-        recompute = None if remat[-1] is None else True
-        out += [Candidate(stage, grad_accum, off, None, r, model) for r in remat]
-        out += [Candidate(stage, grad_accum, off, None, recompute, model, a)
-                for a in acts if a != "device"]
-    return out
-
-
 class _Search:
     """The candidates compiled so far (each once), with a progress line per compile, and
     (with ``estimate``) those ruled out without a compile."""
@@ -166,6 +105,7 @@ class _Search:
         self.rows: list[tuple[Candidate, PlanReport]] = []  # every one built, in order
         self.estimates: dict[Candidate, Estimate | None] = {}
         self.skipped: dict[Candidate, str] = {}  # ruled out by the estimate: why
+        self.totals: dict[Candidate, int] = {}  # device totals compiled (or refused, libtpu)
 
     def estimate_of(self, cand: Candidate) -> Estimate | None:
         """``cand``'s estimate (None: no estimator, or it cannot be built)."""
@@ -178,18 +118,15 @@ class _Search:
                 self.estimates[cand] = None  # its compile says why
         return self.estimates[cand]
 
-    def wire_floor(self, cand: Candidate) -> int:
-        e = self.estimate_of(cand)
-        return 0 if e is None else e.wire_floor
-
     def _factor(self, cand: Candidate) -> float | None:
         """The working-set factor measured on the compiled candidate most like ``cand``
-        (the same stage, model axis, activations, offload, micro-batches: in that order)."""
+        (the same stage, model axis, activations, offload, micro-batches: in that order),
+        a refused compile's figure included."""
         alike = [(sum((c.stage == cand.stage, c.model == cand.model,
                        c.activations == cand.activations, c.offload == cand.offload,
-                       c.grad_accum == cand.grad_accum)), i, self.estimates[c].factor(
-                           r.per_device["total_bytes"]))
-                 for i, (c, r) in enumerate(self.rows) if self.estimates.get(c) is not None]
+                       c.grad_accum == cand.grad_accum)), i, self.estimates[c].factor(total))
+                 for i, (c, total) in enumerate(self.totals.items())
+                 if self.estimates.get(c) is not None]
         return max(alike)[2] if alike else None
 
     def ruled_out(self, cand: Candidate) -> bool:
@@ -220,10 +157,14 @@ class _Search:
             try:
                 self.seen[cand] = self.compile_report(cand.apply(self.config))
                 self.rows.append((cand, self.seen[cand]))
+                self.totals[cand] = self.seen[cand].per_device["total_bytes"]
                 outcome = _outcome(self.seen[cand], self.budget_bytes)
             except ConfigError as e:
                 self.seen[cand] = None
                 outcome = f"cannot be built ({str(e).splitlines()[0][:120]})"
+                temp, e_ = getattr(e, "temp_bytes", None), self.estimates.get(cand)
+                if temp and e_ is not None:  # refused over the memory: its figure calibrates
+                    self.totals[cand] = temp + e_.state_bytes
             if self.progress is not None:
                 self.progress(f"[{len(self.seen)}/{max(self.space, len(self.seen))}] "
                               f"{cand.describe()}: {outcome} "
@@ -259,24 +200,36 @@ def _check_leanest(search: _Search, leans: list[list[Candidate]]) -> None:
         raise search.nothing_fits(built)
 
 
+def exposed_bytes(report) -> int:
+    """A plan's wire bytes that no compute overlaps: its wire scaled by the share of its
+    collectives' tensor bytes not overlapped (:class:`PlanReport` ``overlap``; XLA:CPU runs
+    every collective synchronously: all of its wire)."""
+    c, overlap = report.collectives, getattr(report, "overlap", None) or {}
+    kinds = {k: c.get(f"{k}_bytes", 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    total = sum(kinds.values())
+    hidden = sum(overlap.get(k, 0.0) * b for k, b in kinds.items())
+    return round(c["wire_bytes"] * (1 - hidden / total)) if total else c["wire_bytes"]
+
+
 def _best_first(search: _Search, groups: dict[tuple[int, int], list[int]], variants,
                 runners_up: int) -> list[tuple[Candidate, PlanReport]]:
-    """The fitting candidates of the ``runners_up + 1`` groups with the least wire bytes.
+    """The fitting candidates of the ``runners_up + 1`` groups that expose the least
+    communication (then move the least).
 
-    Best-first over (stage, grad_accum, model) groups, keyed by wire bytes. Only each
-    (stage, model)'s fewest micro-batches are compiled up front: more micro-batches never
-    communicate less (stages 2-3 gather and reduce per micro-batch), so a group's wire is a
-    lower bound for the next count's, which is compiled only when the walk reaches it.
-    ``groups``: ``(stage, model) -> micro-batch counts``, fewest first.
+    Best-first over (stage, grad_accum, model) groups, keyed by (exposed, wire) bytes of
+    the group's first variant that can be built (offload, prefetch and the activations'
+    place move about the same collectives). Only each (stage, model)'s fewest micro-batches
+    are compiled up front: more micro-batches repeat the same collectives per micro-batch,
+    so a group's key is a lower bound for the next count's, which is compiled only when the
+    walk reaches it. ``groups``: ``(stage, model) -> micro-batch counts``, fewest first.
     """
     heap: list = []
     order = itertools.count()  # ties never reach the entries' reports
 
-    def push(stage: int, m: int, accums: list[int], bound: int = 0, head=None) -> None:
-        if accums:  # key: least wire, fewer micro-batches, higher stage, narrower model
-            bound = max(bound, search.wire_floor(variants(stage, accums[0], m)[0]))
-            heapq.heappush(heap, ((bound, accums[0], -stage, m), next(order), stage, m, accums,
-                                  head))
+    def push(stage: int, m: int, accums: list[int], bound=(0, 0), head=None) -> None:
+        if accums:  # key: least exposed, least wire, fewer micro-batches, higher stage, narrower
+            heapq.heappush(heap, ((*bound, accums[0], -stage, m), next(order), stage, m,
+                                  accums, head))
 
     for (stage, m), accums in groups.items():
         push(stage, m, accums)
@@ -285,16 +238,17 @@ def _best_first(search: _Search, groups: dict[tuple[int, int], list[int]], varia
     while heap and len(fits) <= runners_up:
         key, _, stage, m, accums, head = heapq.heappop(heap)
         group = variants(stage, accums[0], m)
-        if head is None:  # a lower bound so far: compile the group's first variant that may fit
-            i = next((i for i, c in enumerate(group) if not search.ruled_out(c)), None)
-            first = None if i is None else search.evaluate(group[i])
+        if head is None:  # a lower bound so far: compile the first variant built that may fit
+            i, first = next(((i, r) for i, c in enumerate(group) if not search.ruled_out(c)
+                             and (r := search.evaluate(c)) is not None), (None, None))
             if first is not None:
                 built = True
-                push(stage, m, accums, first.collectives["wire_bytes"], (i, first))
+                push(stage, m, accums, (exposed_bytes(first), first.collectives["wire_bytes"]),
+                     (i, first))
             else:
-                push(stage, m, accums[1:], key[0])
+                push(stage, m, accums[1:], key[:2])
             continue
-        push(stage, m, accums[1:], key[0])
+        push(stage, m, accums[1:], key[:2])
         start, first = head
         for i, cand in enumerate(group[start:], start):
             if i > start and search.ruled_out(cand):
@@ -327,7 +281,8 @@ def autotune(
     progress: Callable[[str], None] | None = None,
     estimate: Callable[[Config], Estimate] | None = None,
 ) -> TuneResult:
-    """The fitting configuration with the fewest collective bytes, then the least offload.
+    """The fitting configuration that exposes the fewest collective bytes (those no compute
+    overlaps; then the fewest in all), then the least offload.
 
     Args:
       config: the starting configuration (model, data, optimizer are kept).
@@ -367,14 +322,14 @@ def autotune(
                           f"local batch of {local(m)} (data.batch_size {config.data.batch_size} "
                           f"over {rows(m)} shards: {split})")
     remat = remat if has_remat else (None,)
-    variants = functools.partial(_variants, offloads=offloads, prefetch=prefetch, remat=remat,
-                                 activations=activations)
+    group_variants = functools.partial(variants, offloads=offloads, prefetch=prefetch,
+                                       remat=remat, activations=activations)
     space = {c for m in sizes for stage in stages for ga in accums[m]
-             for c in variants(stage, ga, m)}
+             for c in group_variants(stage, ga, m)}
     search = _Search(config, compile_report, budget_bytes, len(space), progress, estimate)
     if progress is not None:
         progress(f"searching {len(space)} candidates for {_size(budget_bytes)} per device, "
-                 "least communication first (each one tried is compiled)")
+                 "least exposed communication first (each one tried is compiled)")
     # One leanest candidate per model axis size: a wider model axis splits the weights further
     # but raises each device's share of the batch (fewer data replicas), so which is leanest
     # depends on the model.
@@ -388,7 +343,7 @@ def autotune(
                   if top == 3 else "device")
         for off in reversed(offloads)] for m in sizes if accums[m]])
     fits = _best_first(search, {(stage, m): accums[m] for m in sizes for stage in stages},
-                       variants, runners_up)
+                       group_variants, runners_up)
     best_cand, best = fits[0]
     rest = sorted((cr for cr in search.rows if not cr[1].fits(budget_bytes)),
                   key=lambda cr: cr[1].per_device["total_bytes"])
