@@ -74,7 +74,7 @@ class TuneResult:
         lines = [*self.notes, f"budget {_size(self.budget_bytes)} per device; best first:",
                  f"  {'fits':<5}{'model':>6}{'stage':>6}{'offload':>17}{'prefetch':>9}"
                  f"{'accum':>6}{'remat':>6}{'activations':>12}{'device total':>14}{'host':>12}"
-                 f"{'wire/step':>13}"]
+                 f"{'wire/step':>13}{'not overlapped':>16}"]
         for cand, r in self.rows:
             lines.append(
                 f"  {'yes' if r.fits(self.budget_bytes) else 'no':<5}{cand.model:>6}"
@@ -83,13 +83,15 @@ class TuneResult:
                 f"{cand.remat!s:>6}{cand.activations:>12}"
                 f"{_size(r.per_device['total_bytes']):>14}"
                 f"{_size(r.per_device['host_bytes']):>12}"
-                f"{_size(r.collectives['wire_bytes']):>13}")
+                f"{_size(r.collectives['wire_bytes']):>13}{_size(exposed_bytes(r)):>16}")
         return "\n".join(lines)
 
 
 def _outcome(r: PlanReport, budget_bytes: int) -> str:
     total = r.per_device["total_bytes"]
-    return f"{_size(total)} per device, {'fits' if r.fits(budget_bytes) else 'does not fit'}"
+    return (f"{_size(total)} per device, {'fits' if r.fits(budget_bytes) else 'does not fit'}; "
+            f"wire {_size(r.collectives['wire_bytes'])}, {_size(exposed_bytes(r))} not "
+            "overlapped")
 
 
 class _Search:
@@ -129,7 +131,7 @@ class _Search:
                  if self.estimates.get(c) is not None]
         return max(alike)[2] if alike else None
 
-    def ruled_out(self, cand: Candidate) -> bool:
+    def ruled_out(self, cand: Candidate, *, say: bool = True) -> bool:
         """Whether ``cand`` cannot fit by its estimate: its floor (state and kept inputs in
         device memory) over the budget, or its calibrated prediction over it by more than
         :data:`ESTIMATE_MARGIN`. Never compiled then."""
@@ -145,10 +147,20 @@ class _Search:
                 self.skipped[cand] = f"estimated {_size(e.predicted(factor))}"
             else:
                 return False
-            if self.progress is not None:
+            if self.progress is not None and say:
                 self.progress(f"[ruled out] {cand.describe()}: {self.skipped[cand]}, not "
                               "compiled")
         return True
+
+    def say_ruled_out(self, group: list[Candidate], size: int) -> None:
+        """One progress line for the candidates of ``group`` (of ``size``) ruled out so far
+        (the first one's reason)."""
+        out = [c for c in group if c in self.skipped]
+        if out and self.progress is not None:
+            c = out[0]
+            self.progress(f"[ruled out] model {c.model} stage {c.stage} accum {c.grad_accum}: "
+                          f"{len(out)} of its {size} candidates, not compiled (the first "
+                          f"{self.skipped[c]})")
 
     def evaluate(self, cand: Candidate) -> PlanReport | None:
         """``cand``'s report, or None when it cannot be built (its build says why)."""
@@ -213,50 +225,50 @@ def exposed_bytes(report) -> int:
 
 def _best_first(search: _Search, groups: dict[tuple[int, int], list[int]], variants,
                 runners_up: int) -> list[tuple[Candidate, PlanReport]]:
-    """The fitting candidates of the ``runners_up + 1`` groups that expose the least
-    communication (then move the least).
+    """The fitting candidate of the group that exposes the least communication (then moves
+    the least), and up to ``runners_up`` fits of other groups already compiled.
 
-    Best-first over (stage, grad_accum, model) groups, keyed by (exposed, wire) bytes of
-    the group's first variant that can be built (offload, prefetch and the activations'
-    place move about the same collectives). Only each (stage, model)'s fewest micro-batches
-    are compiled up front: more micro-batches repeat the same collectives per micro-batch,
-    so a group's key is a lower bound for the next count's, which is compiled only when the
-    walk reaches it. ``groups``: ``(stage, model) -> micro-batch counts``, fewest first.
+    Best-first over (stage, grad_accum, model) groups. A group taken from the heap is walked
+    from its most preferred variant to the first that fits (those ruled out by their
+    estimates skipped), which goes back into the heap keyed by its own (exposed, wire)
+    bytes and is taken when it comes out first. Only each (stage, model)'s fewest
+    micro-batches are walked up front: more micro-batches repeat the same collectives per
+    micro-batch, so a group's least figures bound the next count's, which is walked only
+    when the heap reaches it. ``groups``: ``(stage, model) -> micro-batch counts``, fewest
+    first.
     """
     heap: list = []
     order = itertools.count()  # ties never reach the entries' reports
 
-    def push(stage: int, m: int, accums: list[int], bound=(0, 0), head=None) -> None:
-        if accums:  # key: least exposed, least wire, fewer micro-batches, higher stage, narrower
-            heapq.heappush(heap, ((*bound, accums[0], -stage, m), next(order), stage, m,
-                                  accums, head))
+    def push(stage: int, m: int, accums: list[int], bound=(0, 0), found=None) -> None:
+        # key: least exposed, least wire, fewer micro-batches, higher stage, narrower model
+        heapq.heappush(heap, ((*bound, accums[0], -stage, m), next(order), stage, m, accums,
+                              found))
 
     for (stage, m), accums in groups.items():
         push(stage, m, accums)
     fits: list[tuple[Candidate, PlanReport]] = []
     built = False
     while heap and len(fits) <= runners_up:
-        key, _, stage, m, accums, head = heapq.heappop(heap)
-        group = variants(stage, accums[0], m)
-        if head is None:  # a lower bound so far: compile the first variant built that may fit
-            i, first = next(((i, r) for i, c in enumerate(group) if not search.ruled_out(c)
-                             and (r := search.evaluate(c)) is not None), (None, None))
-            if first is not None:
-                built = True
-                push(stage, m, accums, (exposed_bytes(first), first.collectives["wire_bytes"]),
-                     (i, first))
-            else:
-                push(stage, m, accums[1:], key[:2])
+        key, _, stage, m, accums, found = heapq.heappop(heap)
+        if found is not None:  # a group's fit, keyed by its own figures: the best left
+            fits.append(found)
             continue
-        push(stage, m, accums[1:], key[:2])
-        start, first = head
-        for i, cand in enumerate(group[start:], start):
-            if i > start and search.ruled_out(cand):
+        if fits:  # the runners-up are fits already compiled: no compile for them
+            continue
+        group = variants(stage, accums[0], m)
+        seen: list[tuple[int, int]] = []
+        for cand in group:
+            if search.ruled_out(cand, say=False) or (r := search.evaluate(cand)) is None:
                 continue
-            r = first if i == start else search.evaluate(cand)
-            if r is not None and r.fits(search.budget_bytes):
-                fits.append((cand, r))
+            built = True
+            seen.append((exposed_bytes(r), r.collectives["wire_bytes"]))
+            if r.fits(search.budget_bytes):
+                push(stage, m, accums, seen[-1], (cand, r))
                 break
+        search.say_ruled_out(group, len(group))
+        if len(accums) > 1:
+            push(stage, m, accums[1:], min(seen, default=key[:2]))
     if not built and not fits and not search.skipped:
         raise ConfigError("--budget: no configuration in the search space could be built")
     if not fits:
@@ -295,7 +307,8 @@ def autotune(
         device, split over ``model``, in host memory), most preferred first.
       model: ``model`` axis sizes to try (default: every divisor of ``n_devices`` up to 8;
         sizes the model cannot split, e.g. not dividing its heads, are skipped).
-      runners_up: how many further fitting groups to report after the best.
+      runners_up: how many further fitting groups to report after the best (among those
+        the search compiled before it).
       progress: called with one line before the search and after each candidate compiled
         (``[3/72] model 1 stage 3 ...: 12.3 MiB per device, fits (4.1 s)``; 72 is the size of
         the search space, which the search stops well short of).
