@@ -276,6 +276,23 @@ def _best_first(search: _Search, groups: dict[tuple[int, int], list[int]], varia
     return fits
 
 
+def _micro_batches(config: Config, n_devices: int, sizes: list[int],
+                   grad_accum: Sequence[int]) -> dict[int, list[int]]:
+    """Per ``model`` axis size, the micro-batch counts that divide a device's rows."""
+    # the rows' shards: every device but the model and context axes' (replica, data, expert)
+    rows = lambda m: max(1, n_devices // (m * config.mesh.context))
+    local = lambda m: config.data.batch_size // rows(m)
+    accums = {m: [ga for ga in grad_accum if local(m) % ga == 0] for m in sizes}
+    if not accums[sizes[0]]:
+        m, context = sizes[0], config.mesh.context
+        split = f"{n_devices} devices" + (f" / mesh.model {m}" if m > 1 else "") + \
+            (f" / mesh.context {context}" if context > 1 else "")
+        raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
+                          f"local batch of {local(m)} (data.batch_size {config.data.batch_size} "
+                          f"over {rows(m)} shards: {split})")
+    return accums
+
+
 def autotune(
     config: Config,
     *,
@@ -315,25 +332,15 @@ def autotune(
       estimate: ``estimate(config) -> Estimate`` (:func:`zjax.planning._estimate.
         estimate_config`): with it, a candidate whose floor exceeds the budget, or whose
         estimate calibrated on the compiled candidates exceeds it by more than
-        :data:`ESTIMATE_MARGIN`, is ruled out without a compile, groups are compiled in the
-        order of their wire floors, and the leanest candidates are not compiled up front.
+        :data:`ESTIMATE_MARGIN`, is ruled out without a compile, and the leanest candidates
+        are not compiled up front.
     """
     has_remat = any(f.name == "remat" for f in dataclasses.fields(config.model))
     sizes = [m for m in (model or range(1, min(8, n_devices) + 1)) if n_devices % m == 0]
     if not sizes:
         raise ConfigError(f"--budget: no model axis size in {tuple(model or ())} divides the "
                           f"{n_devices} devices")
-    # the rows' shards: every device but the model and context axes' (replica, data, expert)
-    rows = lambda m: max(1, n_devices // (m * config.mesh.context))
-    local = lambda m: config.data.batch_size // rows(m)
-    accums = {m: [ga for ga in grad_accum if local(m) % ga == 0] for m in sizes}
-    if not accums[sizes[0]]:
-        m, context = sizes[0], config.mesh.context
-        split = f"{n_devices} devices" + (f" / mesh.model {m}" if m > 1 else "") + \
-            (f" / mesh.context {context}" if context > 1 else "")
-        raise ConfigError(f"--budget: no micro-batch count in {tuple(grad_accum)} divides the "
-                          f"local batch of {local(m)} (data.batch_size {config.data.batch_size} "
-                          f"over {rows(m)} shards: {split})")
+    accums = _micro_batches(config, n_devices, sizes, grad_accum)
     remat = remat if has_remat else (None,)
     group_variants = functools.partial(variants, offloads=offloads, prefetch=prefetch,
                                        remat=remat, activations=activations)
