@@ -131,10 +131,10 @@ class _Search:
                  if self.estimates.get(c) is not None]
         return max(alike)[2] if alike else None
 
-    def ruled_out(self, cand: Candidate, *, say: bool = True) -> bool:
+    def ruled_out(self, cand: Candidate) -> bool:
         """Whether ``cand`` cannot fit by its estimate: its floor (state and kept inputs in
         device memory) over the budget, or its calibrated prediction over it by more than
-        :data:`ESTIMATE_MARGIN`. Never compiled then."""
+        :data:`ESTIMATE_MARGIN`. Never compiled then (:meth:`say_ruled_out` says so)."""
         if cand in self.seen or (e := self.estimate_of(cand)) is None:
             return False
         if cand not in self.skipped:
@@ -147,19 +147,16 @@ class _Search:
                 self.skipped[cand] = f"estimated {_size(e.predicted(factor))}"
             else:
                 return False
-            if self.progress is not None and say:
-                self.progress(f"[ruled out] {cand.describe()}: {self.skipped[cand]}, not "
-                              "compiled")
         return True
 
-    def say_ruled_out(self, group: list[Candidate], size: int) -> None:
-        """One progress line for the candidates of ``group`` (of ``size``) ruled out so far
-        (the first one's reason)."""
+    def say_ruled_out(self, group: list[Candidate]) -> None:
+        """One progress line for the candidates of ``group`` ruled out (the first one's
+        reason)."""
         out = [c for c in group if c in self.skipped]
         if out and self.progress is not None:
             c = out[0]
             self.progress(f"[ruled out] model {c.model} stage {c.stage} accum {c.grad_accum}: "
-                          f"{len(out)} of its {size} candidates, not compiled (the first "
+                          f"{len(out)} of its {len(group)} candidates, not compiled (the first "
                           f"{self.skipped[c]})")
 
     def evaluate(self, cand: Candidate) -> PlanReport | None:
@@ -259,14 +256,14 @@ def _best_first(search: _Search, groups: dict[tuple[int, int], list[int]], varia
         group = variants(stage, accums[0], m)
         seen: list[tuple[int, int]] = []
         for cand in group:
-            if search.ruled_out(cand, say=False) or (r := search.evaluate(cand)) is None:
+            if search.ruled_out(cand) or (r := search.evaluate(cand)) is None:
                 continue
             built = True
             seen.append((exposed_bytes(r), r.collectives["wire_bytes"]))
             if r.fits(search.budget_bytes):
                 push(stage, m, accums, seen[-1], (cand, r))
                 break
-        search.say_ruled_out(group, len(group))
+        search.say_ruled_out(group)
         if len(accums) > 1:
             push(stage, m, accums[1:], min(seen, default=key[:2]))
     if not built and not fits and not search.skipped:
