@@ -146,14 +146,20 @@ def test_a_layer_over_the_bucket_cap_gathers_in_runs_of_leaves(monkeypatch, cap,
         np.testing.assert_allclose(grads[k], want[1][k], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize(("prefetch", "bucket"), [(0, False), (1, False), (1, True),
-                                                   (2, True)])
-def test_scheduled_scan_with_a_secondary_partition_matches_plain_scan(prefetch, bucket):
+@pytest.mark.parametrize(("prefetch", "bucket", "cap"), [(0, False, None), (1, False, None),
+                                                          (1, True, None), (2, True, None),
+                                                          (1, True, 2048)])
+def test_scheduled_scan_with_a_secondary_partition_matches_plain_scan(monkeypatch, prefetch,
+                                                                      bucket, cap):
     """hpZ's two levels on node 2 x data 4 (shards over ("data", "node")), per leaf and as
     buckets: values and gradients as a plain scan; per layer the backward gathers over
-    ``data`` only, and the gradients are reduce-scattered over ``data`` then ``node``."""
-    from zjax.partition import Comm
+    ``data`` only, and the gradients are reduce-scattered over ``data`` then ``node``. A
+    layer over the bucket cap (``cap``: each 2048-byte leaf alone) moves as leaf by leaf."""
+    from zjax.partition import Comm, _schedule_spec
     from zjax.runtime.mesh import split_nodes
+
+    if cap is not None:
+        monkeypatch.setattr(_schedule_spec, "BUCKET_CAP_BYTES", cap)
 
     L, D, F = 4, 16, 32
     rng = np.random.default_rng(2)
@@ -197,7 +203,7 @@ def test_scheduled_scan_with_a_secondary_partition_matches_plain_scan(prefetch, 
     assert coll.by_axis["data"]["reduce_scatter"] == sharded
     # per leaf, each layer's cross-node level runs during the next layer (and the first
     # iteration sends zeros); buckets run both levels at the end of their layer
-    extra = 0 if bucket and k else sharded // L
+    extra = 0 if bucket and k and cap is None else sharded // L
     assert coll.by_axis["node"]["reduce_scatter"] == (sharded + extra) // 4
 
 
