@@ -13,7 +13,8 @@ import zjax
 from zjax import cli
 from zjax.planning import longest_sequence
 from zjax.planning._activations import ActivationShape, activation_bytes
-from zjax.planning._search import ACTIVATIONS, Candidate, _variants
+from zjax.planning._candidates import ACTIVATIONS, Candidate
+from zjax.planning._candidates import variants as _variants
 
 SHAPE = ActivationShape(layers=4, d_model=512, d_ff=2048, heads=8, kv_heads=2, head_dim=64,
                         vocab=32000, gated=True, sequences=2, seq_len=4096, act_bytes=2)
