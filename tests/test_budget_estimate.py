@@ -146,3 +146,35 @@ def test_the_search_prefers_the_least_exposed_communication():
     assert hidden.config.zero.stage == 3
     assert exposed_bytes(hidden.report) == round(30 * GIB * 0.1)
     assert run(0.0).config.zero.stage == 0
+
+
+def test_a_refused_compile_calibrates_the_estimates():
+    """libtpu refuses a step over its memory, naming the temporaries it needed: the search
+    counts that as the candidate's total (with its device state) and rules out by it, as by
+    a compiled total."""
+    from zjax.errors import DoesNotFitError
+    from zjax.planning._plan import _refused_temp
+
+    assert _refused_temp("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                         "required for HLO temporaries (193.53G) exceeds available HBM "
+                         "(95.74G).") == 193_530_000_000
+    assert _refused_temp("RESOURCE_EXHAUSTED: something else") is None
+    budget, compiled = 30 * GIB, []
+
+    def compile_report_(cfg):  # the truth, but what does not fit is refused as libtpu does
+        cand = _candidate_of(cfg)
+        compiled.append(cand)
+        e, total, wire = _truth(cand)
+        if total > budget:
+            raise DoesNotFitError("does not fit", temp_bytes=total - e.state_bytes)
+        return _Report({"total_bytes": total}, {"wire_bytes": wire})
+
+    result = _search(zjax.load_config(None, ["model.n_layers=2"]), budget_bytes=budget,
+                     compile_report=compile_report_, n_devices=8,
+                     estimate=lambda cfg: _truth(_candidate_of(cfg))[0], **SPACE)
+    reported, _ = _run(budget, estimated=True)
+    assert result.config == _run(budget, estimated=False)[0].config
+    # the same compiles and the same candidates ruled out as with the compiled totals
+    assert result.notes == reported.notes
+    assert int(result.notes[0].split("; ")[1].split()[0]) > 0
+    assert len(set(compiled)) == len(compiled)

@@ -365,6 +365,6 @@ def autotune(
     rest = sorted((cr for cr in search.rows if not cr[1].fits(budget_bytes)),
                   key=lambda cr: cr[1].per_device["total_bytes"])
     notes = () if estimate is None else (
-        f"compiled {len(search.rows)} of {len(space)} candidates; {len(search.skipped)} ruled "
+        f"compiled {len(search.totals)} of {len(space)} candidates; {len(search.skipped)} ruled "
         "out by their estimates without a compile",)
     return TuneResult(best_cand.apply(config), best, fits + rest, budget_bytes, notes)
