@@ -85,8 +85,14 @@ def item_read() -> Iterator[None]:
         absl.removeFilter(quiet)
 
 
-def read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype) -> np.ndarray:
+def read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype, *,
+              params_only: bool = False) -> np.ndarray:
     """The leaf ``keys`` of ``state_dir``'s params cast to ``dtype``.
+
+    Args:
+      state_dir: a training checkpoint's ``state`` item (its params under ``params``), or
+        with ``params_only`` a params tree saved alone (``zjax import-hf``'s ``params/``,
+        ``zjax export --format orbax``), which records no digests.
 
     Raises:
       DamagedCheckpoint: it cannot be read, or reads back other values than were saved.
@@ -99,17 +105,19 @@ def read_leaf(state_dir: Path, keys: tuple[str, ...], shape, dtype: np.dtype) ->
     node_i[keys[-1]] = np.zeros((), np.float32)  # structure only; restore_args carry the type
     node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)  # as stored, to verify it
     name = "/".join(keys)
+    if not params_only:
+        item, args = {"params": item}, {"params": args}
     try:
         with item_read():
             out = ocp.PyTreeCheckpointer().restore(
-                state_dir, args=ocp.args.PyTreeRestore(item={"params": item},
-                                                        restore_args={"params": args},
-                                                        partial_restore=True))["params"]
-        for key in keys:
+                state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                        partial_restore=True))
+        for key in keys if params_only else ("params", *keys):
             out = out[key]
         if tuple(out.shape) != tuple(shape):
             raise DamagedCheckpoint(f"read as {out.shape}, its metadata says {shape}")
-        _verify_leaf(state_dir, keys, out)
+        if not params_only:
+            _verify_leaf(state_dir, keys, out)
     except Exception as e:  # what Orbax/Tensorstore raise on bad data is damage; else a bug
         if not is_damage(e):
             raise

@@ -2,6 +2,7 @@
 
 This module reads the process environment: it may simulate CPU devices before jax starts.
 Bad input ends with a one-line error and exit code 2, never a traceback.
+Log lines go to stderr where stdout holds a command's result (:data:`RESULT_ON_STDOUT`).
 """
 
 from __future__ import annotations
@@ -276,29 +277,38 @@ def _plot(args) -> int:
     return 0
 
 
-class _StdoutHandler(logging.StreamHandler):
-    """Writes to the ``sys.stdout`` of the moment, not the one of the first CLI call: a caller
-    that redirected it then (a test's capture, ``contextlib.redirect_stdout``) may have closed
-    that stream since, and logging would print a traceback for every later message."""
+# commands whose stdout is their result (text, JSON, YAML, paths a script reads): their log
+# lines go to stderr. train, tokenize, import-hf and launch print a report, which is their log
+RESULT_ON_STDOUT = frozenset({"sample", "plan", "config", "export", "plot"})
+
+
+class _LogHandler(logging.StreamHandler):
+    """Writes to ``sys.stdout`` (``sys.stderr``) of the moment, not of the first CLI call: a
+    caller that redirected it then (a test's capture) may have closed that stream since."""
 
     def __init__(self):
         logging.Handler.__init__(self)
+        self.to = "stdout"
 
     @property
     def stream(self):
-        return sys.stdout
+        return getattr(sys, self.to)
 
 
-def _setup_logging() -> None:
+def _setup_logging(command: str | None = None) -> None:
+    """The "zjax" logger's one handler, on stderr for a command in :data:`RESULT_ON_STDOUT`
+    (its stdout holds only its result), else on stdout."""
     # our own handler: libraries imported on the way (absl, grain) may configure the root logger
     logger = logging.getLogger("zjax")
-    if not any(getattr(h, "_zjax_cli", False) for h in logger.handlers):
-        handler = _StdoutHandler()
+    handler = next((h for h in logger.handlers if getattr(h, "_zjax_cli", False)), None)
+    if handler is None:
+        handler = _LogHandler()
         rank = os.environ.get(ENV["process_id"]) or os.environ.get("SLURM_PROCID")
         handler.setFormatter(logging.Formatter(f"[process {rank}] %(message)s" if rank
                                                else "%(message)s"))
         handler._zjax_cli = True
         logger.addHandler(handler)
+    handler.to = "stderr" if command in RESULT_ON_STDOUT else "stdout"
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
@@ -348,7 +358,7 @@ def _main(argv: list[str] | None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _setup_logging()
+    _setup_logging(args.command)
     if args.command not in ("plot", "launch"):  # the others start JAX
         _cpu_unless_accelerator()
     try:

@@ -24,9 +24,12 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from zjax.errors import ConfigError
+import numpy as np
 
-__all__ = ["ROLES", "ChatTemplate", "load_chat_template", "special_token", "tokenizer_config"]
+from zjax.errors import ConfigError, did_you_mean
+
+__all__ = ["ROLES", "ChatTemplate", "check_messages", "load_chat_template", "span_mask",
+           "special_token", "tokenizer_config"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -191,3 +194,39 @@ class ChatTemplate:
                 end -= 1
             spans.append((len(before), end))
         return text, spans
+
+
+def check_messages(value, field: str, where: str) -> list[dict]:
+    """``value`` checked as a non-empty list of ``{role, content}`` messages, each role one
+    of :data:`ROLES` and each content text (an error names ``where`` and ``field``)."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: field {field!r} must be a non-empty list of "
+                          f"{{role, content}} messages, got {type(value).__name__}")
+    for i, m in enumerate(value):
+        at = f"{where}: field {field!r}, message {i}"
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ConfigError(f"{at}: expected {{role, content}}, got {str(m)[:80]!r}")
+        if m["role"] not in ROLES:
+            raise ConfigError(f"{at}: unknown role {m['role']!r}"
+                              f"{did_you_mean(str(m['role']), ROLES)}; roles: "
+                              f"{', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ConfigError(f"{at}: content holds {type(m['content']).__name__}, expected "
+                              "text (a string)")
+    return value
+
+
+def span_mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """1 on the tokens from the one holding each span's first character to the one holding
+    its last (``return_assistant_tokens_mask``'s rule), for a tokenizer's ``encoding`` of the
+    rendered text and the spans :meth:`ChatTemplate.render_with_spans` gives."""
+    mask = np.zeros(len(encoding.ids), np.uint8)
+    for start, end in spans:
+        if end <= start:
+            continue
+        first = encoding.char_to_token(start)
+        last = encoding.char_to_token(end - 1)
+        if first is None:  # past the encoded text
+            break
+        mask[first:len(mask) if last is None else last + 1] = 1
+    return mask

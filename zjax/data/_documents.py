@@ -25,14 +25,20 @@ encoded in groups, by the tokenizer's own threads (all cores).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from zjax.data._chat import ROLES, load_chat_template, special_token, tokenizer_config
+from zjax.data._chat import (
+    check_messages,
+    load_chat_template,
+    span_mask,
+    special_token,
+    tokenizer_config,
+)
 from zjax.data._preference import PreferenceStats, encode_pairs
 from zjax.data.config import DataConfig
-from zjax.errors import ConfigError, did_you_mean
+from zjax.errors import ConfigError
 
 __all__ = ["Encoder", "eos_id", "groups", "span_mask"]
 
@@ -91,23 +97,29 @@ class Encoder:
                                   "with its chat template in the tokenizer_config.json beside)")
             self.template = load_chat_template(data.tokenizer)
 
-    def documents(self, rows: Iterable[tuple[str, dict]]) -> Iterator[tuple[np.ndarray,
-                                                                            np.ndarray]]:
+    def documents(self, rows: Iterable[tuple[str, dict]], *, source: str | None = None
+                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """``(ids int32, loss mask uint8)`` of each row, in order (``preference``: two per
-        row, none for a row skipped; its cuts and skips are said in a warning at the end)."""
+        row, none for a row skipped; its cuts and skips are said in a warning at the end, a
+        source all skipped refused naming ``source``, e.g. ``data.path: FILE``)."""
         self.reset()
         for group in groups(rows):
             yield from self.encode_group(group)
-        self.report()
+        self.report(source=source)
 
     def reset(self) -> None:
         """Start counting a new source's cuts and skips (``preference``)."""
         self.stats = PreferenceStats() if self.format == "preference" else None
 
-    def report(self) -> None:
-        """Log what was cut and skipped of the rows since :meth:`reset` (one warning each)."""
+    def report(self, *, source: str | None = None) -> None:
+        """Log what was cut and skipped of the rows since :meth:`reset` (one warning each).
+
+        Raises:
+          ConfigError: ``preference``: every row was skipped (its answers equal), naming
+            ``source``.
+        """
         if self.stats is not None:
-            self.stats.report(prompt_limit=self.prompt_limit, room=self.room)
+            self.stats.report(prompt_limit=self.prompt_limit, room=self.room, source=source)
 
     def encode_group(self, group: list[tuple[str, dict]]):
         """The documents of one group of rows (the tokenizer encodes it in parallel)."""
@@ -138,18 +150,6 @@ class Encoder:
             return ids
         return np.append(ids, np.int32(self.eos_id))
 
-    # what _preference encodes with (it cannot import this module, which imports it)
-    @staticmethod
-    def messages(value, field: str, where: str) -> list[dict]:
-        """``value`` checked as a non-empty list of ``{role, content}`` messages (an error
-        names ``where`` and ``field``)."""
-        return _messages(value, field, where)
-
-    @staticmethod
-    def mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:
-        """:func:`span_mask`."""
-        return span_mask(encoding, spans)
-
     def chat_template(self, where: str):
         """The chat template (loaded on first use), for a conversational row at ``where``."""
         if self.template is None:
@@ -174,7 +174,7 @@ class Encoder:
         field = self.columns[0]
         rendered = []
         for where, row in group:
-            messages = _messages(row[field], field, where)
+            messages = check_messages(row[field], field, where)
             try:
                 rendered.append(self.template.render_with_spans(messages))
             except ValueError as e:
@@ -248,42 +248,9 @@ def groups(rows: Iterable[tuple[str, dict]]) -> Iterator[list[tuple[str, dict]]]
         yield group
 
 
-def span_mask(encoding, spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """1 on the tokens from the one holding each span's first character to the one holding
-    its last (``return_assistant_tokens_mask``'s rule)."""
-    mask = np.zeros(len(encoding.ids), np.uint8)
-    for start, end in spans:
-        if end <= start:
-            continue
-        first = encoding.char_to_token(start)
-        last = encoding.char_to_token(end - 1)
-        if first is None:  # past the encoded text
-            break
-        mask[first:len(mask) if last is None else last + 1] = 1
-    return mask
-
-
 def _text(row: dict, field: str, where: str) -> str:
     value = row[field]
     if not isinstance(value, str):
         raise ConfigError(f"{where}: field {field!r} holds {type(value).__name__}, expected "
                           "text (a string)")
-    return value
-
-
-def _messages(value, field: str, where: str) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"{where}: field {field!r} must be a non-empty list of "
-                          f"{{role, content}} messages, got {type(value).__name__}")
-    for i, m in enumerate(value):
-        at = f"{where}: field {field!r}, message {i}"
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ConfigError(f"{at}: expected {{role, content}}, got {str(m)[:80]!r}")
-        if m["role"] not in ROLES:
-            raise ConfigError(f"{at}: unknown role {m['role']!r}"
-                              f"{did_you_mean(str(m['role']), ROLES)}; roles: "
-                              f"{', '.join(ROLES)}")
-        if not isinstance(m["content"], str):
-            raise ConfigError(f"{at}: content holds {type(m['content']).__name__}, expected "
-                              "text (a string)")
     return value

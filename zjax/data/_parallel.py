@@ -80,6 +80,7 @@ def _done(future: concurrent.futures.Future, stats: PreferenceStats | None):
 def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """End ``pool``'s processes now (their groups in flight are dropped)."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # shutdown forgets it
     pool.shutdown(wait=False, cancel_futures=True)
     for p in processes:
         p.terminate()
@@ -88,3 +89,8 @@ def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    # The pool's manager thread closes its wake-up pipe as it ends; CPython 3.11's exit hook
+    # for pools writes to that pipe unlocked, so a thread still ending at exit printed an
+    # "Exception ignored ... Bad file descriptor" traceback after "stopped by SIGTERM".
+    if manager is not None:
+        manager.join(timeout=10)

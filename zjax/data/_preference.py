@@ -35,9 +35,11 @@ Bad input:
   the answer messages' contents, all whitespace; no answer message after an implicit
   prompt), an answer message whose role is not ``assistant``, conversations that share no
   first message when there is no ``prompt``, a conversation without ``data.tokenizer``.
-- skipped: a row whose ``chosen`` equals its ``rejected`` (its gradient would be zero): it
-  gives no document (pairs stay aligned), and is counted and said in one warning per source
-  naming the first.
+- skipped: a row whose ``chosen`` equals its ``rejected`` (its gradient would be zero), as
+  given or once cut to fit (the answers differ only past ``seq_len + 1`` tokens, or the
+  prompt fills the row): it gives no document (pairs stay aligned), and is counted and said
+  in one warning per source naming the first. A source whose rows are all skipped is refused,
+  saying so (it would otherwise train on nothing, its loss ln 2 throughout).
 """
 
 from __future__ import annotations
@@ -45,18 +47,37 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
+from zjax.data._chat import check_messages, span_mask
 from zjax.errors import ConfigError
 
-if TYPE_CHECKING:
-    from zjax.data._documents import Encoder
-
-__all__ = ["PreferenceStats", "encode_pairs"]
+__all__ = ["PairEncoder", "PreferenceStats", "encode_pairs"]
 
 FIELDS = ("prompt", "chosen", "rejected")
+
+
+class PairEncoder(Protocol):
+    """What encoding pairs takes of the encoder (``zjax.data._documents.Encoder``, which
+    imports this module: named by what it does, so this module imports none of it).
+
+    Attributes:
+      tokenizer: the ``tokenizers.Tokenizer`` (None: byte-level).
+      prompt_limit: ``data.max_prompt_len`` (``seq_len // 2`` unset).
+      room: the tokens of one row, ``seq_len + 1``.
+    """
+
+    tokenizer: Any
+    prompt_limit: int
+    room: int
+
+    def encode_texts(self, texts: list[str], *, special: bool) -> list[np.ndarray]: ...
+
+    def with_eos(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def chat_template(self, where: str) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -67,7 +88,9 @@ class PreferenceStats:
       rows: the rows read.
       prompt_cut: rows whose prompt was cut (from the left) to ``data.max_prompt_len``.
       answer_cut: rows with an answer cut (at its end) to fit ``seq_len + 1`` tokens.
-      skipped: rows skipped, their chosen answer equal to the rejected one.
+      skipped: rows skipped, their chosen answer equal to the rejected one (as given, or
+        once cut to fit).
+      skipped_cut: of those, the rows whose answers became equal only once cut.
       first_skipped: where the first of those is.
     """
 
@@ -75,7 +98,14 @@ class PreferenceStats:
     prompt_cut: int = 0
     answer_cut: int = 0
     skipped: int = 0
+    skipped_cut: int = 0
     first_skipped: str | None = None
+
+    def skip(self, where: str, *, cut: bool) -> None:
+        """Count the row at ``where`` skipped (``cut``: equal only once cut to fit)."""
+        self.skipped += 1
+        self.skipped_cut += cut
+        self.first_skipped = self.first_skipped or where
 
     def add(self, other: PreferenceStats) -> None:
         """Count ``other``'s rows (later rows than these) too."""
@@ -85,9 +115,15 @@ class PreferenceStats:
         self.prompt_cut += other.prompt_cut
         self.answer_cut += other.answer_cut
         self.skipped += other.skipped
+        self.skipped_cut += other.skipped_cut
 
-    def report(self, *, prompt_limit: int, room: int) -> None:
-        """One warning for the cuts, one for the skipped rows (none where there is none)."""
+    def report(self, *, prompt_limit: int, room: int, source: str | None = None) -> None:
+        """One warning for the cuts, one for the skipped rows (none where there is none).
+
+        Raises:
+          ConfigError: every row was skipped (``source``: what to name, e.g. ``data.path:
+            FILE``; else the first row skipped is named).
+        """
         log = logging.getLogger("zjax")
         said = []
         if self.prompt_cut:
@@ -99,10 +135,19 @@ class PreferenceStats:
                         f"{room} tokens")
         if said:
             log.warning("; ".join(said))
-        if self.skipped:
-            log.warning("%d of %d preference rows were skipped (the first: %s): their chosen "
-                        "answer is their rejected one, a pair the preference loss learns "
-                        "nothing from", self.skipped, self.rows, self.first_skipped)
+        if not self.skipped:
+            return
+        # a pair cut to equal rows would train at ln 2 with no gradient: said as equal pairs
+        cut = (f" ({self.skipped_cut} of them only once cut to fit {room} tokens, "
+               "data.seq_len + 1)") if self.skipped_cut else ""
+        why = (f"their chosen answer is their rejected one{cut}, a pair the preference loss "
+               "learns nothing from")
+        if self.skipped == self.rows:
+            raise ConfigError(f"{source or 'data.path'}: all {self.rows} preference pairs were "
+                              f"skipped as identical (the first: {self.first_skipped}): {why}"
+                              "; nothing is left to train on")
+        log.warning("%d of %d preference rows were skipped (the first: %s): %s",
+                    self.skipped, self.rows, self.first_skipped, why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,18 +159,13 @@ class _Pair:
     rejected: str | list[dict]
 
 
-def encode_pairs(encoder: Encoder, group: Sequence[tuple[str, dict]], stats: PreferenceStats):
+def encode_pairs(encoder: PairEncoder, group: Sequence[tuple[str, dict]],
+                 stats: PreferenceStats):
     """The documents of a group of preference rows: each row's chosen then rejected sequence
-    (none for a row skipped), cut to fit; ``stats`` counts the cuts and skips."""
-    pairs = []
-    for where, row in group:
-        stats.rows += 1
-        pair = _parse(encoder, where, row)
-        if pair is None:
-            stats.skipped += 1
-            stats.first_skipped = stats.first_skipped or where
-            continue
-        pairs.append(pair)
+    (none for a row skipped: equal answers, as given or once cut to fit), cut to fit;
+    ``stats`` counts the cuts and skips, in the rows' order."""
+    parsed = [(where, _parse(encoder, where, row)) for where, row in group]
+    pairs = [p for _, p in parsed if p is not None]
     encoded: list = [None] * len(pairs)
     for chat, encode in ((False, _encode_text), (True, _encode_chat)):
         picked = [i for i, p in enumerate(pairs) if p.chat == chat]
@@ -133,15 +173,25 @@ def encode_pairs(encoder: Encoder, group: Sequence[tuple[str, dict]], stats: Pre
             for i, sequences in zip(picked, encode(encoder, [pairs[i] for i in picked]),
                                     strict=True):
                 encoded[i] = sequences
-    for sequences in encoded:
-        yield from _fit(sequences, encoder.prompt_limit, encoder.room, stats)
+    fitted = iter(encoded)
+    for where, pair in parsed:
+        stats.rows += 1
+        if pair is None:
+            stats.skip(where, cut=False)
+            continue
+        (chosen, chosen_mask), (rejected, rejected_mask) = two = _fit(
+            next(fitted), encoder.prompt_limit, encoder.room, stats)
+        if np.array_equal(chosen, rejected) and np.array_equal(chosen_mask, rejected_mask):
+            stats.skip(where, cut=True)  # the answers differed only in what was cut
+            continue
+        yield from two
 
 
 def _kind(value) -> str:
     return "text" if isinstance(value, str) else "messages" if isinstance(value, list) else ""
 
 
-def _parse(encoder: Encoder, where: str, row: dict) -> _Pair | None:
+def _parse(encoder: PairEncoder, where: str, row: dict) -> _Pair | None:
     """The row's layout and parts, checked; None where its answers are the same."""
     values = {f: row.get(f) for f in FIELDS if row.get(f) is not None}
     kinds = {f: _kind(v) for f, v in values.items()}
@@ -161,12 +211,12 @@ def _parse(encoder: Encoder, where: str, row: dict) -> _Pair | None:
                                   "compares two answers")
         return None if chosen == rejected else _Pair(where, False, values.get("prompt", ""),
                                                      chosen, rejected)
-    chosen = encoder.messages(chosen, "chosen", where)
-    rejected = encoder.messages(rejected, "rejected", where)
+    chosen = check_messages(chosen, "chosen", where)
+    rejected = check_messages(rejected, "rejected", where)
     if chosen == rejected:
         return None
     if "prompt" in values:
-        prompt, start = encoder.messages(values["prompt"], "prompt", where), 0
+        prompt, start = check_messages(values["prompt"], "prompt", where), 0
     else:
         prompt, chosen, rejected = _common_prefix(where, chosen, rejected)
         start = len(prompt)
@@ -204,7 +254,7 @@ def _check_answer(where: str, field: str, answer: list[dict], start: int) -> Non
                           "no text): a preference pair compares two answers")
 
 
-def _encode_text(encoder: Encoder, pairs: list[_Pair]) -> list:
+def _encode_text(encoder: PairEncoder, pairs: list[_Pair]) -> list:
     """Each pair's two ``(prompt ids, answer ids, answer mask)``: standard layout."""
     prompts = encoder.encode_texts([p.prompt for p in pairs], special=True)
     answers = encoder.encode_texts([a for p in pairs for a in (p.chosen, p.rejected)],
@@ -216,7 +266,7 @@ def _encode_text(encoder: Encoder, pairs: list[_Pair]) -> list:
     return out
 
 
-def _encode_chat(encoder: Encoder, pairs: list[_Pair]) -> list:
+def _encode_chat(encoder: PairEncoder, pairs: list[_Pair]) -> list:
     """Each pair's two ``(prompt ids, answer ids, answer mask)``: conversational layouts."""
     template = encoder.chat_template(pairs[0].where)
     parts = [_render(template, p, field, answer) for p in pairs
@@ -227,7 +277,7 @@ def _encode_chat(encoder: Encoder, pairs: list[_Pair]) -> list:
     for j, (_, _, spans) in enumerate(parts):
         prompt, answer = encs[2 * j], encs[2 * j + 1]
         sequences.append((np.asarray(prompt.ids, np.int32), np.asarray(answer.ids, np.int32),
-                          encoder.mask(answer, spans)))
+                          span_mask(answer, spans)))
     return [sequences[2 * k:2 * k + 2] for k in range(len(pairs))]
 
 

@@ -32,7 +32,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from zjax.data._documents import Encoder, eos_id, groups
+from zjax.data._chat import check_messages
+from zjax.data._documents import eos_id, groups
 from zjax.data._records import warn_no_eval
 from zjax.data._sources import object_rows, record_files, rows, source_kind
 from zjax.data.config import DataConfig
@@ -144,7 +145,7 @@ def _checked(where: str, row: dict) -> tuple[Any, dict]:
             raise ConfigError(f"{where}: field 'prompt' is empty (no text): there is nothing "
                               "to generate a completion for")
     elif isinstance(value, list):
-        Encoder.messages(value, FIELD, where)
+        check_messages(value, FIELD, where)
     else:
         raise ConfigError(f"{where}: field 'prompt' holds {type(value).__name__}, expected "
                           "text or a list of {role, content} messages")

@@ -132,8 +132,10 @@ def load_corpus(data: DataConfig, source: Any = None) -> Corpus:
                  if source is not None
                  else rows(record_files(spec), encoder.columns, optional=encoder.optional))
         name = type(spec).__name__ if source is not None else str(spec)
-        loaded.append((build_documents(encoder.documents(found), vocab_size=encoder.vocab_size,
-                                       source=name, meta=encoder.meta), weight))
+        said = f"{'data source' if source is not None else 'data.path'}: {name}"
+        loaded.append((build_documents(encoder.documents(found, source=said),
+                                       vocab_size=encoder.vocab_size, source=name,
+                                       meta=encoder.meta), weight))
     from zjax.data._store import check_same_tokenizer
 
     check_same_tokenizer(d for d, _ in loaded)  # never ids of two tokenizers mixed

@@ -210,6 +210,6 @@ def _documents(encoder: Encoder, data: DataConfig, found, workers: int):
 
         encoder.reset()
         yield from encode_in_parallel(data, found, workers=workers, stats=encoder.stats)
-        encoder.report()
+        encoder.report(source="tokenize")
     else:
-        yield from encoder.documents(found)
+        yield from encoder.documents(found, source="tokenize")

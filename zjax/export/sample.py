@@ -193,7 +193,8 @@ def load_sampler(source: str | Path, *, adapter: str | Path | None = None) -> Sa
     if adapter is not None:
         from zjax.hf import layout_for_model, read_peft
 
-        lora, adapters = read_peft(Path(adapter), layout_for_model(loop, cfg), cfg)
+        lora, adapters = read_peft(Path(adapter), layout_for_model(loop, cfg), cfg,
+                                   key="--adapter")
         params = _merge(params, nested(adapters.items()))
     model = _model(loop, cfg, params, str(source), lora)
     if tokenizer is None:  # a run trained on bytes, or a model with no tokenizer
@@ -282,9 +283,12 @@ def _model(loop: str, cfg: Any, params: dict, source: str, lora=None) -> nnx.Mod
     if lora is not None and lora.quantized:  # the base as the run held it: quantized
         from zjax.lora import quantize
 
-        layers = dict(params["blocks"]["layers"])
-        layers.update({k: quantize(jnp.asarray(layers[k]), lora.base_dtype)
-                       for k in cls.LINEAR_WEIGHTS if k in layers})
-        params = {**params, "blocks": {**params["blocks"], "layers": layers}}
+        params = dict(params)
+        for stack, node in params.items():  # every stack: blocks, DeepSeek's dense_blocks
+            if isinstance(node, dict) and isinstance(node.get("layers"), dict):
+                layers = dict(node["layers"])
+                layers.update({k: quantize(jnp.asarray(layers[k]), lora.base_dtype)
+                               for k in cls.LINEAR_WEIGHTS if k in layers})
+                params[stack] = {**node, "layers": layers}
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), **kw)))
     return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))

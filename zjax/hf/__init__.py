@@ -27,7 +27,8 @@ from zjax.hf._import import import_hf, initial_params
 from zjax.hf._layout import Layout, Leaf
 from zjax.hf._layouts import layout_for_hf, layout_for_model
 from zjax.hf._load import HFCheckpoint, is_hf_dir
-from zjax.hf._peft import PEFT_PREFIX, peft_writer, read_peft
+from zjax.hf._peft import PEFT_PREFIX, peft_writer
+from zjax.hf._peft_read import read_peft
 from zjax.hf._safetensors import SafetensorsDir, write_safetensors
 from zjax.hf._tokenizer import model_tokenizer, stop_ids
 

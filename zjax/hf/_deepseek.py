@@ -132,7 +132,12 @@ _V2_KEYS = {k: v for k, v in _KEYS.items() if k not in (
 
 
 def _v2_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    out = {field: number(hf, key, kind, source=source) for key, (field, kind) in _V2_KEYS.items()}
+    out = {field: number(hf, key, kind, source=source) for key, (field, kind) in _V2_KEYS.items()
+           if key != "n_shared_experts"}
+    # null: no shared experts (transformers' DeepseekV2MoE and DeepSeek's own code build them
+    # only where it is not None); an absent key is the class default, 2 (zjax.hf._defaults)
+    out["n_shared_experts"] = number(hf, "n_shared_experts", int, source=source,
+                                     none=True) or 0
     method = hf.get("topk_method")
     if method not in ("greedy", "group_limited_greedy"):
         raise CheckpointError(f"{source}: topk_method = {method!r}; DeepseekV2ForCausalLM "

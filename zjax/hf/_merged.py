@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from zjax.errors import CheckpointError
+from zjax.errors import CheckpointError, DamagedCheckpoint
 from zjax.hf._load import HFCheckpoint, is_hf_dir
 from zjax.lora import dequantize, quantize
 from zjax.models import adapted_weights, model_class
@@ -43,13 +43,13 @@ def merged_leaves(config: Any, state_dir: Path, stored: dict[Keys, tuple]
                     "base dequantized plus the adapters' update", lora.base_dtype)
 
     def read(keys: Keys, dtype: np.dtype) -> np.ndarray:
-        w = read_base(keys)
+        w = _read_base(read_base, keys, config.train.init_from)
         if lora.quantized and keys[-1] in cls.LINEAR_WEIGHTS:  # what the run trained over
             w = np.asarray(dequantize(quantize(w, lora.base_dtype), lora.base_dtype,
                                       w.shape[-2], np.float32))
         adapter, part = adapted.get(keys[-1], (None, -1))
         a, b = ((*keys[:-1], f"{adapter}{s}") for s in ("_lora_a", "_lora_b"))
-        if keys[:2] == ("blocks", "layers") and a in stored:
+        if a in stored:  # a stack's layer weight (blocks, DeepSeek's dense_blocks)
             a, b = (read_leaf(state_dir, k, stored[k], np.dtype(np.float32)) for k in (a, b))
             if part >= 0:  # this weight's part of a fused module's b [L, r, parts, out]
                 b = b[:, :, part]
@@ -72,6 +72,18 @@ def check_base(config: Any) -> None:
                               "adapters into it")
 
 
+def _read_base(read_base: Callable[[Keys], np.ndarray], keys: Keys, base: str) -> np.ndarray:
+    """One base leaf; a base that cannot be read is the base's fault, never the run's
+    checkpoint's (a DamagedCheckpoint here would send the export to an older checkpoint and
+    call an intact one damaged)."""
+    try:
+        return read_base(keys)
+    except DamagedCheckpoint as e:
+        raise CheckpointError(f"export --format hf: the LoRA run's base, train.init_from "
+                              f"{base}, cannot be read ({'/'.join(keys)}: {e}); nothing "
+                              "is wrong with the run's checkpoints") from None
+
+
 def _base(path: Path, model: Any) -> tuple[dict[Keys, tuple], Callable[[Keys], np.ndarray]]:
     """The base's leaf shapes and a float32 reader of one leaf."""
     if is_hf_dir(path) and not (path / "params").is_dir():
@@ -90,10 +102,14 @@ def _orbax_base(path: Path) -> tuple[dict[Keys, tuple], Callable[[Keys], np.ndar
     try:
         with item_read():
             meta = ocp.PyTreeCheckpointer().metadata(path.resolve()).item_metadata
+        if meta is None:
+            raise ValueError("Orbax finds no metadata of its params")
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"export --format hf: the LoRA run's base {path} is not "
-                              f"readable: {e}") from None
+        raise CheckpointError(f"export --format hf: the LoRA run's base, train.init_from "
+                              f"{path}, is not readable ({e}); nothing is wrong with the run's "
+                              "checkpoints") from None
     shapes = {tuple(str(k.key) for k in p): tuple(m.shape)
               for p, m in jax.tree_util.tree_flatten_with_path(dict(meta))[0]}
     f32 = np.dtype(np.float32)
-    return shapes, lambda keys: read_leaf(path.resolve(), keys, shapes[keys], f32)
+    return shapes, lambda keys: read_leaf(path.resolve(), keys, shapes[keys], f32,
+                                          params_only=True)

@@ -11,10 +11,10 @@ q_proj``: the layout's name for ``blocks/layers/{w}`` without ``.weight``).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,18 +23,35 @@ from zjax.hf._layout import Layout
 from zjax.hf._safetensors import write_safetensors
 from zjax.lora import ADAPTER_SUFFIXES, GPT2_LINEAR_NAMES, LoraConfig
 
-__all__ = ["PEFT_PREFIX", "adapter_config", "peft_names", "peft_writer", "read_peft"]
+__all__ = ["PEFT_PREFIX", "PeftName", "adapter_config", "peft_names", "peft_tensor",
+           "peft_writer"]
 
 PEFT_PREFIX = "base_model.model."
-# Mixtral's experts' modules (w1, w3, w2) as lora.targets names them
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FACTOR = {"_lora_a": "lora_A", "_lora_b": "lora_B"}
 
 
-def peft_names(layout: Layout, model) -> dict[tuple[str, ...], str]:
-    """zjax adapter leaf keys -> PEFT's tensor name (with ``{i}`` for the layer). A module
-    that fuses equal parts (GPT-2's ``c_attn``: ``wq``, ``wk``, ``wv``) has one pair named
-    after it (``c_attn_lora_a``, ``c_attn_lora_b``)."""
+class PeftName(NamedTuple):
+    """A zjax adapter leaf's PEFT tensor name: ``template`` with ``{i}`` for the layer (the
+    file's layer index: the stack's index plus ``first``, DeepSeek's mixture layers coming
+    after its dense ones) and ``{e}`` for a mixture's expert."""
+
+    template: str
+    first: int = 0
+
+    def at(self, layer: int, expert: int = 0) -> str:
+        """The tensor's name for the stack's layer ``layer`` (and ``expert``)."""
+        return self.template.format(i=layer + self.first, e=expert)
+
+    @property
+    def module(self) -> str:
+        """The module's name in the model, without PEFT's prefix and the factor's suffix."""
+        return self.template[len(PEFT_PREFIX):].rsplit(".", 2)[0]
+
+
+def peft_names(layout: Layout, model) -> dict[tuple[str, ...], PeftName]:
+    """zjax adapter leaf keys -> PEFT's tensor name. A module that fuses equal parts
+    (GPT-2's ``c_attn``: ``wq``, ``wk``, ``wv``) has one pair named after it
+    (``c_attn_lora_a``, ``c_attn_lora_b``)."""
     out = {}
     for leaf in layout.leaves(model):
         if not leaf.hf.endswith(".weight"):
@@ -45,21 +62,7 @@ def peft_names(layout: Layout, model) -> dict[tuple[str, ...], str]:
         name = leaf.keys[-1] if leaf.part is None else module.rsplit(".", 1)[-1]
         for suffix in ADAPTER_SUFFIXES:
             keys = (*leaf.keys[:-1], name + suffix)
-            out[keys] = f"{PEFT_PREFIX}{module}.{_FACTOR[suffix]}.weight"
-    return out
-
-
-def _fused_b(layout: Layout, model) -> dict[tuple[str, ...], int]:
-    """A fused module's ``b`` keys -> its parts (``[r, parts, out]``)."""
-    names = {keys: name for keys, name in peft_names(layout, model).items()
-             if keys[-1].endswith("_lora_b")}
-    out = {}
-    for leaf in layout.leaves(model):
-        if leaf.part is not None and isinstance(leaf.part[1], int):
-            module = leaf.hf[:-len(".weight")].rsplit(".", 1)[-1]
-            keys = (*leaf.keys[:-1], module + "_lora_b")
-            if keys in names:
-                out[keys] = leaf.part[1]
+            out[keys] = PeftName(f"{PEFT_PREFIX}{module}.{_FACTOR[suffix]}.weight", leaf.first)
     return out
 
 
@@ -93,11 +96,11 @@ def _tensors(stored: dict, names: dict) -> list[tuple[str, tuple[int, ...], tupl
                 "architecture fuses with unequal parts (Phi-3's qkv_proj, gate_up_proj), "
                 "which PEFT adapts whole; export the merged model with --format hf")
         name = names[keys]
-        lead = 2 if "{e}" in name else 1  # [L, E, ...]: a tensor per layer and expert
+        lead = 2 if "{e}" in name.template else 1  # [L, E, ...]: a tensor per layer and expert
         one = shape[lead:]
         per_layer = (int(np.prod(one[1:])), one[0])
         for index in np.ndindex(*shape[:lead]):
-            out.append((name.format(i=index[0], e=index[-1]), per_layer, keys, index))
+            out.append((name.at(index[0], index[-1]), per_layer, keys, index))
     return out
 
 
@@ -145,50 +148,3 @@ def _writer(layout: Layout, model, lora: LoraConfig, base: str | None) -> Callab
             shutil.rmtree(work, ignore_errors=True)
 
     return write
-
-
-def read_peft(directory: Path, layout: Layout, model) -> tuple[LoraConfig, dict]:
-    """``(lora section, adapters)`` of a PEFT LoRA directory for ``model``: the adapters as
-    zjax leaves by keys (``[L, in, r]`` and ``[L, r, out]``, float32).
-
-    Raises:
-      CheckpointError: the directory is not a PEFT LoRA adapter of this model.
-    """
-    from safetensors.numpy import load_file
-
-    directory = Path(directory)
-    try:
-        meta = json.loads((directory / "adapter_config.json").read_text())
-        tensors = load_file(directory / "adapter_model.safetensors")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"--adapter: {directory} is not a PEFT adapter directory "
-                              f"(adapter_config.json, adapter_model.safetensors): {e}") from None
-    if not isinstance(meta, dict) or meta.get("peft_type") != "LORA":
-        raise CheckpointError(f"--adapter: {directory / 'adapter_config.json'}: peft_type "
-                              f"{meta.get('peft_type') if isinstance(meta, dict) else meta!r}"
-                              ", expected 'LORA'")
-    targets = meta.get("target_modules")
-    if isinstance(targets, list):  # Mixtral's experts' names: the Llama family's
-        targets = sorted({_EXPERT_NAMES.get(t, t) for t in targets})
-    lora = LoraConfig(rank=int(meta["r"]), alpha=float(meta.get("lora_alpha", 8)),
-                      rslora=bool(meta.get("use_rslora", False)), targets=targets)
-    out, fused = {}, _fused_b(layout, model)
-    for keys, name in peft_names(layout, model).items():
-        experts = getattr(model, "n_experts", 0) if "{e}" in name else 0
-        layers = [[tensors.get(name.format(i=i, e=e)) for e in range(max(experts, 1))]
-                  for i in range(model.n_layers)]
-        found = [t is not None for row in layers for t in row]
-        if not any(found):
-            continue
-        if not all(found):
-            raise CheckpointError(f"--adapter: {directory}: {name} is missing for some "
-                                  "layers")
-        parts = fused.get(keys)
-        one = lambda t, parts=parts: t.T if parts is None else t.T.reshape(t.shape[1], parts, -1)
-        out[keys] = np.stack([np.stack([one(t) for t in row]) if experts else one(row[0])
-                              for row in layers]).astype(np.float32)
-    expected = {re.sub(r"\.\d+\.", ".N.", n) for n in tensors if n.endswith(".weight")}
-    if not out or len(out) != len(expected):
-        raise CheckpointError(f"--adapter: {directory}: its tensors are not the adapters of "
-                              "this model's linear layers (another architecture?)")
-    return lora, out

@@ -16,7 +16,9 @@ ALL_LINEAR = "all-linear"
 # attention's and the MLP's output projections, which PEFT matches by that one name)
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT2_LINEAR_NAMES = ("c_attn", "c_proj", "c_fc")
-_KNOWN = (*LINEAR_NAMES, *GPT2_LINEAR_NAMES)
+# DeepSeek's multi-head latent attention (its queries' and keys/values' down and up projections)
+MLA_LINEAR_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+_KNOWN = (*LINEAR_NAMES, *MLA_LINEAR_NAMES, *GPT2_LINEAR_NAMES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,7 +35,9 @@ class LoraConfig:
         ``train.seed``, the step and the row's place in the global batch (resume replays it).
       targets: the linear layers that get adapters, by their Hugging Face module names
         (the Llama family's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``,
-        ``up_proj``, ``down_proj``; GPT-2's ``c_attn``, ``c_proj``, ``c_fc``), or
+        ``up_proj``, ``down_proj``; DeepSeek's latent attention's ``q_proj`` or ``q_a_proj``
+        and ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``; GPT-2's
+        ``c_attn``, ``c_proj``, ``c_fc``), or
         ``all-linear``: every linear layer of the model but the output head.
       base_dtype: how the frozen base is stored and gathered: ``bfloat16`` (LoRA), or its
         linear weights quantized over blocks of 64 inputs with one float32 absmax each:

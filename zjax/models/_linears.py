@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zjax.errors import ConfigError
+from zjax.errors import ConfigError, did_you_mean
 from zjax.lora import (
+    ALL_LINEAR,
     AdapterDropout,
     LoraConfig,
     adapter_pair,
@@ -68,6 +69,18 @@ def adapters_off(model: nnx.Module) -> Iterator[nnx.Module]:
             node.lora_of = table
 
 
+def _check_targets(lora: LoraConfig, modules: Modules, weights: dict, model: str) -> None:
+    """Each module ``lora.targets`` lists must have a weight among this block's ``weights``."""
+    have = {hf for hf, groups in modules.items() if any(w in weights for g in groups for w in g)}
+    for name in lora.targets_in(tuple(modules), model=model):
+        if lora.targets != ALL_LINEAR and name not in have:
+            raise ConfigError(
+                f"lora.targets: {name} is not a linear module of this {model.removeprefix('a ')}"
+                f"{did_you_mean(name, sorted(have))}; its linear modules are "
+                f"{', '.join(sorted(have))} "
+                f"(or {ALL_LINEAR!r})")
+
+
 class AdaptedLinears:
     """Mixin for an ``nnx.Module`` block whose linear weights may carry adapters."""
 
@@ -85,9 +98,15 @@ class AdaptedLinears:
         self.quant, self.lora_in, self.lora_of = None, (), ()
         if not enabled:
             return
+        # the table names every weight the model family may have; this block has some
+        # (DeepSeek's latent attention has no k_proj, a dense MLP no shared experts)
+        axes = {name: names for name, names in axes.items() if hasattr(self, name)}
         if lora.quantized:
             self._quantize_base(lora.base_dtype, axes)
-        widths, of = dict(self.lora_in), adapted_weights(modules, lora, model=model)
+        of = {w: entry for w, entry in adapted_weights(modules, lora, model=model).items()
+              if w in axes}
+        _check_targets(lora, modules, axes, model)
+        widths = dict(self.lora_in)
         pairs = list(dict.fromkeys(name for name, _ in of.values()))  # drawn in this order
         for name in pairs:
             weights = [w for w, (n, _) in of.items() if n == name]

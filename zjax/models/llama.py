@@ -31,7 +31,8 @@ from zjax.errors import ArgumentError, ConfigError
 from zjax.lora import LoraConfig
 from zjax.models._batch import Packing
 from zjax.models._layers import KVCache, RMSNorm, check_length, param, zeros
-from zjax.models._linears import AdaptedLinears, Modules
+from zjax.models._linears import AdaptedLinears
+from zjax.models._llama_linears import EXPERT_AXES, LINEAR_AXES, LINEAR_WEIGHTS, MODULES
 from zjax.models._mla import MLA, init_mla, mla_cache, mla_decode, mla_qkv
 from zjax.models._rope import llama3_frequencies, rotary, yarn_frequencies
 from zjax.models.config import LlamaConfig
@@ -46,18 +47,6 @@ __all__ = ["LINEAR_WEIGHTS", "Llama", "LlamaConfig", "llama3_frequencies", "rota
 # the gated MLP's activation (model.mlp_activation)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
-
-
-# Hugging Face's module names of the linear layers (lora.targets), and the block's weights
-LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-          "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
-LINEAR_AXES = {"wq": ("embed", "heads"), "wk": ("embed", "heads"), "wv": ("embed", "heads"),
-               "wo": ("heads", "embed"), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
-               "w_down": ("mlp", "embed")}
-LINEAR_WEIGHTS = tuple(LINEAR_AXES)
-EXPERT_AXES = {"w_gate": ("expert", "embed", "mlp"), "w_up": ("expert", "embed", "mlp"),
-               "w_down": ("expert", "mlp", "embed")}
-MODULES: Modules = {hf: ((w,),) for hf, w in LINEAR.items()}
 
 
 class LlamaBlock(AdaptedLinears, nnx.Module):
@@ -199,12 +188,12 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
         return att.reshape(b, t, q.shape[2] * att.shape[-1]), cache
 
     def _mlp(self, y, prefix: str = "w", drop=None):  # token-wise: tiled (model.mlp_chunk)
+        """The gated MLP of weights ``{prefix}_gate``, ``_up``, ``_down`` (``shared``: the
+        shared experts', on flat tokens, which take no dropout)."""
         act = ACTIVATIONS[self.mlp_activation]
-        if prefix != "w":  # the shared experts: no adapters
-            w = lambda name: getattr(self, f"{prefix}_{name}")[...]
-            return (act(y @ w("gate")) * (y @ w("up"))) @ w("down")
-        hidden = act(self._linear(y, "w_gate", drop=drop)) * self._linear(y, "w_up", drop=drop)
-        return self._linear(hidden, "w_down", row_parallel=True, drop=drop)
+        gate, up, down = (f"{prefix}_{n}" for n in ("gate", "up", "down"))
+        hidden = act(self._linear(y, gate, drop=drop)) * self._linear(y, up, drop=drop)
+        return self._linear(hidden, down, row_parallel=True, drop=drop)
 
     def _experts(self, y, context: Packing | None, dropless: bool):
         """The mixture of experts on ``y`` ``[B, T, D]`` (normalised, unmarked): the routed

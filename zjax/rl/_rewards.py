@@ -2,14 +2,19 @@
 list[float | None]``, loaded by name, called with the data's other columns, their answers
 checked; and two built-ins: :func:`exact_answer` and :func:`format_reward`.
 
-A function that raises, returns something other than one number (or None) per completion,
-or returns a NaN stops the run with :class:`RewardError` naming it, the way it failed and
-the first completion concerned: never a traceback from inside the training step.
+A reward may be a bool, taken as 0 or 1 (TRL's ``torch.tensor(..., dtype=float32)`` does:
+``[c == a for ...]`` is a common reward). A function that raises (``sys.exit()`` too: a
+reward function does not end the run), returns something other than one number (or None)
+per completion, or returns a NaN stops the run with :class:`RewardError` naming it, the way
+it failed and the first completion concerned: never a traceback from inside the training
+step. Completions for which every function returns None count 0 (TRL's ``nansum``), which
+is said in one warning, the first time (TRL warns too).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import numbers
 import re
@@ -105,9 +110,12 @@ def _checked(name: str, values: Any, n: int) -> np.ndarray:
         if v is None:
             out[i] = np.nan
             continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        if isinstance(v, bool | np.bool_):  # TRL's float32 tensor of them: 0 or 1
+            out[i] = float(v)
+            continue
+        if not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise RewardError(f"reward function {name} returned {v!r} for completion {i}; "
-                              "expected a finite float or None")
+                              "expected a finite float, a bool or None")
         out[i] = float(v)
     return out
 
@@ -124,6 +132,7 @@ class Rewards:
         self.names = list(names)
         self.functions = [load_reward(n) for n in names]
         self.weights = np.asarray(weights, np.float64)
+        self.warned_none = False  # every function None for a completion: said once
 
     def __call__(self, prompts: list, completions: list, columns: dict[str, list]
                  ) -> tuple[np.ndarray, dict[str, float]]:
@@ -133,12 +142,8 @@ class Rewards:
         n = len(completions)
         per = np.empty((n, len(self.functions)), np.float64)
         for j, (name, fn) in enumerate(zip(self.names, self.functions, strict=True)):
-            try:
-                values = fn(prompts=prompts, completions=completions, **columns)
-            except Exception as e:  # the user's code: one line naming it
-                raise RewardError(f"reward function {name} raised {type(e).__name__}: "
-                                  f"{first_line(e)}") from None
-            per[:, j] = _checked(name, values, n)
+            per[:, j] = _checked(name, _call(name, fn, prompts, completions, columns), n)
+        self._warn_none(per, prompts)
         total = np.nansum(per * self.weights[None, :], axis=1)
         means = {}
         for j, name in enumerate(self.names):
@@ -147,3 +152,33 @@ class Rewards:
             means[f"rewards/{short_name}"] = float(np.nanmean(col)) if np.any(
                 ~np.isnan(col)) else float("nan")
         return total, means
+
+    def _warn_none(self, per: np.ndarray, prompts: list) -> None:
+        """Warn (once) where every function gave a completion None: it counts 0, so a group
+        with none trains on nothing, as in TRL, which warns of it too."""
+        none = np.isnan(per).all(axis=1)
+        if self.warned_none or not none.any():
+            return
+        self.warned_none = True
+        first = int(np.argmax(none))
+        logging.getLogger("zjax").warning(
+            "rl.rewards: every reward function (%s) returned None for %d of %d completions "
+            "(the first: completion %d, of prompt %s): each counts as reward 0 (as in TRL), "
+            "so a group with no reward has advantages 0 and teaches nothing (said once)",
+            ", ".join(self.names), int(none.sum()), len(none), first,
+            repr(prompts[first])[:80])
+
+
+def _call(name: str, fn: Callable, prompts: list, completions: list,
+          columns: dict[str, list]) -> Any:
+    """``fn``'s rewards; its failure, ``sys.exit()`` included, as one RewardError naming
+    it (KeyboardInterrupt goes on: it is the user's Ctrl-C, not the function's)."""
+    try:
+        return fn(prompts=prompts, completions=completions, **columns)
+    except SystemExit as e:  # not an Exception: it would end the run with no message
+        code = "" if e.code is None else repr(e.code)
+        raise RewardError(f"reward function {name} called sys.exit({code}): a reward "
+                          "function returns its rewards, it does not end the run") from None
+    except Exception as e:  # the user's code: one line naming it
+        raise RewardError(f"reward function {name} raised {type(e).__name__}: "
+                          f"{first_line(e)}") from None

@@ -12,8 +12,10 @@ An entry is keyed by all that decides the compile: the lowered program (StableHL
 shardings, without debug locations), the jit's compiler options, the devices (id, kind,
 coordinates, process), the compiler (jax, jaxlib, the plugin packages' versions and the
 client's platform version) and the compiler flags of this process's environment
-(``XLA_FLAGS``, ``LIBTPU_INIT_ARGS``). This module reads the process environment for those
-flags.
+(``XLA_FLAGS``, ``LIBTPU_INIT_ARGS``), sorted as JAX's own cache key sorts them: their order
+decides nothing, and the CLI moves the simulated device count to the end of ``XLA_FLAGS``, so
+unsorted the same compile missed depending on what ran before it in the process. This module
+reads the process environment for those flags.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _options(lowered: jax.stages.Lowered) -> tuple | None:
 def _key(lowered: jax.stages.Lowered, devices: list, options: tuple) -> str:
     h = hashlib.sha256()
     parts = [f"v{_VERSION}", *_versions(devices), repr(options),
-             *(f"{v}={os.environ.get(v, '')}" for v in _ENV_FLAGS),
+             *(f"{v}={' '.join(sorted(os.environ.get(v, '').split()))}" for v in _ENV_FLAGS),
              *(f"{d.id}:{d.device_kind}:{getattr(d, 'coords', None)}:{d.process_index}"
                for d in devices)]
     for part in parts:

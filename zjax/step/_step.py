@@ -76,11 +76,13 @@ class ZeroStep:
         the master copy (split over ``data`` from stage 1).
       canonical: the checkpoint's form of the state, abstract: ``{"step", "params" (float32
         master), "opt_state"}``, the same whatever the stage, mesh or offload.
-      from_base: with frozen leaves (adapters over a base), ``from_base(base, rng)`` at step
-        0: the base given as :attr:`base_target` says (donated; a quantized base's linear
-        weights as float weights, quantized here), the trained leaves initialised from
-        ``rng``; else None (also where the frozen leaves are made from the trained ones,
-        ``Trainable.frozen_from``: :attr:`from_params` then takes the trained leaves only).
+      from_base: with frozen leaves (adapters over a base), ``from_base(base, start)`` at
+        step 0: the base given as :attr:`base_target` says (donated; a quantized base's
+        linear weights as float weights, quantized here), the trained leaves initialised
+        from ``start``, an RNG key, or ``start`` itself, the trained leaves (float32 on the
+        host: adapters read from a file); else None (also where the frozen leaves are
+        made from the trained ones, ``Trainable.frozen_from``: :attr:`from_params` then
+        takes the trained leaves only).
       base_target: the frozen leaves :attr:`from_base` takes, abstract (float32, placed), or
         None.
       nvme: with ``zero.offload_optimizer.device: nvme``, the
@@ -342,19 +344,34 @@ def _from_base(trainable: Trainable, plan: ShardPlan, from_params: Callable,
             s = NamedSharding(s.mesh, P())
         target.append(jax.ShapeDtypeStruct(shape, np.float32, sharding=s))
 
-    def from_base(base, rng):
-        trained, _ = split_parts(plan, trainable.init(rng))
-        base = frozen.tree(codec.encode(x) if c else x
+    def encoded(base):
+        return frozen.tree(codec.encode(x) if c else x
                            for x, c in zip(jax.tree.leaves(base), coded, strict=True))
-        return from_params(merge_parts(plan, trained, base))
+
+    def from_rng(base, rng):
+        trained, _ = split_parts(plan, trainable.init(rng))
+        return from_params(merge_parts(plan, trained, encoded(base)))
+
+    def from_trained(base, trained):
+        return from_params(merge_parts(plan, trained, encoded(base)))
 
     target = frozen.tree(target)
     shard = jax.tree.map(lambda a: a.sharding, target)
     # the float base is donated, unless quantized here (no output could reuse its buffers)
-    return {"from_base": jax.jit(from_base, in_shardings=(shard, None),
-                                 out_shardings=shardings,
-                                 donate_argnums=0 if codec is None else ()),
-            "base_target": target}
+    donate = 0 if codec is None else ()
+    by_rng = jax.jit(from_rng, in_shardings=(shard, None), out_shardings=shardings,
+                     donate_argnums=donate)
+    by_trained = jax.jit(from_trained, out_shardings=shardings, donate_argnums=donate,
+                         in_shardings=(shard, split_parts(plan, params_shardings)[0]))
+
+    def from_base(base, start):
+        """``start``: an RNG key (the trained leaves initialised from it) or the trained
+        leaves themselves (``lora.init_adapter``'s adapters)."""
+        is_key = isinstance(start, jax.Array) and jax.dtypes.issubdtype(
+            start.dtype, jax.dtypes.prng_key)
+        return by_rng(base, start) if is_key else by_trained(base, start)
+
+    return {"from_base": from_base, "base_target": target}
 
 
 def _nvme_step(trainable: Trainable, tx: optax.GradientTransformation, plan: ShardPlan,

@@ -36,13 +36,23 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def make_schedule(cfg: OptimizerConfig, *, total_steps: int) -> optax.Schedule:
-    """Linear warmup, then cosine decay to lr/10 at ``total_steps`` (or constant)."""
+    """Linear warmup from 0, then cosine decay to lr/10 at ``total_steps`` (or constant).
+
+    As Hugging Face's ``get_cosine_schedule_with_warmup``: step ``s < warmup_steps`` takes
+    ``lr * s / warmup_steps``, so ``warmup_steps: 0`` is no warmup (the first step at ``lr``,
+    one step of cosine included) and a warmup as long as the run or longer is cut by its end:
+    the rate never reaches ``lr`` (accepted, as Hugging Face and DeepSpeed's ``WarmupDecayLR``
+    accept it; the trainer says so). The cosine always spans at least one step, so no length
+    of run or warmup leaves optax a decay of 0 steps.
+    """
+    warmup, decay = cfg.warmup_steps, max(1, total_steps - cfg.warmup_steps)
     if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(
-            0.0, cfg.lr, max(1, cfg.warmup_steps), max(cfg.warmup_steps + 1, total_steps),
-            end_value=cfg.lr * 0.1,
-        )
-    return optax.linear_schedule(0.0, cfg.lr, max(1, cfg.warmup_steps))
+        cosine = optax.cosine_decay_schedule(cfg.lr, decay, alpha=0.1)
+    else:
+        cosine = optax.constant_schedule(cfg.lr)
+    if not warmup:  # optax's linear_schedule of 0 steps is a constant 0, not a jump to lr
+        return cosine
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), cosine], [warmup])
 
 
 def make_optimizer(cfg: OptimizerConfig, *, total_steps: int,

@@ -10,8 +10,10 @@ second pass.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,9 +171,31 @@ class StartState:
         self._state = None
 
 
+def _inert_keys(section: Any, name: str) -> list[str]:
+    """``name.key`` of each key of ``section`` set (not its default) while its ``method``
+    is empty: nothing reads them."""
+    if section.method is not None:
+        return []
+    out = []
+    for f in dataclasses.fields(section):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+            else f.default
+        if getattr(section, f.name) != default:
+            out.append(f"{name}.{f.name}")
+    return out
+
+
 def check_pairs(config) -> None:
     """A preference method trains on pairs, and pairs are for a preference method; GRPO
-    samples from prompts, and prompts are for GRPO."""
+    samples from prompts, and prompts are for GRPO. The ``rl`` and ``preference`` keys set
+    while their section's method is empty are said, one warning per section: nothing reads
+    them (a forgotten ``method``, or a section left from another run)."""
+    for name in ("rl", "preference"):
+        inert = _inert_keys(getattr(config, name), name)
+        if inert:
+            logging.getLogger("zjax").warning(
+                "%s: set, but %s.method is empty, so nothing reads them; set %s.method to "
+                "use them, or remove them", ", ".join(inert), name, name)
     if config.rl.enabled != (config.data.format == "prompt"):
         if config.rl.enabled:
             raise ConfigError(f"data.format: {config.data.format}, but rl.method "

@@ -169,7 +169,8 @@ class RolloutBatches:
         """Where the rollouts are: the prompt iterator, the rollouts made, the steps fed;
         a rollout's batches not trained yet are written beside the checkpoint."""
         state = {"prompts": self.indices.get_state(), "generation": self.generation,
-                 "step": self.step, "metrics": self.metrics, "pending": None}
+                 "step": self.step, "metrics": self.metrics, "pending": None,
+                 "steps_per_generation": self.rl.steps_per_generation}
         if self.pending:
             if self.run_dir is None:
                 raise CheckpointError("a GRPO checkpoint between two steps of a rollout needs "
@@ -195,19 +196,28 @@ class RolloutBatches:
             n = 1 + max(int(name.split("/")[0]) for name in f.files)
             self.pending = [{name.split("/")[1]: f[name] for name in f.files
                              if name.split("/")[0] == str(i)} for i in range(n)]
-        self._check_pending(path)
+        self._check_pending(path, state.get("steps_per_generation"))
 
-    def _check_pending(self, path: Path) -> None:
-        """The saved batches must be this run's shape: a resume with other settings would
-        fail later, deep in the step."""
+    def _check_pending(self, path: Path, saved_k: int | None) -> None:
+        """The saved batches must be this run's: a resume with other settings would fail
+        later, deep in the step. The error names the key that differs (``saved_k``: the
+        saving run's ``rl.steps_per_generation``; None from a zjax that did not record it)."""
         k, width = self.rl.steps_per_generation, self.seq_len + 1
-        got = {b["tokens"].shape[1] for b in self.pending}
-        if len(self.pending) >= k or got != {width}:
-            raise CheckpointError(
-                f"{path}: {len(self.pending)} batches of rows {sorted(got)} tokens wide left "
-                f"of a rollout; this run makes {k} a rollout (rl.steps_per_generation) of "
-                f"{width} tokens (data.seq_len + 1): resume with the settings it was saved "
+        got = sorted({b["tokens"].shape[1] for b in self.pending})
+        keep = ("; that checkpoint was left as it is: resume with the setting it was saved "
                 "with, or train in a new run directory")
+        if len(self.pending) >= k:  # fewer: they are trained, then rollouts of k go on
+            was = f"{saved_k}" if saved_k is not None else f"more than {len(self.pending)}"
+            left = f"{len(self.pending)} batch{'es' if len(self.pending) > 1 else ''}"
+            raise CheckpointError(
+                f"rl.steps_per_generation: {k}, but the checkpoint at step {self.step} was "
+                f"saved with {left} of its rollout still to train (in {path}), by a run with "
+                f"rl.steps_per_generation {was}{keep}")
+        if got != [width]:
+            raise CheckpointError(
+                f"data.seq_len: {self.seq_len}, but the checkpoint at step {self.step} left "
+                f"{len(self.pending)} batches of a rollout in {path} whose rows are {got} "
+                f"tokens wide, not {width} (data.seq_len + 1){keep}")
 
     def _pending_path(self, step: int) -> Path:
         return Path(self.run_dir) / "rollouts" / f"{step}.{jax.process_index()}.npz"

@@ -4,6 +4,7 @@ progress, preemption. Each holds only what its job needs."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -208,9 +209,10 @@ def preemption(guard: PreemptionGuard, checkpoints: Checkpoints | None
 
 
 def _rollout_line(row: dict) -> str:
-    """A GRPO row's reward and the time split of a step (empty for other runs)."""
+    """A GRPO row's reward and the time split of a step (empty for other runs); a time not
+    measured yet (the first rollout's training: it is timed at the next rollout) is ``-``."""
     if "reward" not in row:
         return ""
-    times = "/".join(f"{row.get(f'time_{k}_s', float('nan')):.3f}"
-                     for k in ("generate", "score", "train"))
+    seconds = [row.get(f"time_{k}_s", math.nan) for k in ("generate", "score", "train")]
+    times = "/".join(f"{s:.3f}" if math.isfinite(s) else "-" for s in seconds)
     return f" | reward {row['reward']:.3f} | generate/score/train {times} s"

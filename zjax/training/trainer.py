@@ -140,7 +140,11 @@ def _lock_run_dir(run_dir, lead: bool) -> RunDir | None:
 
 def _train(loop: Loop, config: Config, run_dir, run: RunDir | None, lead: bool) -> TrainResult:
     info = log.info if lead else (lambda *args: None)  # warnings and errors: every process
-    steps = config.train.steps
+    steps, opt = config.train.steps, config.optimizer
+    if opt.warmup_steps >= steps:  # accepted, as Hugging Face's schedules and DeepSpeed's do
+        info("optimizer.warmup_steps %d >= train.steps %d: the warmup is cut by the run's end "
+             "(the last step's rate %.3g, not optimizer.lr %g)", opt.warmup_steps, steps,
+             opt.lr * (steps - 1) / opt.warmup_steps, opt.lr)
     ckpt = Checkpointer(Path(run_dir) / "checkpoints", config.checkpoint) if run_dir else None
     try:
         if ckpt is not None and ckpt.steps() and ckpt.steps()[-1] >= steps:
@@ -336,6 +340,8 @@ def _set_iterator(it, state: Any, step: int, ckpt: Checkpointer, split: str) -> 
     """Restore a data iterator; a state that does not fit the data config is refused."""
     try:
         it.set_state(state)
+    except (CheckpointError, ConfigError):  # zjax's own words (the rollouts'): whole
+        raise
     except Exception as e:  # the iterator's own error, worded for the user
         raise CheckpointError(
             f"the {split} data iterator's state in the checkpoint at step {step} in "
