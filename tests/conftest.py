@@ -7,6 +7,11 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import compile_cache
+import crash_stop
+import emitters
+import ledger
+import mappings
 import pytest
 
 CACHE_LIMIT_BYTES = 4 << 30
@@ -57,16 +62,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Every compile is kept, the small ones too: a warm test_packing with test_hsdp takes 16 s
 # instead of 23 (0.2 s and up kept), and the cold run no longer (43 s either way).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# ... but JAX's cache of XLA:CPU executables is off (the folder still holds the accelerator
-# targets' figures, zjax-targets/, which zjax writes itself). In two full runs on 2026-12-06
-# a worker died at the same test (test_hf_deepseek's import -> train -> export) in XLA:CPU's
-# Executable.serialize, writing a just-compiled step to the cache (a segmentation fault;
-# once xdist's worker replacement then ended the run with an INTERNALERROR), which no run of
-# that file, or of it after the other DeepSeek files, reproduced; and that morning a step
-# read back from the cache had crashed every time (a real bug, collectives left unordered:
-# fixed, and guarded by tests/test_moe_exchange.py without the cache). A lost worker costs
-# more than the recompiles (docs/testing.md).
-os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+# JAX's cache of XLA:CPU executables is on. Three times a worker died in XLA:CPU with it on
+# (2026-12-06 and -07, in Executable.serialize or a compile): a process that reaches the
+# kernel's limit of memory mappings (vm.max_map_count, 65,530) makes LLVM's allocation fail,
+# and XLA:CPU then segfaults; a worker keeps every program it compiled, each holding its object
+# files' mappings (34,000 in one worker a quarter into a run), and serializing one for the
+# cache maps it again. A worker now gives them back after each file (mappings.py) and the
+# ledger prints the most any process held. Entries are written whole (compile_cache.py: JAX
+# writes them in place, unlocked), and the key covers XLA_FLAGS, so processes with another
+# simulated device count never read each other's (tests/test_suite_mechanics.py).
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "true")
 
 # XLA:CPU's LLVM at -O0: most of a cold run is XLA:CPU compiling thousands of distinct small
 # steps that then run a few times, so a faster compile beats faster code (the whole suite
@@ -76,16 +81,20 @@ os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 # collective figures are too (tests/test_target_cache.py compares them). Every process of a
 # run, subprocesses included (cli_env), compiles at the same level, so bitwise comparisons
 # between them hold.
-# (Not --xla_cpu_use_fusion_emitters=false, XLA:CPU's older fusion emitters: 30% less
-# compile time, but the context-parallel ring step with the any-model transform aborts the
-# process when it runs, jaxlib 0.10.2.)
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
+# And XLA:CPU's older fusion emitters (tests/emitters.py): three train steps compile in 3.1 s
+# instead of 7.8 at -O0, and the whole suite cold took 32 min instead of 49 (2 cores,
+# 2026-12-07, every test passing). They fuse differently, so CPU memory figures are those of
+# this compiler, not the default one's; the accelerator targets' figures are untouched (their
+# own compilers). Tests marked default_emitters run in a child under the default emitters.
+os.environ["XLA_FLAGS"] = emitters.with_older_emitters(os.environ.get("XLA_FLAGS", ""))
 
 from zjax.runtime import quiet_plugins  # noqa: E402 (after the environment above)
 
 quiet_plugins()  # imports jax, its plugins' start-up lines held back; backends start later
+compile_cache.atomic_writes()
 
 from zjax.runtime.mesh import simulate_cpu_devices  # noqa: E402
 
@@ -110,12 +119,29 @@ def pytest_cmdline_main(config):
     nothing. (Runs before xdist's own hook: a conftest registers after the plugin. A worker
     runs this file too, and must not start workers of its own.)"""
     worker = hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ
-    if (config.pluginmanager.hasplugin("xdist") and not worker
-            and config.option.numprocesses is None):
-        config.option.numprocesses = 2
-        if config.option.dist == "no":
-            config.option.dist = "loadfile"
-            config.option.loadscopereorder = False
+    if config.pluginmanager.hasplugin("xdist") and not worker:
+        crash_stop.no_worker_replacement(config)  # a crash ends the run (crash_stop.py)
+        if config.option.numprocesses is None:
+            config.option.numprocesses = 2
+            if config.option.dist == "no":
+                config.option.dist = "loadfile"
+                config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A ``default_emitters`` test runs in a child pytest (tests/emitters.py)."""
+    if emitters.runs_elsewhere(pyfuncitem):
+        emitters.run_under_default_emitters(pyfuncitem)
+        return True
+    return None
+
+
+def pytest_configure(config):
+    crash_stop.install(config)
+    held = mappings.install(config)  # a worker's compiled programs given back after each file
+    # the closing block: wall time against the budget, files grown, the most mappings held
+    ledger.install(config, notes=[held.summary])
 
 
 @pytest.fixture

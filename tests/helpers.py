@@ -32,16 +32,25 @@ FP32 = {"rtol": 2e-5, "atol": 1e-5}
 GRADS = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def assert_trees_close(actual, expected, *, rtol: float, atol: float, what: str = "tree"):
-    """Assert two pytrees have equal structure and allclose leaves; names the worst leaf."""
+def assert_trees_close(actual, expected, *, rtol: float, atol: float, what: str = "tree",
+                       scaled: bool = False):
+    """Assert two pytrees have equal structure and allclose leaves; names the worst leaf.
+
+    ``scaled``: ``atol`` is relative to each leaf's largest ``expected`` entry. For sums
+    taken in another order (over devices, chunks or an exchange): float32's error bound is
+    eps x the sum of the terms' magnitudes, not the result's, so an entry whose terms cancel
+    keeps the absolute error of its leaf's scale, and the order XLA:CPU sums in varies with
+    the machine's vector width (1e-5 absolute held on one x86 machine, not on the next).
+    """
     a_flat, a_def = jax.tree_util.tree_flatten_with_path(actual)
     e_flat, e_def = jax.tree_util.tree_flatten_with_path(expected)
     assert a_def == e_def, f"{what}: structures differ\n{a_def}\n{e_def}"
     for (path, a), (_, e) in zip(a_flat, e_flat, strict=True):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert a.shape == e.shape, f"{what}{jax.tree_util.keystr(path)}: {a.shape} != {e.shape}"
+        tol = atol * float(np.abs(e).max(initial=0.0)) if scaled else atol
         np.testing.assert_allclose(
-            a, e, rtol=rtol, atol=atol, err_msg=f"{what}{jax.tree_util.keystr(path)}"
+            a, e, rtol=rtol, atol=tol, err_msg=f"{what}{jax.tree_util.keystr(path)}"
         )
 
 
@@ -180,9 +189,9 @@ def cli_env(**changes: str | None) -> dict[str, str]:
 
     No simulated device count in ``XLA_FLAGS`` and no ``JAX_PLATFORMS`` (the CLI simulates
     its own devices, as for a user) and no ``ZJAX_*`` (``zjax launch``'s variables); the rest
-    of what conftest set for every process stays: XLA:CPU's optimisation level (a child
-    compiles the programs the tests compile, bit for bit), the cache settings (JAX's
-    executable cache off, the folder for the targets' figures) and
+    of what conftest set for every process stays: XLA:CPU's optimisation level and fusion
+    emitters (a child compiles the programs the tests compile, bit for bit), the cache
+    settings (JAX's executable cache off, the folder for the targets' figures) and
     ``ALLOW_MULTIPLE_LIBTPU_LOAD``. A change of None removes the key.
     """
     import re

@@ -50,10 +50,12 @@ def _zjax_logits(directory) -> np.ndarray:
     return np.asarray(nnx.merge(graphdef, nested(source.host_leaves()))(TOKENS))
 
 
-@pytest.mark.parametrize("changes", [
-    {}, {"q_lora_rank": None},
-    {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6,
-                      "beta_fast": 8.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+@pytest.mark.parametrize("changes", [  # the quick loop: q-latent (DeepSeek-V3's)
+    {}, pytest.param({"q_lora_rank": None}, marks=pytest.mark.slow),
+    pytest.param({"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 6, "beta_fast": 8.0,
+                                   "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+                 marks=pytest.mark.slow),
 ], ids=["q-latent", "q-proj", "yarn"])
 def test_imported_deepseek_gives_the_reference_logits_and_tokens(tmp_path, changes):
     hf = deepseek_config(**changes)
@@ -99,6 +101,7 @@ def test_import_train_export_gives_the_trained_model(tmp_path):
     np.testing.assert_allclose(deepseek_logits(written, got, TOKENS), tuned, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # an import, a step and an export (14 s); V3's import stays in the quick loop
 @pytest.mark.parametrize("changes", [
     {}, pytest.param({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
                       "routed_scaling_factor": 2.0}, marks=pytest.mark.slow),

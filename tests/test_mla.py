@@ -107,10 +107,12 @@ def _model(cfg):
     return model, jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(state))
 
 
-@pytest.mark.parametrize("changes", [
-    {}, {"q_lora_rank": None}, {"rope_interleave": False},
-    {"rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_max_len": 8, "rope_mscale": 1.0,
-     "rope_mscale_all_dim": 0.7, "rope_beta_fast": 8.0, "rope_beta_slow": 2.0},
+@pytest.mark.parametrize("changes", [  # the quick loop: q-latent (DeepSeek-V3's)
+    {}, pytest.param({"q_lora_rank": None}, marks=pytest.mark.slow),
+    pytest.param({"rope_interleave": False}, marks=pytest.mark.slow),
+    pytest.param({"rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_max_len": 8,
+                  "rope_mscale": 1.0, "rope_mscale_all_dim": 0.7, "rope_beta_fast": 8.0,
+                  "rope_beta_slow": 2.0}, marks=pytest.mark.slow),
 ], ids=["q-latent", "q-proj", "no-interleave", "yarn-mscale"])
 def test_latent_attention_equals_transformers(changes):
     cfg = dataclasses.replace(MLA, **changes)
@@ -126,10 +128,14 @@ def test_latent_attention_equals_transformers(changes):
     for i, tok in enumerate(tokens[5:]):
         logits, rest = model.decode(jnp.asarray([[tok]]), rest, 5 + i)
         steps.append(logits[0])
-    np.testing.assert_allclose(np.concatenate(steps), got, atol=1e-4, rtol=1e-4)
+    # the latent decode reassociates (kv_b_proj absorbed into the query and the output), so
+    # float32 rounding scales with the logits and with the CPU's vector width: up to 1.06e-4
+    # at |logits| <= 10.8 on an AMD EPYC (under 1e-4 on the machine before it)
+    np.testing.assert_allclose(np.concatenate(steps), got, rtol=1e-4,
+                               atol=2e-5 * np.abs(got).max())
 
 
-@pytest.mark.slow  # the DeepSeek-shaped step below covers latent attention in the quick loop
+@pytest.mark.slow  # latent attention's quick case: test_latent_attention_equals_transformers
 def test_a_zero3_step_equals_one_device():
     batches = token_batches(2)
     expected = reference_run(llama_trainable(MLA).init,
@@ -146,7 +152,10 @@ DEEPSEEK = dataclasses.replace(
     routed_scaling_factor=2.5, mtp_layers=1)
 
 
-@pytest.mark.parametrize("expert", [pytest.param(1, marks=pytest.mark.slow), 2])
+# slow (about 20 s each): the quick loop keeps its parts, latent attention against
+# transformers, DeepSeek's router, a mixture over ``expert`` and DeepSeek-V3's import
+@pytest.mark.slow
+@pytest.mark.parametrize("expert", [1, 2])
 def test_a_deepseek_shaped_step_equals_one_device(expert):
     """Latent attention, a dense first layer (a stack of its own) and DeepSeek-V3's router
     with a shared expert, at ZeRO-3 over ``data`` x ``expert``."""

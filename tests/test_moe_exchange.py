@@ -81,10 +81,13 @@ def test_the_exchange_equals_one_device(skew, k, ep, chunks):
                                       argnums=range(5)))
     want = jax.value_and_grad(one, argnums=range(5))(x, router, *w)
     assert abs(float(want[0])) > 1.0
-    assert_trees_close(many(*args), want, **FP32, what="value and grads")
+    # scaled: the exchange sums each row's experts in another order (skewed-e8's x-grad: 2.9e-5
+    # off at 0.13, in a leaf whose entries reach 6.2, on an AMD EPYC)
+    assert_trees_close(many(*args), want, **FP32, what="value and grads", scaled=True)
 
 
-@pytest.mark.parametrize("extra", [(), ("model.moe_chunks=2", "model.mtp_layers=1")],
+@pytest.mark.parametrize("extra", [(), pytest.param(("model.moe_chunks=2", "model.mtp_layers=1"),
+                                                    marks=pytest.mark.slow)],
                          ids=["one-exchange", "in-pieces-with-mtp"])
 def test_no_two_collectives_of_the_cpu_step_can_collide(extra):
     from zjax.planning import unordered_collectives

@@ -351,6 +351,7 @@ def test_each_runtime_key_is_the_runs(tmp_path):
         assert params["embed"].shape == (256, 64), key
 
 
+@pytest.mark.slow  # three checkpoints written and every pinned key tried (12 s)
 def test_each_weight_key_is_refused_naming_why(tmp_path):
     from hf_deepseek import deepseek_config, deepseek_tensors
 

@@ -260,7 +260,7 @@ def test_an_unwritable_output_is_one_line_naming_it(tok, tmp_path, capsys, cli_l
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("out", ["o", "o.npy"])
+@pytest.mark.parametrize("out", ["o", pytest.param("o.npy", marks=pytest.mark.slow)])
 def test_a_full_disk_is_one_line_and_leaves_nothing(tok, tmp_path, out):
     # subprocess: the file-size limit (and SIGXFSZ ignored) is a process's, and its workers'
     # a process whose files may not grow past 64 KiB: its writes fail as on a full disk
@@ -369,7 +369,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT,
+                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_an_interrupted_import_hf_leaves_nothing_and_a_rerun_works(tmp_path, sig):
     # subprocess: the import-hf interrupted by a signal (the rerun: here)
     hf = tmp_path / "hf"
@@ -409,3 +410,28 @@ def test_leftovers_of_a_killed_run_are_removed_and_never_read(tok, tmp_path, cap
                          "--tokenizer", str(tok), "--workers", "1")
     assert rc == 0 and "partial output of an interrupted run" in out
     assert _hidden(corpus) == [alive.name]  # the dead runs' removed, the live one's kept
+
+
+def test_a_terminated_pool_leaves_no_thread_for_the_exit_hook():
+    """After the encoding stops early, the pool's manager thread has ended (its wake-up pipe
+    closed): CPython 3.11's exit hook for process pools writes to that pipe unlocked, and a
+    thread still ending there printed a 'Bad file descriptor' traceback after 'stopped by
+    SIGTERM' (seen once in a full run)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from zjax.data._parallel import _terminate
+
+    pool = concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn"))
+    assert pool.submit(abs, -3).result(timeout=60) == 3
+    manager, wakeup = pool._executor_manager_thread, pool._executor_manager_thread_wakeup
+    close = wakeup.close
+
+    def slow_close():  # widen the window in which the exit hook wrote to a closing pipe
+        time.sleep(0.5)
+        close()
+
+    wakeup.close = slow_close
+    _terminate(pool)
+    assert not manager.is_alive() and wakeup._closed

@@ -7,6 +7,7 @@ has the figures of the compile that training runs."""
 from __future__ import annotations
 
 import gzip
+import os
 import re
 
 import jax
@@ -78,6 +79,27 @@ def test_what_changes_the_compile_misses(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
     assert len(list(tmp_path.glob("*.json.gz"))) == 3
+
+
+def test_the_flags_order_decides_nothing(tmp_path, monkeypatch):
+    """The same flags in another order (as the CLI leaves ``XLA_FLAGS``: the simulated device
+    count moved to the end) read the kept compile; before, a warm run compiled the v5p plans
+    again whenever an in-process CLI call had run earlier in the worker."""
+    from zjax.runtime.mesh import simulate_cpu_devices
+
+    devices = list(target(GPU).devices)
+    flags = ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+             "--xla_gpu_enable_latency_hiding_scheduler=true"]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
+    monkeypatch.setenv("PJRT_NPROC", os.environ.get("PJRT_NPROC", "16"))  # restored after
+    assert not compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # the backend exists already
+    simulate_cpu_devices(8)  # what the CLI does: the same flags, the device count last
+    assert os.environ["XLA_FLAGS"].split() == [*flags[1:], flags[0]]
+    assert compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
+    monkeypatch.setenv("XLA_FLAGS", "  ".join(reversed(flags)))
+    assert compile_for_target(_lowered(), devices, cache_dir=tmp_path).cached
+    assert len(list(tmp_path.glob("*.json.gz"))) == 1
 
 
 def test_a_damaged_entry_is_compiled_again_and_replaced(tmp_path, fresh):
