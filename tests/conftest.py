@@ -66,7 +66,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # (2026-12-06 and -07, in Executable.serialize or a compile): a process that reaches the
 # kernel's limit of memory mappings (vm.max_map_count, 65,530) makes LLVM's allocation fail,
 # and XLA:CPU then segfaults; a worker keeps every program it compiled, each holding its object
-# files' mappings (34,000 in one worker a quarter into a run), and serializing one for the
+# files' mappings (34,000 in one worker 23 minutes into a cold run), and serializing one for the
 # cache maps it again. A worker now gives them back after each file (mappings.py) and the
 # ledger prints the most any process held. Entries are written whole (compile_cache.py: JAX
 # writes them in place, unlocked), and the key covers XLA_FLAGS, so processes with another
