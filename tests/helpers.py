@@ -191,7 +191,7 @@ def cli_env(**changes: str | None) -> dict[str, str]:
     its own devices, as for a user) and no ``ZJAX_*`` (``zjax launch``'s variables); the rest
     of what conftest set for every process stays: XLA:CPU's optimisation level and fusion
     emitters (a child compiles the programs the tests compile, bit for bit), the cache
-    settings (JAX's executable cache off, the folder for the targets' figures) and
+    settings (JAX's executable cache on, its folder, the targets' figures beside it) and
     ``ALLOW_MULTIPLE_LIBTPU_LOAD``. A change of None removes the key.
     """
     import re
