@@ -13,6 +13,7 @@ import emitters
 import ledger
 import mappings
 import pytest
+from optimized import _long_training  # noqa: F401 (the long_training marker's fixture)
 
 CACHE_LIMIT_BYTES = 4 << 30
 
@@ -76,7 +77,8 @@ os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "true")
 # XLA:CPU's LLVM at -O0: most of a cold run is XLA:CPU compiling thousands of distinct small
 # steps that then run a few times, so a faster compile beats faster code (the whole suite
 # cold on 2 cores: 20:31 at -O1, 19:00 at -O0 with 8 tests more; -O0 compiles about 30%
-# faster, the tiny steps run about 1.6x slower, which only the long trainings feel). Only the
+# faster, the tiny steps run about 1.6x slower, which only the long trainings feel: those
+# marked long_training build their steps at -O2, tests/optimized.py). Only the
 # machine code changes: HLO passes, schedule and buffer assignment are the same, so memory and
 # collective figures are too (tests/test_target_cache.py compares them). Every process of a
 # run, subprocesses included (cli_env), compiles at the same level, so bitwise comparisons

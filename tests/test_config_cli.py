@@ -116,6 +116,7 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long_training
 def test_cli_trains_the_default_gpt_and_loss_falls():
     r = _cli("train", "configs/tiny.yaml", "train.steps=40", "train.log_every=10",
              "train.eval_every=40")

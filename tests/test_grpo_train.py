@@ -54,6 +54,7 @@ def _rewards(history: list[dict]) -> list[float]:
 
 
 @pytest.mark.slow  # 2 x 20 s: 200 steps each (the README's curve: 0.9 by step 150)
+@pytest.mark.long_training
 @pytest.mark.parametrize("kl_beta", [0.0, 0.02])
 def test_the_tiny_task_is_learned_from_the_reward_alone(data, tmp_path, kl_beta):
     result = zjax.train(None, _config(data, f"rl.kl_beta={kl_beta}", "train.steps=200"),

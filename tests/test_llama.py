@@ -173,6 +173,7 @@ def test_config_errors_name_the_key():
 
 
 @pytest.mark.slow
+@pytest.mark.long_training
 def test_template_trains_and_its_memory_is_flat_in_depth():
     """configs/llama-tiny.yaml learns in 60 steps (the first row is step 20); stage 3's temp
     grows by less than one gathered layer per added layer (the GPT's criterion)."""

@@ -21,7 +21,7 @@ import zjax
 sys.path.insert(0, str(ROOT / "examples"))
 import lora_example
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long_training]
 
 
 # python examples/lora_example.py OUT --dtype bfloat16, OUT/base copied (300 steps, 0.3 MB): the

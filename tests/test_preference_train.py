@@ -113,6 +113,7 @@ def test_an_imported_hf_model_tunes_on_chat_pairs_and_exports_as_itself(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.long_training
 def test_dpo_learns_the_rule_the_rejected_answers_break(tmp_path):
     """The README's example at full size: eval rewards/accuracies >= 0.95 on pairs the
     model never saw."""

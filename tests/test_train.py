@@ -10,6 +10,7 @@ from pathlib import Path
 import matplotlib.image
 import numpy as np
 import pytest
+from optimized import optimized_cpu_steps
 
 import zjax
 from zjax.cli.plot import plot_run
@@ -27,7 +28,8 @@ def tiny_run(tmp_path_factory):
                       ["train.steps=60", "train.log_every=10", "train.eval_every=60",
                        "train.eval_batches=2", "logging.tensorboard=true"])
     start = time.perf_counter()
-    result = zjax.train("lm", cfg, run_dir=run_dir)
+    with optimized_cpu_steps():  # 60 steps (tests/optimized.py)
+        result = zjax.train("lm", cfg, run_dir=run_dir)
     return result, run_dir, time.perf_counter() - start  # wall time, measured outside
 
 
