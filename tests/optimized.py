@@ -1,4 +1,4 @@
-"""Long trainings compiled with LLVM's optimisation (docs/testing.md, "Compile time").
+"""Long trainings compiled with LLVM's optimisation (docs/testing.md, "Long trainings").
 
 The suite compiles XLA:CPU's machine code at ``-O0`` (conftest): most of its programs are
 compiled, run a few times and dropped, so a faster compile wins. A test marked
