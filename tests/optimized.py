@@ -10,7 +10,8 @@ HLO, its schedule and the figures are the same, and the numbers such a test asse
 thresholds on a curve, never a bitwise comparison with another process (a CLI subprocess
 compiles at the suite's level).
 
-GRPO's learning test, 200 steps: 19.5 s at -O0, 14.9 s at -O2 (alone, cold, 2 cores).
+GRPO's learning test, 200 steps, alone on 2 cores with an empty cache: 19.5 s with the whole
+process at -O0, 14.9 s at -O2.
 """
 
 from __future__ import annotations

@@ -222,19 +222,20 @@ def test_a_default_emitters_test_runs_under_the_default_emitters():
 
 
 def _step_jit_options() -> dict:
-    """The compiler options of the tiny GPT's train step's ``jax.jit``, as lowered."""
+    """The compiler options of the tiny GPT's train step's ``jax.jit``, as lowered (as the
+    targets' cache reads them: values as strings)."""
     import zjax
+    from zjax.runtime._target_cache import _options
 
     config = zjax.load_config("configs/tiny.yaml", ["model.n_layers=1", "data.path="])
-    lowered = zjax.build_step(config).lower(zjax.abstract_batch(config))
-    return dict(lowered._lowering._compiler_options_kvs)
+    return dict(_options(zjax.build_step(config).lower(zjax.abstract_batch(config))))
 
 
 @pytest.mark.long_training
 def test_a_long_training_compiles_its_train_step_at_o2():
     """tests/optimized.py: the step's jit carries -O2 (over the suite's XLA_FLAGS -O0)."""
     assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
-    assert _step_jit_options().get("xla_backend_optimization_level") == 2
+    assert _step_jit_options().get("xla_backend_optimization_level") == "2"
 
 
 def test_other_tests_compile_their_train_step_at_the_suite_s_level():
