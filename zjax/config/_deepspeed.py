@@ -103,8 +103,8 @@ def _offload(r: Reader, section: str, d: dict) -> None:
             r.set(f"{zkey}.device", device)
         elif key == "pin_memory":
             r.set(f"{zkey}.pin_memory", bool(value))
-        elif key in ("nvme_path", "buffer_count") and section == "offload_param":
-            r.ignore(where, "parameters on NVMe are not built (zjax refuses device: nvme there)")
+        elif key == "buffer_size" and section == "offload_param":
+            r.set(f"{zkey}.buffer_size", number(where, value, int))
         elif key == "nvme_path":
             r.set(f"{zkey}.nvme_path", None if value is None else str(value))
         elif key == "buffer_count":
@@ -113,6 +113,7 @@ def _offload(r: Reader, section: str, d: dict) -> None:
             r.ignore(where, _OFFLOAD_IGNORED[key])
         else:
             raise r.unknown(where, ["device", "pin_memory", "nvme_path", "buffer_count",
+                                    *(["buffer_size"] if section == "offload_param" else []),
                                     *_OFFLOAD_IGNORED])
 
 

@@ -74,6 +74,11 @@ class Trainable:
       decoder: ``decoder(params) -> model``: the model to generate with (``init_cache``,
         ``decode``) from whole params as :attr:`init` gives them (trained and frozen leaves
         merged); None for a model that cannot generate (a pytree loss).
+      run_stacks: for an NNX model, ``run_stacks(shards, batch, plan, make_runner)``: the
+        stage-3 loss (inside ``shard_map``) with ``make_runner(path, stack)`` bound to every
+        ``Stack``, the leaves outside them gathered on access; the Stacks' own leaves are
+        not read (a runner brings the layers): what the streamed step
+        (``zero.offload_param.device: nvme``) cuts at its Stacks. None for a pytree loss.
     """
 
     init: Callable[[jax.Array], Params]
@@ -87,6 +92,7 @@ class Trainable:
     score: Callable[[Params, Any, ShardPlan], jax.Array] | None = None
     prepare: Callable[[Params, Any, ShardPlan], Any] | None = None
     decoder: Callable[[Params], Any] | None = None
+    run_stacks: Callable[[Params, Any, ShardPlan, Callable], LossOut] | None = None
 
 
 def _suspects(plan: ShardPlan, message: str) -> list[str]:
@@ -203,9 +209,14 @@ def from_nnx(
         run = lambda shards, batch: _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
+    def run_stacks(shards, batch, plan: ShardPlan, make_runner):
+        model = nnx.merge(graphdef, _gather_non_stacked(shards, plan))
+        bind_runners(model, make_runner)
+        return loss_fn(model, batch)
+
     decoder = functools.partial(nnx.merge, graphdef)
     return Trainable(init=init, loss=loss, stacked=stacked, logical_axes=names.get,
-                     decoder=decoder)
+                     decoder=decoder, run_stacks=run_stacks)
 
 
 def _gather_non_stacked(shards, plan: ShardPlan):

@@ -1,11 +1,13 @@
 """Host offload (ZeRO-Offload) through JAX memory kinds, and the NVMe tier's streaming
-optimizer engine (ZeRO-Infinity; the step that uses it is `zjax.step._nvme`).
+optimizer engine (ZeRO-Infinity; the steps that use it are `zjax.step._nvme` and
+`zjax.step._streamed`).
 
 It owns the ``zero.offload_optimizer`` / ``zero.offload_param`` sections
 (``zjax.offload.config``) and imports only ``zjax.errors`` and the sections; the step, the
 checkpoint and planning import it."""
 
-from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
+from zjax.offload._nvme_store import NvmeStore
+from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
 from zjax.offload.host import (
     check_memory_kind,
     global_norm,
@@ -17,8 +19,10 @@ from zjax.offload.host import (
 from zjax.offload.nvme import StreamingOptimizer, check_elementwise
 
 __all__ = [
+    "NvmeStore",
     "OffloadConfig",
     "OptimizerOffloadConfig",
+    "ParamOffloadConfig",
     "StreamingOptimizer",
     "check_elementwise",
     "check_memory_kind",

@@ -7,7 +7,7 @@ import dataclasses
 from zjax.errors import ConfigError, did_you_mean
 from zjax.schema import positive, validate
 
-__all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig"]
+__all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig", "ParamOffloadConfig"]
 
 DEVICES = ("none", "host", "nvme")
 _ALIASES = {"cpu": "host"}  # DeepSpeed's name for the same tier
@@ -27,8 +27,9 @@ class OffloadConfig:
 
     Attributes:
       device: ``none`` keeps it in device memory; ``host`` keeps it in host memory (JAX memory
-        kind ``pinned_host``) and brings it in as the step needs it; ``nvme`` (the optimizer
-        state only, ZeRO-Infinity) keeps it in swap files. ``cpu`` is read as ``host``.
+        kind ``pinned_host``) and brings it in as the step needs it; ``nvme`` (ZeRO-Infinity)
+        keeps it in swap files (:class:`OptimizerOffloadConfig`, :class:`ParamOffloadConfig`).
+        ``cpu`` is read as ``host``.
       pin_memory: page-locked host memory (``pinned_host``, fast DMA) rather than pageable
         (``unpinned_host``), as DeepSpeed's ``pin_memory``.
     """
@@ -39,12 +40,9 @@ class OffloadConfig:
     def __post_init__(self):
         validate(self, self._key("")[:-1])
         object.__setattr__(self, "device", _check_device(self._key("device"), self.device))
-        if self.nvme and not isinstance(self, OptimizerOffloadConfig):
-            raise ConfigError(
-                f"{self._key('device')}: nvme is not built for params: the compiled step takes "
-                "every stored param as an input, so they would all be in host memory at once, "
-                "which is device: host (use that). zero.offload_optimizer.device: nvme puts the "
-                "float32 master and the optimizer state on NVMe")
+        if self.nvme and not isinstance(self, OptimizerOffloadConfig | ParamOffloadConfig):
+            raise ConfigError(f"{self._key('device')}: nvme needs the section's nvme_path "
+                              "(build it as ParamOffloadConfig or OptimizerOffloadConfig)")
 
     def _key(self, name: str) -> str:
         return f"zero.offload_param.{name}"
@@ -62,6 +60,28 @@ class OffloadConfig:
     def memory_kind(self) -> str:
         """The JAX memory kind of the offloaded arrays."""
         return "pinned_host" if self.pin_memory else "unpinned_host"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamOffloadConfig(OffloadConfig):
+    """Where the parameters live between uses (DeepSpeed ``offload_param``).
+
+    Attributes:
+      nvme_path: with ``device: nvme`` (stage 3, with ``zero.offload_optimizer.device: nvme``),
+        the directory of the swap files: the step streams each layer's parameters from the
+        optimizer's float32 master there (:mod:`zjax.step._streamed`), so no parameter
+        stays in device or host memory between its uses. Defaults to
+        ``zero.offload_optimizer.nvme_path``.
+      buffer_count: with ``device: nvme``, host buffers of layers read ahead of the one the
+        devices compute (DeepSpeed's ``buffer_count``).
+      buffer_size: with ``device: nvme``, elements of one buffer: this process's shards of one
+        layer must fit in it (DeepSpeed's ``buffer_size``: the largest parameter must fit).
+        Host memory holds about ``buffer_count x buffer_size x 4`` bytes of them.
+    """
+
+    nvme_path: str | None = None
+    buffer_count: int = positive(5)
+    buffer_size: int = positive(100_000_000)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

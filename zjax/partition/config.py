@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zjax.errors import ConfigError, did_you_mean
-from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
+from zjax.offload.config import OptimizerOffloadConfig, ParamOffloadConfig
 from zjax.schema import choices, non_negative, positive, validate
 
 __all__ = ["DTYPES", "ZeroConfig", "resolve_dtype"]
@@ -95,7 +95,7 @@ class ZeroConfig:
     max_live_parameters: int | None = positive(None)
     offload_optimizer: OptimizerOffloadConfig = dataclasses.field(
         default_factory=OptimizerOffloadConfig)
-    offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    offload_param: ParamOffloadConfig = dataclasses.field(default_factory=ParamOffloadConfig)
     quantized_weights: bool = False
     quantized_gradients: bool = False
     hpz_partition_size: int = positive(1)
@@ -115,6 +115,7 @@ class ZeroConfig:
                 raise ConfigError(
                     f"zero.{key}.device: {section.device} needs a sharded state (stage 1, 2 "
                     "or 3), but zero.stage is 0; raise zero.stage or set the device to none")
+        self._check_nvme_params()
         if self.quantized_weights and self.stage < 3:
             raise ConfigError(f"zero.quantized_weights: quantizes stage 3's weight gathers, "
                               f"but zero.stage is {self.stage}; set zero.stage: 3")
@@ -131,6 +132,27 @@ class ZeroConfig:
                 "zero.prefetch_layers and zero.prefetch_bucket_size both set "
                 f"({self.prefetch_layers}, {self.prefetch_bucket_size}); set only one"
             )
+
+    def _check_nvme_params(self) -> None:
+        """Parameters on NVMe: stage 3's streamed step, over the NVMe optimizer's files."""
+        param = self.offload_param
+        if not param.nvme:
+            return
+        if self.stage != 3:
+            raise ConfigError(
+                f"zero.offload_param.device: nvme streams stage 3's parameter shards layer by "
+                f"layer, but zero.stage is {self.stage}; set zero.stage: 3")
+        if not self.offload_optimizer.nvme:
+            raise ConfigError(
+                "zero.offload_param.device: nvme needs zero.offload_optimizer.device: nvme "
+                f"(got {self.offload_optimizer.device!r}): the streamed step reads each layer "
+                "from the optimizer's float32 master in the swap files and updates it there")
+        if param.nvme_path and param.nvme_path != self.offload_optimizer.nvme_path:
+            raise ConfigError(
+                f"zero.offload_param.nvme_path: {param.nvme_path!r} differs from "
+                f"zero.offload_optimizer.nvme_path {self.offload_optimizer.nvme_path!r}: the "
+                "parameters are read from the optimizer's master, so both live on one path; "
+                "set them equal (or leave offload_param.nvme_path out)")
 
     @property
     def gather(self) -> np.dtype:

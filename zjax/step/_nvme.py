@@ -106,6 +106,8 @@ class NvmeOptimizer:
       param_shardings: where the step takes its working params.
     """
 
+    keep_params = True  # the working params live on the devices between steps
+
     def __init__(self, plan: ShardPlan, tx: optax.GradientTransformation,
                  abstract_master: Any, param_shardings: Any):
         check_elementwise(tx)
@@ -159,7 +161,7 @@ class NvmeOptimizer:
                            for name, x in shard_data(a, leaf)})
         norm = jax.jit(global_norm, out_shardings=self.replicated)(master)
         self.param_norm = float(local_value(norm))
-        return self.started(self.working(master), step)
+        return self.started(self.working(master) if self.keep_params else None, step)
 
     def working(self, master: Any) -> Any:
         """The working params of a float32 ``master``."""

@@ -97,11 +97,13 @@ def restore_canonical(engine: NvmeOptimizer, canonical: dict,
                 opt.write(name, part, Slices(data))
             if part == "master":
                 sumsq += float(local_value(_sum_squares(engine.replicated)(x)))
-                params[i] = jax.device_put(x.astype(leaf.stored), leaf.param)
+                if engine.keep_params:
+                    params[i] = jax.device_put(x.astype(leaf.stored), leaf.param)
         del x
     opt.scalars = scalars
     engine.param_norm = float(np.sqrt(sumsq))
-    return engine.started(jax.tree.unflatten(engine.treedef, params), step)
+    return engine.started(jax.tree.unflatten(engine.treedef, params)
+                          if engine.keep_params else None, step)
 
 
 @dataclasses.dataclass(frozen=True)

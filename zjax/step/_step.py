@@ -36,6 +36,7 @@ from zjax.step._nvme_io import NvmeStorage
 from zjax.step._rollout import make_rollout
 from zjax.step._state import TrainState, make_init, state_from, state_layout
 from zjax.step._storage import MemoryStorage, StateStorage
+from zjax.step._stream_parts import streamed_parts
 from zjax.step._update import apply_update, host_update_errors, store
 
 __all__ = ["ZeroStep", "make_step"]
@@ -240,6 +241,9 @@ def make_step(
     batch_sharding = NamedSharding(mesh, P(batch_axes(mesh)))
     grads_fn = sharded_grads(trainable, plan, mesh, micro_batches=micro_batches)
     params_shardings = plan.shardings(plan.state_specs)
+    if zero.offload_param.nvme:  # parameters on NVMe: the streamed step
+        return ZeroStep(plan, **streamed_parts(trainable, tx, plan, micro_batches=micro_batches,
+                                               clip_norm=clip_norm, skip_nonfinite=skip_nonfinite))
     if plan.opt_on_nvme:
         return _nvme_step(trainable, tx, plan, grads_fn, batch_sharding, params_shardings,
                           clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)

@@ -1,0 +1,328 @@
+"""The streamed step: parameters and optimizer state on NVMe (ZeRO-Infinity's
+``offload_param: {device: nvme}``), a model larger than host memory trained.
+
+The one-program step takes every stored parameter as an input; this one runs the model as
+per-layer programs driven from the host, as DeepSpeed's hooks do (:mod:`zjax.step._cuts`,
+:mod:`zjax.step._stream_programs`). One step, per micro-batch:
+
+1. forward: the segment before each ``Stack`` call, then its layers one program each; each
+   layer's shards read from the float32 master in the swap files ``buffer_count`` layers ahead
+   (:class:`~zjax.step._stream_io.LayerReader`), cast to the working dtype on the host, put
+   on the devices while the previous layer computes. Only each layer's input is kept.
+2. backward: the loss's gradients, then each layer again in reverse, read again and run
+   from its saved input; its gradient shards (reduce-scattered by the gather's VJP) written
+   behind into gradient swap files (summed over micro-batches).
+3. the NVMe optimizer's streamed update (:class:`~zjax.offload.nvme.StreamingOptimizer`) over
+   master, moments and those gradients, clipped by their global norm, divided by the count.
+
+Device memory holds a few layers' weights and the saved layer inputs, whatever the depth;
+host memory the read-ahead buffers and the update's sub-groups, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zjax.errors import ConfigError
+from zjax.models.trainable import Trainable
+from zjax.partition.plan import ShardPlan
+from zjax.step._grads import _check_micro_batches, metric_values
+from zjax.step._nvme import NvmeOptimizer, clip_scale
+from zjax.step._nvme_engine import local_value
+from zjax.step._state import TrainState
+from zjax.step._stream_io import GradFiles, LayerReader, read_leaf
+from zjax.step._stream_programs import Programs
+
+__all__ = ["StreamEngine", "StreamedStep", "check_streamable"]
+
+KEY = "zero.offload_param.device"
+
+
+def check_streamable(trainable: Trainable, plan: ShardPlan) -> None:
+    """Refuse, by key, what the streamed step does not run."""
+    refused = [
+        (any(leaf.frozen for leaf in plan.leaves), "a frozen base (lora.rank)"),
+        (trainable.prepare is not None, "a loss that prepares its batch (a preference "
+                                        "reference model)"),
+        (trainable.score is not None, "per-row scores (preference precompute, GRPO)"),
+        (trainable.dropout_seed is not None, "dropout (lora.dropout)"),
+        (plan.n_node > 1, "zero.hpz_partition_size"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{KEY}: nvme streams the layers of a plain training loss; "
+                              f"{what} is not built with it: use device: host")
+
+
+class StreamEngine(NvmeOptimizer):
+    """The NVMe optimizer's swap files with no working params on the devices (they are read
+    from the master as the layers run), plus the gradients' swap files."""
+
+    keep_params = False
+
+    def __init__(self, plan: ShardPlan, tx, abstract_master: Any, param_shardings: Any):
+        super().__init__(plan, tx, abstract_master, param_shardings)
+        self.grads: GradFiles | None = None
+
+    def open(self):
+        opt = super().open()
+        self.grads = GradFiles(self, self.section.nvme_path, threads=self.section.buffer_count,
+                               key="zero.offload_param.nvme_path")
+        return opt
+
+    def close(self) -> None:
+        if self.grads is not None:
+            self.grads.close()
+            self.grads = None
+        super().close()
+
+
+class StreamedStep:
+    """``step(state, batch) -> (state, metrics)`` with parameters and optimizer state on NVMe.
+
+    ``lower(abstract_state, batch).compile()`` compiles the largest per-layer program (the
+    backward of the first Stack's layer): its memory is the step's device working set beside
+    the saved layer inputs. The metrics are :class:`~zjax.step._nvme.NvmeStep`'s, with
+    ``nvme_read_gbs`` / ``nvme_write_gbs`` over the whole step (layers, gradients, update).
+    """
+
+    def __init__(self, engine: StreamEngine, trainable: Trainable, plan: ShardPlan, *,
+                 micro_batches: int, clip_norm: float | None, skip_nonfinite: bool):
+        self.engine, self.trainable, self.plan = engine, trainable, plan
+        self.micro_batches, self.clip_norm = micro_batches, clip_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.section = plan.zero.offload_param
+        self._programs: dict = {}
+        self.nonstack = [j for j, leaf in enumerate(plan.leaves) if not leaf.stacked]
+        self.batch_sharding = NamedSharding(plan.mesh, P(_rows(plan)))
+
+    def programs(self, batch: Any) -> Programs:
+        """The programs for batches shaped like ``batch`` (found once per shape)."""
+        key = jax.tree.map(lambda b: (b.shape, str(b.dtype)), batch)
+        key = str(key)
+        if key not in self._programs:
+            self._programs[key] = Programs(self.trainable, self.plan, batch)
+        return self._programs[key]
+
+    def _reader(self, programs: Programs) -> LayerReader:
+        return LayerReader(self.engine, programs, buffer_count=self.section.buffer_count,
+                           buffer_size=self.section.buffer_size)
+
+    def _split(self, batch: Any) -> list[Any]:
+        """The micro-batches: each device's rows split as the one-program step splits them."""
+        n, devices = self.micro_batches, self.plan.n_batch
+        _check_micro_batches(_batch_rows(batch) // devices, self.plan, n)
+        if n == 1:
+            return [batch]
+
+        def part(b, m):
+            rows = b.reshape(devices, n, -1, *b.shape[1:])[:, m]
+            return rows.reshape(-1, *b.shape[1:])
+
+        return [jax.jit(lambda b, m=m: jax.tree.map(lambda x: part(x, m), b),
+                        out_shardings=self.batch_sharding)(batch) for m in range(n)]
+
+    def _forward(self, programs: Programs, nonstack: list, batch: Any, layers) -> tuple:
+        """Every Stack call's layers forward: ``(outputs, saved inputs, contexts)``."""
+        outputs, saved, contexts = [], [], []
+        for c, call in enumerate(programs.calls):
+            x, context = programs.cut_fwd(c)(nonstack, batch, outputs)
+            inputs = []
+            for i in range(call.n_layers):
+                inputs.append(x)
+                x = programs.layer_fwd(c)(next(layers), x, context, np.int32(i))
+            outputs.append(x)
+            saved.append(inputs)
+            contexts.append(context)
+        return outputs, saved, contexts
+
+    def _pass(self, programs: Programs, nonstack: list, batch: Any, layers, *,
+              first: bool, last: bool) -> tuple[Any, list]:
+        """One micro-batch forward and backward: ``(sums, non-Stack leaves' gradients)``; the
+        layers' gradients go to the swap files."""
+        grads = self.engine.grads
+        outputs, saved, contexts = self._forward(programs, nonstack, batch, layers)
+        g_ns, ct_out, sums = programs.tail(grads=True)(nonstack, batch, outputs)
+        ct_out = list(ct_out)
+        for c in reversed(range(len(programs.calls))):
+            call, ct = programs.calls[c], ct_out[c]
+            for i in reversed(range(call.n_layers)):
+                g, ct = programs.layer_bwd(c)(next(layers), saved[c][i], contexts[c],
+                                              np.int32(i), ct)
+                saved[c][i] = None
+                for j, gj in zip(call.leaves, g, strict=True):
+                    grads.put(j, gj, layer=(i, call.n_layers), first=first, last=last)
+            g_c, ct_prev = programs.cut_bwd(c)(nonstack, batch, outputs[:c], ct)
+            g_ns = _add(g_ns, g_c)
+            ct_out[:c] = [_add(a, b) for a, b in zip(ct_out[:c], ct_prev, strict=True)]
+        return sums, g_ns
+
+    def _schedule(self, programs: Programs) -> list[tuple[int, int]]:
+        forward = [(c, i) for c, call in enumerate(programs.calls)
+                   for i in range(call.n_layers)]
+        return (forward + forward[::-1]) * self.micro_batches
+
+    def _nonstack(self) -> list[jax.Array]:
+        return [read_leaf(self.engine, j) for j in self.nonstack]
+
+    def lower(self, abstract_state: TrainState, batch: Any) -> _Lowered:
+        del abstract_state  # the state holds no params: the programs take layers
+        return _Lowered(self, self.programs(batch), batch)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        engine = self.engine
+        step = int(local_value(state.step))
+        if step != engine.step:
+            raise RuntimeError(f"this state is at step {step}, but the NVMe swap files hold "
+                               f"step {engine.step}: only the newest state can step")
+        sums, read0 = self._gradients(batch)
+        loss_sum, count = float(sums[0]), float(sums[1])
+        sumsq = engine.grads.sumsq
+        if jax.process_count() > 1:
+            sumsq = float(multihost_utils.process_allgather(np.float64(sumsq)).sum())
+        norm = math.sqrt(sumsq) / count
+        finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
+        stats = None
+        if finite or not self.skip_nonfinite:
+            stats = self._update(clip_scale(norm, self.clip_norm) / count)
+            finite = finite and stats.finite
+        engine.step = step + 1
+        metrics = {"loss": loss_sum / count, "grad_norm": norm,
+                   "param_norm": engine.param_norm, "finite": finite, "count": count,
+                   **metric_values({k: float(v) for k, v in sums[2].items()}, count),
+                   **self._traffic(read0, stats)}
+        return (engine.started(None, step + 1),
+                {k: jnp.asarray(v) for k, v in metrics.items()})
+
+    def _gradients(self, batch: Any) -> tuple[tuple, tuple[int, float]]:
+        """Every micro-batch's forward and backward: the summed ``(loss_sum, count, extra)``
+        (host floats), the gradients in the swap files."""
+        import time
+
+        t0, programs = time.perf_counter(), self.programs(batch)
+        reader, grads = self._reader(programs), self.engine.grads
+        grads.sumsq = 0.0
+        layers = reader.layers(self._schedule(programs))
+        nonstack, g_total, totals = self._nonstack(), None, None
+        parts = self._split(batch)
+        for m, part in enumerate(parts):
+            sums, g_ns = self._pass(programs, nonstack, part, layers, first=m == 0,
+                                    last=m == len(parts) - 1)
+            sums = jax.tree.map(lambda x: np.float64(local_value(x)), sums)
+            totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+            g_total = _add(g_total, g_ns)
+        for j, g in zip(self.nonstack, g_total, strict=True):
+            grads.put(j, g, layer=None, first=True, last=True)
+        grads.flush()
+        return totals, (reader.read_bytes, time.perf_counter() - t0)
+
+    def _update(self, grad_scale: float):
+        engine, owned = self.engine, {}
+        for leaf in engine.leaves:
+            owned.update(zip(leaf.names, leaf.owned, strict=True))
+        sumsq = [0.0]
+
+        def sink(name: str, start: int, values: np.ndarray) -> None:
+            if owned[name]:
+                wide = values.astype(np.float64)
+                sumsq[0] += float(np.dot(wide, wide))
+
+        sources = {name: engine.grads.source(name) for name in engine.sizes}
+        stats = engine.opt.update(sources, sink, grad_scale=grad_scale)
+        total = sumsq[0]
+        if jax.process_count() > 1:
+            total = float(multihost_utils.process_allgather(np.float64(total)).sum())
+        engine.param_norm = math.sqrt(total)
+        return stats
+
+    def _traffic(self, read: tuple[int, float], stats) -> dict:
+        layer_bytes, seconds = read
+        grads = self.engine.grads.store
+        t = seconds + (stats.seconds if stats else 0.0)
+        read_bytes = layer_bytes + (stats.read_bytes if stats else 0)
+        written = grads.written_bytes + (stats.written_bytes if stats else 0)
+        grads.written_bytes = grads.read_bytes = 0
+        return {"nvme_read_gbs": read_bytes / max(t, 1e-9) / 1e9,
+                "nvme_write_gbs": written / max(t, 1e-9) / 1e9,
+                "nvme_update_s": stats.seconds if stats else 0.0}
+
+    def evaluate_metrics(self, params: Any, batch: Any, frozen: Any = None) -> tuple:
+        """The mean loss and metrics of ``batch``, streamed forward (``params`` unused: they
+        are on NVMe)."""
+        del params, frozen
+        programs = self.programs(batch)
+        forward = [(c, i) for c, call in enumerate(programs.calls)
+                   for i in range(call.n_layers)]
+        nonstack = self._nonstack()
+        outputs, _, _ = self._forward(programs, nonstack, batch,
+                                      self._reader(programs).layers(forward))
+        loss_sum, count, extra = programs.tail(grads=False)(nonstack, batch, outputs)
+        return loss_sum / count, metric_values(extra, count)
+
+    def evaluate(self, params: Any, batch: Any, frozen: Any = None) -> jax.Array:
+        return self.evaluate_metrics(params, batch, frozen)[0]
+
+
+@jax.jit
+def _add_jit(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _add(a, b):
+    return b if a is None else _add_jit(a, b)
+
+
+def _batch_rows(batch: Any) -> int:
+    return int(jax.tree.leaves(batch)[0].shape[0])
+
+
+def _rows(plan: ShardPlan):
+    from zjax.runtime.mesh import batch_axes
+
+    return batch_axes(plan.mesh)
+
+
+class _Lowered:
+    """The streamed step for a batch shape (what ``compile`` makes callable)."""
+
+    def __init__(self, step: StreamedStep, programs: Programs, batch: Any):
+        self._step, self._programs, self._batch = step, programs, batch
+
+    def compile(self, compiler_options: dict | None = None) -> _Compiled:
+        return _Compiled(self._step, self._programs, self._batch, compiler_options)
+
+
+class _Compiled:
+    """A streamed step: callable as the step; ``memory_analysis()``, ``as_text()`` and the
+    rest are those of its largest program, the first Stack's layer backward (compiled when
+    first asked for)."""
+
+    def __init__(self, step: StreamedStep, programs: Programs, batch: Any,
+                 compiler_options: dict | None):
+        self._step, self._programs, self._batch = step, programs, batch
+        self._options, self._layer = compiler_options, None
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        return self._step(state, batch)
+
+    def layer_program(self) -> Any:
+        """The first Stack's layer backward, compiled."""
+        if self._layer is None:
+            shards, x, context = self._programs.layer_args(0, self._batch)
+            index = jax.ShapeDtypeStruct((), jnp.int32)
+            self._layer = self._programs.layer_bwd(0).lower(shards, x, context, index,
+                                                            x).compile(self._options)
+        return self._layer
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.layer_program(), name)
