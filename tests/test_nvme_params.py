@@ -37,8 +37,9 @@ def _steps(file: str, overrides: list[str], *, rows: int, steps: int = 5):
 
 @pytest.mark.parametrize("file, extra, rows", [
     ("configs/tiny.yaml", [], 8),
-    # two Stack calls' worth of segments is DeepSeek's; here the Llama block and micro-batches
-    ("configs/llama-tiny.yaml", ["train.grad_accum=2"], 16),
+    # the Llama block (rotary, grouped-query attention, SwiGLU) and two micro-batches
+    pytest.param("configs/llama-tiny.yaml", ["train.grad_accum=2"], 16,
+                 marks=pytest.mark.slow),
 ], ids=["gpt", "llama-accum"])
 def test_five_steps_equal_the_in_memory_run(tmp_path, file, extra, rows):
     """Five steps with parameters and optimizer state on NVMe: the losses, norms, the
@@ -55,6 +56,7 @@ def test_five_steps_equal_the_in_memory_run(tmp_path, file, extra, rows):
     assert not list(tmp_path.iterdir()), "swap files left behind"
 
 
+@pytest.mark.slow  # four short runs
 def test_checkpoints_move_between_streamed_and_in_memory_runs(tmp_path):
     """A streamed run's checkpoint resumes in memory, an in-memory one streamed: each ends
     at step 4 as a run never stopped (relative 1e-5)."""
@@ -88,7 +90,7 @@ def test_checkpoints_move_between_streamed_and_in_memory_runs(tmp_path):
      r"\(got 'host'\)"),
     (["zero.offload_param.nvme_path=/elsewhere"], r"zero\.offload_param\.nvme_path: "
                                                   r"'/elsewhere' differs"),
-])
+], ids=["stage-2", "optimizer-on-host", "two-paths"])
 def test_what_the_stream_cannot_take_is_refused_by_key(tmp_path, extra, match):
     overrides = [*BASE, *nvme_overrides(tmp_path, 4096), *PARAMS, *extra]
     with pytest.raises(ConfigError, match=match):

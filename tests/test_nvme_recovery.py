@@ -68,7 +68,9 @@ def _final_ckpt(run, overrides=()):
     return latest_checkpoint(run, [*FAST, *overrides])
 
 
-def test_kill9_mid_stream_resumes_bit_for_bit(tmp_path, caplog):
+@pytest.mark.parametrize("where", [[], ["zero.offload_param.device=nvme"]],
+                         ids=["optimizer", "params"])
+def test_kill9_mid_stream_resumes_bit_for_bit(tmp_path, caplog, where):
     """SIGKILL mid-run, after the checkpoint of step 4, inside some later step (where the
     stream may be writing the swap files: they are torn, and never read again); the resumed
     run's final checkpoint equals a straight run's bit for bit; swap files removed at the end.
@@ -78,9 +80,9 @@ def test_kill9_mid_stream_resumes_bit_for_bit(tmp_path, caplog):
     straight run only at its end: the resumed run must equal a run that never saved, let
     alone restored, midway. Only the killed run needs a process of its own; the straight and
     the resumed run train here (``zjax train`` is ``zjax.train`` after the flags), which saves
-    two process starts.
+    two process starts. With the parameters on NVMe too (the streamed step) as well.
     """
-    args = [*FAST, "train.steps=8", "checkpoint.every=4", "zero.sub_group_size=4096"]
+    args = [*FAST, "train.steps=8", "checkpoint.every=4", "zero.sub_group_size=4096", *where]
     straight_nv, killed_nv = tmp_path / "nv1", tmp_path / "nv2"
     straight_nv.mkdir()
     killed_nv.mkdir()

@@ -149,7 +149,8 @@ def test_two_runs_sharing_an_nvme_path_do_not_touch_each_other(tmp_path):
 def test_bad_nvme_input_is_refused_before_the_first_step(tmp_path, monkeypatch):
     """Missing, not a directory, too little free space (checked when the swap files are
     created: at init or restore, before the step compiles), an optimizer that is not
-    elementwise, params on NVMe without the optimizer there: a ConfigError naming the key (and path and bytes)."""
+    elementwise, params on NVMe without the optimizer there: a ConfigError naming the key
+    (and path and bytes)."""
     base = load_config(ROOT / "configs/tiny.yaml", SMALL)
 
     def start(path):

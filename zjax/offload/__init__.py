@@ -7,7 +7,7 @@ It owns the ``zero.offload_optimizer`` / ``zero.offload_param`` sections
 checkpoint and planning import it."""
 
 from zjax.offload._nvme_store import NvmeStore
-from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
+from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 from zjax.offload.host import (
     check_memory_kind,
     global_norm,
@@ -22,7 +22,6 @@ __all__ = [
     "NvmeStore",
     "OffloadConfig",
     "OptimizerOffloadConfig",
-    "ParamOffloadConfig",
     "StreamingOptimizer",
     "check_elementwise",
     "check_memory_kind",

@@ -7,7 +7,7 @@ import dataclasses
 from zjax.errors import ConfigError, did_you_mean
 from zjax.schema import positive, validate
 
-__all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig", "ParamOffloadConfig"]
+__all__ = ["DEVICES", "OffloadConfig", "OptimizerOffloadConfig"]
 
 DEVICES = ("none", "host", "nvme")
 _ALIASES = {"cpu": "host"}  # DeepSpeed's name for the same tier
@@ -22,13 +22,13 @@ def _check_device(key: str, device: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OffloadConfig:
-    """Where a part of the model state lives between steps (DeepSpeed ``offload_param``).
+class _Offload:
+    """Where a part of the model state lives between steps.
 
     Attributes:
       device: ``none`` keeps it in device memory; ``host`` keeps it in host memory (JAX memory
         kind ``pinned_host``) and brings it in as the step needs it; ``nvme`` (ZeRO-Infinity)
-        keeps it in swap files (:class:`OptimizerOffloadConfig`, :class:`ParamOffloadConfig`).
+        keeps it in swap files under the section's ``nvme_path``.
         ``cpu`` is read as ``host``.
       pin_memory: page-locked host memory (``pinned_host``, fast DMA) rather than pageable
         (``unpinned_host``), as DeepSpeed's ``pin_memory``.
@@ -40,9 +40,6 @@ class OffloadConfig:
     def __post_init__(self):
         validate(self, self._key("")[:-1])
         object.__setattr__(self, "device", _check_device(self._key("device"), self.device))
-        if self.nvme and not isinstance(self, OptimizerOffloadConfig | ParamOffloadConfig):
-            raise ConfigError(f"{self._key('device')}: nvme needs the section's nvme_path "
-                              "(build it as ParamOffloadConfig or OptimizerOffloadConfig)")
 
     def _key(self, name: str) -> str:
         return f"zero.offload_param.{name}"
@@ -63,7 +60,7 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ParamOffloadConfig(OffloadConfig):
+class OffloadConfig(_Offload):
     """Where the parameters live between uses (DeepSpeed ``offload_param``).
 
     Attributes:
@@ -85,7 +82,7 @@ class ParamOffloadConfig(OffloadConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimizerOffloadConfig(OffloadConfig):
+class OptimizerOffloadConfig(_Offload):
     """Where the optimizer state lives and where its update runs (DeepSpeed ``offload_optimizer``).
 
     Attributes:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zjax.errors import ConfigError, did_you_mean
-from zjax.offload.config import OptimizerOffloadConfig, ParamOffloadConfig
+from zjax.offload.config import OffloadConfig, OptimizerOffloadConfig
 from zjax.schema import choices, non_negative, positive, validate
 
 __all__ = ["DTYPES", "ZeroConfig", "resolve_dtype"]
@@ -95,7 +95,7 @@ class ZeroConfig:
     max_live_parameters: int | None = positive(None)
     offload_optimizer: OptimizerOffloadConfig = dataclasses.field(
         default_factory=OptimizerOffloadConfig)
-    offload_param: ParamOffloadConfig = dataclasses.field(default_factory=ParamOffloadConfig)
+    offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     quantized_weights: bool = False
     quantized_gradients: bool = False
     hpz_partition_size: int = positive(1)
