@@ -4,10 +4,12 @@ run is refused by key."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_trees_close, latest_checkpoint, nvme_overrides
+from helpers import ROOT, assert_trees_close, latest_checkpoint, nvme_overrides, zjax_main
 
 import zjax
 from zjax.checkpoint import to_canonical
@@ -37,10 +39,15 @@ def _steps(file: str, overrides: list[str], *, rows: int, steps: int = 5):
 
 @pytest.mark.parametrize("file, extra, rows", [
     ("configs/tiny.yaml", [], 8),
-    # the Llama block (rotary, grouped-query attention, SwiGLU) and two micro-batches
-    pytest.param("configs/llama-tiny.yaml", ["train.grad_accum=2"], 16,
-                 marks=pytest.mark.slow),
-], ids=["gpt", "llama-accum"])
+    # the Llama block (rotary, grouped-query attention, SwiGLU), a dense first layer before
+    # a mixture's (two Stack calls: the second segment takes the first call's output; the
+    # router statistics ride the residual stream), two micro-batches
+    pytest.param("configs/llama-tiny.yaml", ["train.grad_accum=2", "model.n_layers=3",
+                                             "model.n_experts=4", "model.first_k_dense=1"],
+                 16, marks=pytest.mark.slow),
+    # tensor parallelism: data 4 x model 2
+    pytest.param("configs/tiny-tp.yaml", [], 8, marks=pytest.mark.slow),
+], ids=["gpt", "llama-moe-accum", "tp"])
 def test_five_steps_equal_the_in_memory_run(tmp_path, file, extra, rows):
     """Five steps with parameters and optimizer state on NVMe: the losses, norms, the
     evaluation after them, and the final master params and Adam moments equal the in-memory
@@ -113,3 +120,56 @@ def test_a_layer_over_the_buffer_and_adapters_are_refused_by_key(tmp_path):
     with pytest.raises(ConfigError, match=r"zero\.offload_param\.device: nvme .* a frozen "
                                           r"base \(lora\.rank\)"):
         zjax.build_step(load_config(ROOT / "configs/tiny.yaml", [*stream, "lora.rank=4"]))
+
+
+# planned, never run: the swap files' path is only opened by a run
+PLANNED = ["zero.offload_param.device=nvme", "zero.offload_optimizer.device=nvme",
+           "zero.offload_optimizer.nvme_path=/plans/never/open/it", "data.path=",
+           "zero.offload_activations=true"]
+
+
+@pytest.mark.parametrize("where", ["cpu", "h100:8", pytest.param("v5p:2x2x2",
+                                                                   marks=pytest.mark.slow)])
+def test_device_memory_is_flat_in_depth(where):
+    """The tiny GPT at 32 layers against 8, its saved layer inputs in host memory: the same
+    device peak (the issue asks at most 1.1x) from the same per-layer programs; the host
+    temp is the saved inputs exactly (L x 2 rows x 128 tokens x 128 x bf16 per device); the
+    compiled collectives grow by two gathers (bf16) and one reduce-scatter (float32) of each
+    added layer's sharded weights and one all-reduce of its persistent norms (float32)."""
+    plans = {n: zjax.plan(load_config(ROOT / "configs/tiny.yaml",
+                                      [*PLANNED, f"model.n_layers={n}"]),
+                          target=None if where == "cpu" else where) for n in (8, 32)}
+    d8, d32 = plans[8].per_device, plans[32].per_device
+    assert d32["total_bytes"] == d8["total_bytes"]
+    assert d32["host_temp_bytes"] == 32 * 2 * 128 * 128 * 2
+    sharded, norms = 4 * 128 * 128 + 2 * 128 * 512, 2 * 128  # elements of one layer
+    c8, c32 = plans[8].collectives, plans[32].collectives
+    assert c32["all_gather_bytes"] - c8["all_gather_bytes"] == 24 * 2 * sharded * 2
+    assert c32["reduce_scatter_bytes"] - c8["reduce_scatter_bytes"] == 24 * sharded * 4
+    assert c32["all_reduce_bytes"] - c8["all_reduce_bytes"] == 24 * norms * 4
+    # NVMe a step, per device: each layer's own float32 shards read forward and backward,
+    # its master, 2 moments and gradient read by the update, master and moments written
+    # with the gradient
+    layer = 4 * (sharded // 8 + norms)
+    assert d32["nvme_read_bytes"] - d8["nvme_read_bytes"] == 24 * layer * (2 + 3 + 1)
+    assert d32["nvme_written_bytes"] - d8["nvme_written_bytes"] == 24 * layer * (3 + 1)
+
+
+@pytest.mark.slow  # the moonshot's programs, compiled for an H100 node
+def test_a_trillion_parameters_fit_one_h100_node_with_nvme():
+    """``zjax plan configs/llama-1t.yaml --target h100:8`` with parameters and optimizer on
+    NVMe, one 4096-token sequence per GPU: it fits, and prints each GPU's device memory, the
+    host memory beside it and the NVMe bytes a step moves."""
+    proc = zjax_main("plan", "configs/llama-1t.yaml", "--target", "h100:8",
+                     "zero.offload_param.device=nvme", "zero.offload_optimizer.device=nvme",
+                     "zero.offload_optimizer.nvme_path=/local_nvme", "data.batch_size=8",
+                     "zero.offload_param.buffer_size=6000000000", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    d = report["per_device"]
+    assert report["n_params"] > 1e12 and report["fits_device"]
+    assert d["total_bytes"] <= d["capacity_bytes"]
+    # the float32 master, Adam's two moments and the gradients, a GPU's shard of each
+    assert d["nvme_bytes"] == pytest.approx(16 * report["n_params"] / 8, rel=1e-3)
+    assert d["host_temp_bytes"] == 168 * 4096 * 20480 * 2  # the saved layer inputs
+    assert d["nvme_read_bytes"] > d["nvme_written_bytes"] > 0 and d["stream_host_bytes"] > 0

@@ -168,11 +168,14 @@ class StreamingOptimizer:
             for start in range(0, size, self.sub):
                 yield name, start, min(self.sub, size - start)
 
-    def write_initial(self, params: Mapping[str, Sliceable]) -> None:
+    def write_initial(self, params: Mapping[str, Sliceable], *, partial: bool = False) -> None:
         """Write the master params and their fresh optimizer state (``tx.init`` of each
-        sub-group), sub-group by sub-group."""
+        sub-group), sub-group by sub-group; ``partial``: only the arrays ``params`` names
+        (the rest written by other calls)."""
         pending: collections.deque = collections.deque()
         for name, start, n in self._groups():
+            if partial and name not in params:
+                continue
             master = np.asarray(params[name][start:start + n], np.float32)
             moments = self._chunk.init(master)
             for part, values in zip(self.parts, [master, *moments], strict=True):

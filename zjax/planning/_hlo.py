@@ -357,13 +357,13 @@ def collective_sites(hlo_text: str, *, decomposed: bool = False) -> list[Collect
     return sites
 
 
-def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
-                     decomposed: bool = False, hosts: list[int] | None = None
-                     ) -> CollectiveBytes:
+def collective_bytes(hlo_text: str | list[tuple[str, int]], *,
+                     mesh_axes: dict[str, int] | None = None, decomposed: bool = False,
+                     hosts: list[int] | None = None) -> CollectiveBytes:
     """Sum collective tensor bytes of a compiled module (``compiled.as_text()``).
 
     Args:
-      hlo_text: the compiled module's text.
+      hlo_text: the compiled module's text, or ``[(text, runs)]`` of programs run ``runs`` times.
       mesh_axes: the mesh's axis sizes in order (``dict(mesh.shape)``): fills ``by_axis``,
         ``{axes: {kind: bytes}}`` per combination of mesh axes a collective spans.
       decomposed: read TPU's decomposed collectives as what they are (see
@@ -376,10 +376,12 @@ def collective_bytes(hlo_text: str, *, mesh_axes: dict[str, int] | None = None,
     hidden: dict[str, float] = defaultdict(float)
     by_axis: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     by_link: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for s in collective_sites(hlo_text, decomposed=decomposed):
-        b = s.weight * s.nbytes
+    texts = [(hlo_text, 1)] if isinstance(hlo_text, str) else hlo_text
+    for s, runs in [(s, runs) for text, runs in texts
+                    for s in collective_sites(text, decomposed=decomposed)]:
+        b = runs * s.weight * s.nbytes
         sums[s.kind] += b
-        counts[s.kind] += s.weight
+        counts[s.kind] += runs * s.weight
         hidden[s.kind] += b if s.overlapped else 0
         if s.via_all_reduce:
             sums[f"{s.kind}_via_all_reduce"] += b

@@ -12,7 +12,7 @@ from zjax.partition import nbytes
 from zjax.step import ZeroStep
 
 __all__ = ["compiled_bytes", "compiled_memory", "format_bytes", "formula", "frozen_figures",
-           "n_params_of", "state_bytes"]
+           "n_params_of", "nvme_lines", "state_bytes"]
 
 
 def formula(n_params: int, n_devices: int, *, stage: int, param_bytes: int, grad_bytes: int,
@@ -72,9 +72,12 @@ def compiled_memory(compiled: Any) -> dict[str, int]:
     return out
 
 
-def compiled_bytes(compiled: Any, host: int) -> dict[str, int]:
-    """``temp_bytes``, ``host_bytes`` and ``total_bytes`` (peak in device memory) of the
-    compiled step; ``host``: the state's host bytes counted from its shardings."""
+def compiled_bytes(compiled: Any, host: int, *, nvme: int = 0) -> dict[str, int]:
+    """``temp_bytes``, ``host_bytes``, ``total_bytes`` (peak in device memory) and
+    ``nvme_bytes`` of the compiled step; ``host``, ``nvme``: the state's host and NVMe bytes
+    (from its shardings; the optimizer's swap files). The streamed step (parameters on NVMe)
+    adds its gradients' swap files, the NVMe bytes a step reads and writes and its host
+    buffers (``stream_bytes``)."""
     mem = compiled.memory_analysis()
     # TPU counts host-memory arguments and outputs apart (host_*); XLA:CPU counts them in
     # argument/output, so there the host-placed state is taken out by its shardings
@@ -83,9 +86,22 @@ def compiled_bytes(compiled: Any, host: int) -> dict[str, int]:
     if host_apart:  # the compiler's own figure: it includes the backend's padding
         host = int(mem.host_argument_size_in_bytes)
     figures = compiled_memory(compiled)
+    stream = compiled.stream_bytes(nvme) if hasattr(compiled, "stream_bytes") else {}
     return {"temp_bytes": figures["temp_bytes"], "host_bytes": host,
             "host_temp_bytes": int(mem.host_temp_size_in_bytes),
-            "total_bytes": figures["peak_bytes"] - (0 if host_apart else host)}
+            "total_bytes": figures["peak_bytes"] - (0 if host_apart else host),
+            "nvme_bytes": nvme, **stream}
+
+
+def nvme_lines(d: dict[str, Any]) -> list[str]:
+    """A report table's NVMe lines: the state there, and the streamed step's traffic."""
+    lines = [f"  {'on NVMe':<22}{format_bytes(d['nvme_bytes']):>14}"] if d.get("nvme_bytes") \
+        else []
+    if d.get("nvme_read_bytes"):
+        lines.append(f"  {'NVMe per step':<22}{format_bytes(d['nvme_read_bytes']):>14} read, "
+                     f"{format_bytes(d['nvme_written_bytes'])} written; host buffers "
+                     f"{format_bytes(d['stream_host_bytes'])}")
+    return lines
 
 
 def _frozen_params(zstep: ZeroStep) -> int:

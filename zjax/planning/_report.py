@@ -27,6 +27,7 @@ from zjax.planning._memory import (
     formula,
     frozen_figures,
     n_params_of,
+    nvme_lines,
     state_bytes,
 )
 from zjax.planning._rollout import rollout_lines
@@ -58,8 +59,9 @@ class PlanReport:
         ``model_state_bytes`` (their sum), ``temp_bytes`` (compiled temporaries: activations,
         gathered weights, gradients), ``host_bytes`` (state in host memory),
         ``host_temp_bytes`` (temporaries in host memory: offloaded activations),
-        ``nvme_bytes`` (master and optimizer state in NVMe swap files, part of
-        ``optimizer_bytes``) and ``total_bytes`` (compiled peak in device memory).
+        ``nvme_bytes`` (master and optimizer state on NVMe, in ``optimizer_bytes``; the
+        streamed step's ``nvme_read_bytes`` / ``nvme_written_bytes`` a step and its host
+        buffers, ``stream_host_bytes``) and ``total_bytes`` (compiled peak on the device).
       collectives: ``all_gather_bytes``, ``reduce_scatter_bytes``, ``all_reduce_bytes``
         (tensor bytes per step, read off the compiled HLO) and ``wire_bytes`` (what a ring
         moves: an all-reduce counts twice), the autotuner's measure of communication.
@@ -187,8 +189,7 @@ class PlanReport:
         ]
         if d.get("host_temp_bytes"):  # offloaded activations (zero.offload_activations)
             lines.append(f"  {'host temp':<22}{format_bytes(d['host_temp_bytes']):>14}")
-        if d.get("nvme_bytes"):
-            lines.append(f"  {'on NVMe':<22}{format_bytes(d['nvme_bytes']):>14}")
+        lines += nvme_lines(d)
         if d.get("capacity_bytes"):
             lines.append(f"  {'device memory':<22}{format_bytes(d['capacity_bytes']):>14}"
                          f"  {'fits' if self.fits_device else 'DOES NOT FIT'}")
@@ -259,10 +260,11 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
     state = state_bytes(zstep)
     per_device = {k: state[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
     per_device["model_state_bytes"] = sum(per_device.values())
-    per_device.update(compiled_bytes(compiled, state["host_bytes"]))
-    per_device["nvme_bytes"] = state["nvme_bytes"]
+    per_device.update(compiled_bytes(compiled, state["host_bytes"], nvme=state["nvme_bytes"]))
     capacity = per_device["capacity_bytes"] = target.capacity_bytes if target else None
-    coll = collective_bytes(compiled.as_text(), mesh_axes=dict(plan.mesh.shape),
+    texts = compiled.weighted_texts() if hasattr(compiled, "weighted_texts") else \
+        compiled.as_text()
+    coll = collective_bytes(texts, mesh_axes=dict(plan.mesh.shape),
                             decomposed=plan.backend.decomposes_collectives,
                             hosts=host_of_devices(plan.mesh, hosts))
     trained = sum(leaf.size for leaf in plan.leaves if not leaf.frozen)
@@ -386,6 +388,6 @@ def _offload_name(zero) -> str:
                                     else ""))
     if zero.offload_optimizer.nvme:
         parts.append("optimizer(nvme)")
-    if zero.offload_param.enabled:
-        parts.append("param")
+    if zero.offload_param.enabled or zero.offload_param.nvme:
+        parts.append("param" + ("(nvme, streamed step)" if zero.offload_param.nvme else ""))
     return "+".join(parts) or "none"

@@ -31,7 +31,8 @@ def compile_for_figures(lowered: Any, devices: Sequence[Any], *,
         this process's.
 
     Returns:
-      An object with ``memory_analysis()`` and ``as_text()``: a target's
+      An object with ``memory_analysis()`` and ``as_text()`` (a step of several programs,
+      ``lowered.compile_each``: their figures, with ``weighted_texts()``): a target's
       :class:`~zjax.runtime.CompiledFigures`, else the compiled executable (on XLA:CPU built
       without LLVM optimisation; do not run it for speed).
 
@@ -41,6 +42,9 @@ def compile_for_figures(lowered: Any, devices: Sequence[Any], *,
     from zjax.runtime._target_cache import compile_for_target
 
     devices = list(devices)
+    if hasattr(lowered, "compile_each"):  # a step of several programs (parameters on NVMe)
+        return lowered.compile_each(lambda one: compile_for_figures(
+            one, devices, compile_only=compile_only))
     if compile_only:
         return compile_for_target(lowered, devices)
     if devices[0].platform == "cpu":

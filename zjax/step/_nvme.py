@@ -116,17 +116,27 @@ class NvmeOptimizer:
         self.plan, self.tx = plan, tx
         self.sub_group_size = zero.sub_group_size
         self.leaves = nvme_layout(plan, abstract_master, param_shardings)
-        for leaf, shards in zip(plan.leaves, self.leaves, strict=True):
-            if max(shards.sizes, default=0) >= 2**31:  # sub-group offsets are int32 on device
-                raise ConfigError(
-                    f"zero.offload_optimizer.device: nvme: a device's shard of {leaf.path} has "
-                    f"{max(shards.sizes):,} elements, over the 2**31 the stream addresses; "
-                    "use more devices (or split the leaf)")
+        if self.keep_params:
+            self.check_shards()
         self.state_map = _state_map(tx, abstract_master)
         self.n_parts = 1 + len({e for e, _ in self.state_map.entries if e != "scalar"})
         self.treedef = jax.tree.structure(abstract_master)
         self.opt: StreamingOptimizer | None = None
         self.step, self.param_norm = -1, float("nan")
+
+    def check_shards(self) -> None:
+        """Raise unless every device shard is addressable by the stream's int32 offsets (a
+        whole shard sliced on the device: the working params, init, restore).
+
+        Raises:
+          ConfigError: naming the leaf and its shard's elements.
+        """
+        for leaf, shards in zip(self.plan.leaves, self.leaves, strict=True):
+            if max(shards.sizes, default=0) >= 2**31:  # sub-group offsets are int32 on device
+                raise ConfigError(
+                    f"zero.offload_optimizer.device: nvme: a device's shard of {leaf.path} has "
+                    f"{max(shards.sizes):,} elements, over the 2**31 the stream addresses; "
+                    "use more devices (or split the leaf)")
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -23,7 +23,7 @@ from zjax.step._nvme import NvmeOptimizer
 from zjax.step._nvme_engine import LeafShards
 from zjax.step._stream_programs import Programs, layer_spec
 
-__all__ = ["GradFiles", "LayerReader", "read_leaf"]
+__all__ = ["GradFiles", "LayerReader", "check_buffer", "layer_elements", "read_leaf"]
 
 BUFFER_KEY = "zero.offload_param.buffer_size"
 
@@ -47,6 +47,27 @@ def read_leaf(engine: NvmeOptimizer, j: int) -> jax.Array:
     return _assemble(leaf, leaf.param, leaf.shape, hosts)
 
 
+def layer_elements(engine: NvmeOptimizer, programs: Programs) -> int:
+    """Elements of this process's shards of the largest layer (what one buffer holds)."""
+    return max((sum(s // call.n_layers for j in call.leaves for s in engine.leaves[j].sizes)
+                for call in programs.calls), default=0)
+
+
+def check_buffer(engine: NvmeOptimizer, programs: Programs, buffer_size: int) -> None:
+    """Raise unless every layer's shards on this process fit one buffer.
+
+    Raises:
+      ConfigError: naming ``zero.offload_param.buffer_size`` and the size needed.
+    """
+    for call in programs.calls:
+        n = sum(s // call.n_layers for j in call.leaves for s in engine.leaves[j].sizes)
+        if n > buffer_size:
+            raise ConfigError(
+                f"{BUFFER_KEY}: one layer of {call.path} is {n:,} elements on this process, "
+                f"over the buffer's {buffer_size:,}; raise it to at least {n:,} (or use "
+                "more devices)")
+
+
 class LayerReader:
     """Layers of the stacked leaves read from the master ``buffer_count`` layers ahead of the
     one asked for (the devices compute meanwhile: dispatch is asynchronous).
@@ -61,13 +82,7 @@ class LayerReader:
         plan = programs.plan
         self.shardings = [[NamedSharding(plan.mesh, layer_spec(plan.leaves[j]))
                            for j in call.leaves] for call in programs.calls]
-        for call in programs.calls:
-            n = sum(s // call.n_layers for j in call.leaves for s in engine.leaves[j].sizes)
-            if n > buffer_size:
-                raise ConfigError(
-                    f"{BUFFER_KEY}: one layer of {call.path} is {n:,} elements on this process, "
-                    f"over the buffer's {buffer_size:,}; raise it to at least {n:,} (or use "
-                    "more devices)")
+        check_buffer(engine, programs, buffer_size)
         self.read_bytes = 0
 
     def _submit(self, c: int, i: int) -> list[list[Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,15 +38,41 @@ def streamed_parts(trainable: Trainable, tx: optax.GradientTransformation, plan:
     opt = jax.eval_shape(tx.init, master)
     opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        opt, plan.shardings(plan.opt_specs(tx, opt)))
-    make_master = jax.jit(lambda rng: f32(trainable.init(rng)), out_shardings=own)
+    init = _init_by_groups(trainable, plan, own, engine)
     step = StreamedStep(engine, trainable, plan, micro_batches=micro_batches,
                         clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
     from_params: Callable = lambda p: engine.start(
         jax.jit(f32, out_shardings=own, donate_argnums=0)(p))
     return dict(state_shardings=TrainState(scalar, None, None, None), abstract_state=abstract,
                 batch_sharding=step.batch_sharding,
-                init=lambda rng: engine.start(make_master(rng)), step=step,
+                init=init, step=step,
                 evaluate=step.evaluate, evaluate_metrics=step.evaluate_metrics,
                 from_params=from_params, params_shardings=own,
                 canonical={"step": abstract.step, "params": master, "opt_state": opt},
                 nvme=engine)
+
+
+def _init_by_groups(trainable: Trainable, plan: ShardPlan, own: Any,
+                    engine: StreamEngine) -> Callable[[jax.Array], TrainState]:
+    """``init(rng)`` into the swap files a group of leaves at a time: the leaves in order,
+    a group up to ``buffer_count x buffer_size`` elements (a larger leaf alone), each group
+    its own program of ``trainable.init`` (XLA drops the other leaves' initialisers), so the
+    values are the whole init's and the whole model is never in memory."""
+    section = plan.zero.offload_param
+    budget = section.buffer_count * section.buffer_size
+    groups: list[list[int]] = [[]]
+    size = 0
+    for j, leaf in enumerate(plan.leaves):
+        if groups[-1] and size + leaf.size > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(j)
+        size += leaf.size
+    shardings = jax.tree.leaves(own)
+
+    def values(rng: jax.Array, group: list[int]) -> list[jax.Array]:
+        pick = lambda key: [jax.tree.leaves(trainable.init(key))[j].astype(jnp.float32)
+                            for j in group]
+        return jax.jit(pick, out_shardings=[shardings[j] for j in group])(rng)
+
+    return lambda rng: engine.start_by_leaves(groups, functools.partial(values, rng))

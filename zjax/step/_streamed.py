@@ -21,7 +21,10 @@ host memory the read-ahead buffers and the update's sub-groups, whatever the mod
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,14 +39,17 @@ from zjax.models.trainable import Trainable
 from zjax.partition.plan import ShardPlan
 from zjax.step._grads import _check_micro_batches, metric_values
 from zjax.step._nvme import NvmeOptimizer, clip_scale
-from zjax.step._nvme_engine import local_value
+from zjax.step._nvme_engine import Slices, local_value, shard_data
 from zjax.step._state import TrainState
+from zjax.step._stream_figures import StreamFigures, stream_figures
 from zjax.step._stream_io import GradFiles, LayerReader, read_leaf
 from zjax.step._stream_programs import Programs
 
 __all__ = ["StreamEngine", "StreamedStep", "check_streamable"]
 
 KEY = "zero.offload_param.device"
+AHEAD = 2  # layers the host dispatches before the devices have run them
+HOST = "pinned_host"  # where zero.offload_activations keeps the saved layer inputs
 
 
 def check_streamable(trainable: Trainable, plan: ShardPlan) -> None:
@@ -73,10 +79,28 @@ class StreamEngine(NvmeOptimizer):
         self.grads: GradFiles | None = None
 
     def open(self):
+        # the streamed step slices no shard on the device, but init and restore still put
+        # a whole leaf there (a plan never opens the files: it plans any size)
+        self.check_shards()
         opt = super().open()
         self.grads = GradFiles(self, self.section.nvme_path, threads=self.section.buffer_count,
                                key="zero.offload_param.nvme_path")
         return opt
+
+    def start_by_leaves(self, groups: list[list[int]], values) -> TrainState:
+        """Fresh swap files filled a group of leaves at a time: ``values(group)`` gives those
+        leaves' float32 master (laid out as their own shards), so the whole model is never
+        in memory at once. The state at step 0."""
+        opt, sumsq = self.open(), 0.0
+        for group in groups:
+            arrays = values(group)
+            for j, x in zip(group, arrays, strict=True):
+                opt.write_initial({name: Slices(d) for name, d in shard_data(x, self.leaves[j])},
+                                  partial=True)
+            sumsq += float(local_value(_sum_squares(self.replicated)(arrays)))
+            del arrays
+        self.param_norm = math.sqrt(sumsq)
+        return self.started(None, 0)
 
     def close(self) -> None:
         if self.grads is not None:
@@ -131,39 +155,64 @@ class StreamedStep:
                         out_shardings=self.batch_sharding)(batch) for m in range(n)]
 
     def _forward(self, programs: Programs, nonstack: list, batch: Any, layers) -> tuple:
-        """Every Stack call's layers forward: ``(outputs, saved inputs, contexts)``."""
+        """Every Stack call's layers forward: ``(outputs, saved inputs, contexts)``. The host
+        runs at most ``AHEAD`` layers before the devices (each layer it dispatches holds its
+        weights on the devices until it has run); the saved inputs go to host memory with
+        ``zero.offload_activations``."""
         outputs, saved, contexts = [], [], []
+        running: collections.deque = collections.deque()
         for c, call in enumerate(programs.calls):
             x, context = programs.cut_fwd(c)(nonstack, batch, outputs)
             inputs = []
             for i in range(call.n_layers):
-                inputs.append(x)
+                inputs.append(self._save(x))
                 x = programs.layer_fwd(c)(next(layers), x, context, np.int32(i))
+                running.append(x)
+                if len(running) > AHEAD:
+                    running.popleft().block_until_ready()
             outputs.append(x)
             saved.append(inputs)
             contexts.append(context)
         return outputs, saved, contexts
 
+    def _save(self, x: Any) -> Any:
+        if not self.plan.zero.offload_activations:
+            return x
+        return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(HOST)), x)
+
+    def _restore(self, x: Any) -> Any:
+        if not self.plan.zero.offload_activations:
+            return x
+        return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")),
+                            x)
+
     def _pass(self, programs: Programs, nonstack: list, batch: Any, layers, *,
               first: bool, last: bool) -> tuple[Any, list]:
         """One micro-batch forward and backward: ``(sums, non-Stack leaves' gradients)``; the
-        layers' gradients go to the swap files."""
-        grads = self.engine.grads
+        layers' gradients go to the swap files, each written while the devices run the next
+        layer's backward."""
         outputs, saved, contexts = self._forward(programs, nonstack, batch, layers)
         g_ns, ct_out, sums = programs.tail(grads=True)(nonstack, batch, outputs)
-        ct_out = list(ct_out)
+        ct_out, pending = list(ct_out), None
         for c in reversed(range(len(programs.calls))):
             call, ct = programs.calls[c], ct_out[c]
             for i in reversed(range(call.n_layers)):
-                g, ct = programs.layer_bwd(c)(next(layers), saved[c][i], contexts[c],
-                                              np.int32(i), ct)
+                g, ct = programs.layer_bwd(c)(next(layers), self._restore(saved[c][i]),
+                                              contexts[c], np.int32(i), ct)
                 saved[c][i] = None
-                for j, gj in zip(call.leaves, g, strict=True):
-                    grads.put(j, gj, layer=(i, call.n_layers), first=first, last=last)
+                if pending is not None:
+                    self._write(*pending, first=first, last=last)
+                pending = (call, i, g)
             g_c, ct_prev = programs.cut_bwd(c)(nonstack, batch, outputs[:c], ct)
             g_ns = _add(g_ns, g_c)
             ct_out[:c] = [_add(a, b) for a, b in zip(ct_out[:c], ct_prev, strict=True)]
+        if pending is not None:
+            self._write(*pending, first=first, last=last)
         return sums, g_ns
+
+    def _write(self, call, i: int, g: list, *, first: bool, last: bool) -> None:
+        for j, gj in zip(call.leaves, g, strict=True):
+            self.engine.grads.put(j, gj, layer=(i, call.n_layers), first=first, last=last)
 
     def _schedule(self, programs: Programs) -> list[tuple[int, int]]:
         forward = [(c, i) for c, call in enumerate(programs.calls)
@@ -271,6 +320,11 @@ class StreamedStep:
         return self.evaluate_metrics(params, batch, frozen)[0]
 
 
+@functools.lru_cache(maxsize=4)
+def _sum_squares(replicated) -> Any:
+    return jax.jit(lambda xs: sum(jnp.sum(jnp.square(x)) for x in xs), out_shardings=replicated)
+
+
 @jax.jit
 def _add_jit(a, b):
     return jax.tree.map(jnp.add, a, b)
@@ -291,38 +345,48 @@ def _rows(plan: ShardPlan):
 
 
 class _Lowered:
-    """The streamed step for a batch shape (what ``compile`` makes callable)."""
+    """The streamed step for a batch shape: ``compile`` makes it callable, ``compile_each``
+    gives a plan its figures (:class:`~zjax.step._stream_figures.StreamFigures`)."""
 
     def __init__(self, step: StreamedStep, programs: Programs, batch: Any):
         self._step, self._programs, self._batch = step, programs, batch
 
+    def compile_each(self, compile: Callable[[Any], Any]) -> StreamFigures:
+        """Every program of a step compiled by ``compile(lowered)``, with its figures."""
+        n = self._step.micro_batches
+        micro = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n, *b.shape[1:]),
+                                                            b.dtype), self._batch)
+        return stream_figures(self._programs, micro, compile, engine=self._step.engine,
+                              micro_batches=n, ahead=AHEAD)
+
     def compile(self, compiler_options: dict | None = None) -> _Compiled:
-        return _Compiled(self._step, self._programs, self._batch, compiler_options)
+        return _Compiled(self, compiler_options)
 
 
 class _Compiled:
-    """A streamed step: callable as the step; ``memory_analysis()``, ``as_text()`` and the
-    rest are those of its largest program, the first Stack's layer backward (compiled when
-    first asked for)."""
+    """A streamed step: callable as the step; ``memory_analysis()``, ``as_text()`` and
+    ``weighted_texts()`` are the whole step's (its programs compiled when first asked)."""
 
-    def __init__(self, step: StreamedStep, programs: Programs, batch: Any,
-                 compiler_options: dict | None):
-        self._step, self._programs, self._batch = step, programs, batch
-        self._options, self._layer = compiler_options, None
+    def __init__(self, lowered: _Lowered, compiler_options: dict | None):
+        self._lowered, self._options, self._figures = lowered, compiler_options, None
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        return self._step(state, batch)
+        return self._lowered._step(state, batch)
 
-    def layer_program(self) -> Any:
-        """The first Stack's layer backward, compiled."""
-        if self._layer is None:
-            shards, x, context = self._programs.layer_args(0, self._batch)
-            index = jax.ShapeDtypeStruct((), jnp.int32)
-            self._layer = self._programs.layer_bwd(0).lower(shards, x, context, index,
-                                                            x).compile(self._options)
-        return self._layer
+    def figures(self) -> StreamFigures:
+        if self._figures is None:
+            self._figures = self._lowered.compile_each(
+                lambda lowered: lowered.compile(self._options))
+        return self._figures
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.layer_program(), name)
+    def memory_analysis(self) -> Any:
+        return self.figures().memory_analysis()
+
+    def as_text(self) -> str:
+        return self.figures().as_text()
+
+    def weighted_texts(self) -> list[tuple[str, int]]:
+        return self.figures().weighted_texts()
+
+    def stream_bytes(self, state_nvme: int) -> dict[str, int]:
+        return self.figures().stream_bytes(state_nvme)
