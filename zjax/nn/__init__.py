@@ -6,7 +6,7 @@ It imports only the runtime (mesh axes, the traced platform) and ``zjax.errors``
 any user's model import it."""
 
 from zjax.nn.mlp import tiled
-from zjax.nn.stack import Stack, bind_runners, iter_stacks
+from zjax.nn.stack import Stack, bind_runners, iter_stacks, layer_only
 from zjax.nn.tensor_parallel import column_parallel_input, model_axis_size, row_parallel_output
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "bind_runners",
     "column_parallel_input",
     "iter_stacks",
+    "layer_only",
     "model_axis_size",
     "row_parallel_output",
     "tiled",

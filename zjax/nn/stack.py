@@ -13,6 +13,8 @@ the scan's per-iteration input), and picks its kind from it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +23,24 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-__all__ = ["Stack", "bind_runners", "iter_stacks"]
+__all__ = ["Stack", "bind_runners", "iter_stacks", "layer_only"]
+
+# while set, a Stack built creates only this layer (leading axis of one): see layer_only
+_ONLY: contextvars.ContextVar = contextvars.ContextVar("zjax_stack_layer_only", default=None)
+
+
+@contextlib.contextmanager
+def layer_only(index: Any) -> Iterator[None]:
+    """Every :class:`Stack` built inside creates only its layer ``index`` (an int, or an
+    int32 scalar traced in the program that builds the model), with the values that layer
+    has in the whole Stack, its params' leading axis one long; the modules built after a
+    Stack get the keys they get in the whole model. What builds a model too large to hold
+    uses it to initialise one layer at a time (the streamed step's init)."""
+    token = _ONLY.set(index)
+    try:
+        yield
+    finally:
+        _ONLY.reset(token)
 
 Runner = Callable[[Callable, dict, jax.Array], jax.Array]
 
@@ -42,12 +61,19 @@ class Stack(nnx.Module):
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], n_layers: int, *,
                  rngs: nnx.Rngs, remat: bool = True, indexed: bool = False):
-        @nnx.split_rngs(splits=n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs: nnx.Rngs):
             return make_layer(rngs)
 
-        self.layers = create(rngs)
+        only = _ONLY.get()
+        if only is None:
+            self.layers = nnx.split_rngs(splits=n_layers)(create)(rngs)
+        else:  # the same split keys (the parent stream advanced alike), one layer's taken
+            graphdef, keys = nnx.split(nnx.split_rngs(rngs, splits=n_layers,
+                                                      graph_updates=False))
+            keys = jax.tree.map(lambda k: lax.dynamic_slice_in_dim(k, only, 1)
+                                if jnp.ndim(k) else k, keys)
+            self.layers = create(nnx.merge(graphdef, keys))
         self.n_layers = n_layers
         self.remat = remat
         self.indexed = indexed

@@ -186,6 +186,21 @@ class StreamingOptimizer:
         for f in pending:
             f.result()
 
+    def write_initial_at(self, name: str, start: int, values: Sliceable) -> None:
+        """Write ``values`` as array ``name``'s master from element ``start`` on, with their
+        fresh optimizer state, sub-group by sub-group (one layer of a stacked leaf)."""
+        size = len(values)
+        pending: collections.deque = collections.deque()
+        for a in range(0, size, self.sub):
+            n = min(self.sub, size - a)
+            master = np.asarray(values[a:a + n], np.float32)
+            for part, v in zip(self.parts, [master, *self._chunk.init(master)], strict=True):
+                pending.append(self.store.write(f"{name}.{part}", start + a, np.asarray(v)[:n]))
+            while len(pending) > self.buffer_count * len(self.parts):
+                pending.popleft().result()
+        for f in pending:
+            f.result()
+
     def _read(self, name: str, start: int, n: int):
         return [self.store.read(f"{name}.{part}", start, n) for part in self.parts]
 

@@ -82,6 +82,7 @@ def restore_canonical(engine: NvmeOptimizer, canonical: dict,
                       ) -> TrainState:
     """Fill fresh swap files from a checkpoint, one leaf at a time: ``read(keys, target)``
     returns the leaf ``keys`` laid out as ``target``. Returns the state on the devices."""
+    engine.check_shards()  # each leaf passes through the devices whole, sliced there
     opt = engine.open()
     params, scalars = [None] * len(engine.leaves), list(opt.scalars)
     step, sumsq = 0, 0.0

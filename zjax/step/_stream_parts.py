@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zjax.models.trainable import Trainable
+from zjax.nn import layer_only
 from zjax.partition.plan import ShardPlan
 from zjax.step._state import TrainState
 from zjax.step._streamed import StreamedStep, StreamEngine, check_streamable
@@ -38,7 +39,7 @@ def streamed_parts(trainable: Trainable, tx: optax.GradientTransformation, plan:
     opt = jax.eval_shape(tx.init, master)
     opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        opt, plan.shardings(plan.opt_specs(tx, opt)))
-    init = _init_by_groups(trainable, plan, own, engine)
+    init = _init_by_layers(trainable, plan, own, engine)
     step = StreamedStep(engine, trainable, plan, micro_batches=micro_batches,
                         clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
     from_params: Callable = lambda p: engine.start(
@@ -52,27 +53,24 @@ def streamed_parts(trainable: Trainable, tx: optax.GradientTransformation, plan:
                 nvme=engine)
 
 
-def _init_by_groups(trainable: Trainable, plan: ShardPlan, own: Any,
+def _init_by_layers(trainable: Trainable, plan: ShardPlan, own: Any,
                     engine: StreamEngine) -> Callable[[jax.Array], TrainState]:
-    """``init(rng)`` into the swap files a group of leaves at a time: the leaves in order,
-    a group up to ``buffer_count x buffer_size`` elements (a larger leaf alone), each group
-    its own program of ``trainable.init`` (XLA drops the other leaves' initialisers), so the
-    values are the whole init's and the whole model is never in memory."""
-    section = plan.zero.offload_param
-    budget = section.buffer_count * section.buffer_size
-    groups: list[list[int]] = [[]]
-    size = 0
-    for j, leaf in enumerate(plan.leaves):
-        if groups[-1] and size + leaf.size > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(j)
-        size += leaf.size
+    """``init(rng)`` into the swap files without the whole model in memory: one program
+    gives the leaves outside the Stacks (XLA drops the Stacks' initialisers), another, run
+    once per layer, every Stack's layer ``i`` (:func:`zjax.nn.layer_only`: the values that
+    layer has in the whole init)."""
     shardings = jax.tree.leaves(own)
+    stacked = [j for j, leaf in enumerate(plan.leaves) if leaf.stacked]
+    others = [j for j, leaf in enumerate(plan.leaves) if not leaf.stacked]
+    depth = max((plan.leaves[j].shape[0] for j in stacked), default=0)
+    f32 = lambda leaves, picked: [leaves[j].astype(jnp.float32) for j in picked]
+    nonstack = jax.jit(lambda rng: f32(jax.tree.leaves(trainable.init(rng)), others),
+                       out_shardings=[shardings[j] for j in others])
 
-    def values(rng: jax.Array, group: list[int]) -> list[jax.Array]:
-        pick = lambda key: [jax.tree.leaves(trainable.init(key))[j].astype(jnp.float32)
-                            for j in group]
-        return jax.jit(pick, out_shardings=[shardings[j] for j in group])(rng)
+    def one_layer(rng, i):
+        with layer_only(i):
+            return f32(jax.tree.leaves(trainable.init(rng)), stacked)
 
-    return lambda rng: engine.start_by_leaves(groups, functools.partial(values, rng))
+    layer = jax.jit(one_layer, out_shardings=[shardings[j] for j in stacked])
+    return lambda rng: engine.start_by_layers(functools.partial(nonstack, rng),
+                                              lambda i: layer(rng, np.int32(i)), depth)

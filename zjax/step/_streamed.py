@@ -22,7 +22,6 @@ host memory the read-ahead buffers and the update's sub-groups, whatever the mod
 from __future__ import annotations
 
 import collections
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +38,7 @@ from zjax.models.trainable import Trainable
 from zjax.partition.plan import ShardPlan
 from zjax.step._grads import _check_micro_batches, metric_values
 from zjax.step._nvme import NvmeOptimizer, clip_scale
-from zjax.step._nvme_engine import Slices, local_value, shard_data
+from zjax.step._nvme_engine import local_value, shard_data
 from zjax.step._state import TrainState
 from zjax.step._stream_figures import StreamFigures, stream_figures
 from zjax.step._stream_io import GradFiles, LayerReader, read_leaf
@@ -79,26 +78,34 @@ class StreamEngine(NvmeOptimizer):
         self.grads: GradFiles | None = None
 
     def open(self):
-        # the streamed step slices no shard on the device, but init and restore still put
-        # a whole leaf there (a plan never opens the files: it plans any size)
-        self.check_shards()
         opt = super().open()
         self.grads = GradFiles(self, self.section.nvme_path, threads=self.section.buffer_count,
                                key="zero.offload_param.nvme_path")
         return opt
 
-    def start_by_leaves(self, groups: list[list[int]], values) -> TrainState:
-        """Fresh swap files filled a group of leaves at a time: ``values(group)`` gives those
-        leaves' float32 master (laid out as their own shards), so the whole model is never
-        in memory at once. The state at step 0."""
+    def start_by_layers(self, nonstack: Callable[[], list], layer: Callable[[int], list],
+                        depth: int) -> TrainState:
+        """Fresh swap files filled with the whole model never in memory: ``nonstack()``
+        gives the float32 master of the leaves outside the Stacks (own shards), then
+        ``layer(i)`` every stacked leaf's layer ``i`` (leading axis one; a Stack shallower
+        than ``i`` is skipped), ``i < depth``. The state at step 0."""
         opt, sumsq = self.open(), 0.0
-        for group in groups:
-            arrays = values(group)
-            for j, x in zip(group, arrays, strict=True):
-                opt.write_initial({name: Slices(d) for name, d in shard_data(x, self.leaves[j])},
-                                  partial=True)
-            sumsq += float(local_value(_sum_squares(self.replicated)(arrays)))
+        stacked = [j for j, leaf in enumerate(self.plan.leaves) if leaf.stacked]
+        others = [j for j, leaf in enumerate(self.plan.leaves) if not leaf.stacked]
+        for i in range(-1, depth):
+            arrays = nonstack() if i < 0 else layer(i)
+            for j, x in zip(others if i < 0 else stacked, arrays, strict=True):
+                leaf = self.leaves[j]
+                if i >= leaf.shape[0]:
+                    continue
+                for (name, data), owned in zip(shard_data(x, leaf), leaf.owned, strict=True):
+                    values = np.asarray(data, np.float32).reshape(-1)
+                    opt.write_initial_at(name, max(i, 0) * values.size, values)
+                    wide = values.astype(np.float64)
+                    sumsq += float(np.dot(wide, wide)) if owned else 0.0
             del arrays
+        if jax.process_count() > 1:
+            sumsq = float(multihost_utils.process_allgather(np.float64(sumsq)).sum())
         self.param_norm = math.sqrt(sumsq)
         return self.started(None, 0)
 
@@ -318,11 +325,6 @@ class StreamedStep:
 
     def evaluate(self, params: Any, batch: Any, frozen: Any = None) -> jax.Array:
         return self.evaluate_metrics(params, batch, frozen)[0]
-
-
-@functools.lru_cache(maxsize=4)
-def _sum_squares(replicated) -> Any:
-    return jax.jit(lambda xs: sum(jnp.sum(jnp.square(x)) for x in xs), out_shardings=replicated)
 
 
 @jax.jit
