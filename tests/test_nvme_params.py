@@ -5,6 +5,7 @@ run is refused by key."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -173,3 +174,16 @@ def test_a_trillion_parameters_fit_one_h100_node_with_nvme():
     assert d["nvme_bytes"] == pytest.approx(16 * report["n_params"] / 8, rel=1e-3)
     assert d["host_temp_bytes"] == 168 * 4096 * 20480 * 2  # the saved layer inputs
     assert d["nvme_read_bytes"] > d["nvme_written_bytes"] > 0 and d["stream_host_bytes"] > 0
+
+
+def test_cli_exits_2_naming_the_path_before_any_state(tmp_path):
+    """A missing ``nvme_path``: exit 2, the key and the path named, no checkpoint written
+    and no swap files anywhere."""
+    run = tmp_path / "run"
+    proc = zjax_main("train", "configs/tiny.yaml", *BASE, *nvme_overrides(tmp_path / "nope"),
+                     *PARAMS, "--run-dir", str(run))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(r"zero\.offload_optimizer\.nvme_path: '.*nope' does not exist",
+                     proc.stderr), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not list((run / "checkpoints").glob("[0-9]*")) and not list(tmp_path.rglob("*.swp"))

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from zjax.partition.plan import ShardPlan
 from zjax.step._nvme import NvmeOptimizer
@@ -155,8 +156,8 @@ def stream_figures(programs: Programs, batch: Any, compile: Callable[[Any], Any]
 def _traffic(programs: Programs, engine: NvmeOptimizer, micro_batches: int) -> dict[str, int]:
     """Per device: NVMe bytes a step reads and writes, and the stream's host buffers."""
     plan = programs.plan
-    own = lambda leaf: int(np.prod(jax.sharding.NamedSharding(plan.mesh, leaf.spec).shard_shape(
-        leaf.shape), dtype=np.int64))
+    own = lambda leaf: int(np.prod(NamedSharding(plan.mesh, leaf.spec).shard_shape(leaf.shape),
+                                   dtype=np.int64))
     stacked = 4 * sum(own(leaf) for leaf in plan.leaves if leaf.stacked)
     total = 4 * sum(own(leaf) for leaf in plan.leaves)
     mb, parts = micro_batches, engine.n_parts
@@ -174,8 +175,6 @@ def _traffic(programs: Programs, engine: NvmeOptimizer, micro_batches: int) -> d
 
 
 def _nonstack(plan: ShardPlan, programs: Programs) -> list[jax.ShapeDtypeStruct]:
-    from jax.sharding import NamedSharding
-
     return [jax.ShapeDtypeStruct(leaf.shape, plan.stored_param_dtype(leaf),
                                  sharding=NamedSharding(plan.mesh, leaf.spec))
             for leaf in programs.nonstack]

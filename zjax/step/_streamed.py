@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from zjax.errors import ConfigError
 from zjax.models.trainable import Trainable
 from zjax.partition.plan import ShardPlan
+from zjax.runtime.mesh import batch_axes
 from zjax.step._grads import _check_micro_batches, metric_values
 from zjax.step._nvme import NvmeOptimizer, clip_scale
 from zjax.step._nvme_engine import local_value, shard_data
@@ -133,7 +135,7 @@ class StreamedStep:
         self.section = plan.zero.offload_param
         self._programs: dict = {}
         self.nonstack = [j for j, leaf in enumerate(plan.leaves) if not leaf.stacked]
-        self.batch_sharding = NamedSharding(plan.mesh, P(_rows(plan)))
+        self.batch_sharding = NamedSharding(plan.mesh, P(batch_axes(plan.mesh)))
 
     def programs(self, batch: Any) -> Programs:
         """The programs for batches shaped like ``batch`` (found once per shape)."""
@@ -261,8 +263,6 @@ class StreamedStep:
     def _gradients(self, batch: Any) -> tuple[tuple, tuple[int, float]]:
         """Every micro-batch's forward and backward: the summed ``(loss_sum, count, extra)``
         (host floats), the gradients in the swap files."""
-        import time
-
         t0, programs = time.perf_counter(), self.programs(batch)
         reader, grads = self._reader(programs), self.engine.grads
         grads.sumsq = 0.0
@@ -338,12 +338,6 @@ def _add(a, b):
 
 def _batch_rows(batch: Any) -> int:
     return int(jax.tree.leaves(batch)[0].shape[0])
-
-
-def _rows(plan: ShardPlan):
-    from zjax.runtime.mesh import batch_axes
-
-    return batch_axes(plan.mesh)
 
 
 class _Lowered:
