@@ -98,7 +98,7 @@ class StreamEngine(NvmeOptimizer):
             arrays = nonstack() if i < 0 else layer(i)
             for j, x in zip(others if i < 0 else stacked, arrays, strict=True):
                 leaf = self.leaves[j]
-                if i >= leaf.shape[0]:
+                if i >= 0 and i >= leaf.shape[0]:  # a shallower Stack: it has no layer i
                     continue
                 for (name, data), owned in zip(shard_data(x, leaf), leaf.owned, strict=True):
                     values = np.asarray(data, np.float32).reshape(-1)
@@ -121,10 +121,12 @@ class StreamEngine(NvmeOptimizer):
 class StreamedStep:
     """``step(state, batch) -> (state, metrics)`` with parameters and optimizer state on NVMe.
 
-    ``lower(abstract_state, batch).compile()`` compiles the largest per-layer program (the
-    backward of the first Stack's layer): its memory is the step's device working set beside
-    the saved layer inputs. The metrics are :class:`~zjax.step._nvme.NvmeStep`'s, with
-    ``nvme_read_gbs`` / ``nvme_write_gbs`` over the whole step (layers, gradients, update).
+    ``lower(abstract_state, batch).compile()`` is callable as the step; its figures
+    (``memory_analysis()``, ``as_text()``, ``weighted_texts()``, ``stream_bytes()``) are the
+    whole step's, every program compiled when first asked
+    (:mod:`zjax.step._stream_figures`). The metrics are :class:`~zjax.step._nvme.NvmeStep`'s,
+    with ``nvme_read_gbs`` / ``nvme_write_gbs`` over the whole step (layers, gradients,
+    update).
     """
 
     def __init__(self, engine: StreamEngine, trainable: Trainable, plan: ShardPlan, *,
