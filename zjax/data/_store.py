@@ -41,7 +41,7 @@ import numpy as np
 
 from zjax.data._sources import STORE_META, is_partial
 from zjax.errors import ConfigError
-from zjax.runtime.stop import deferred
+from zjax.runtime.stop import deferred, stop_point
 
 __all__ = ["Documents", "build_documents", "check_npy_tokenizer", "check_same_tokenizer",
            "check_store_tokenizer", "fill_from", "is_partial", "new_output", "npy_meta_path",
@@ -112,6 +112,7 @@ def write_store(out: str | os.PathLike, docs: Iterable[tuple[np.ndarray, np.ndar
         counts = _spool(tmp, docs, token_dtype(vocab_size), progress)
         meta = {**meta, **counts, "vocab_size": vocab_size, "version": _VERSION}
         (tmp / STORE_META).write_text(json.dumps(meta, indent=1) + "\n")
+        stop_point()  # a stop that arrived unseen (zjax.runtime.stop) still leaves nothing
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)

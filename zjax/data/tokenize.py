@@ -45,6 +45,7 @@ from zjax.data._store import (
 from zjax.data._tokenizer import check_fits, id_bound, load_tokenizer, tokenizer_identity
 from zjax.data.config import DataConfig
 from zjax.errors import ConfigError
+from zjax.runtime.stop import stop_point
 
 __all__ = ["check_fits", "encode_files", "id_bound", "load_tokenizer", "tokenize_files",
            "tokenize_records"]
@@ -93,6 +94,7 @@ def _write_flat(out: Path, ids: Iterable[np.ndarray], dtype: np.dtype, meta: dic
             raw.seek(0)
             fill_from(raw, arr)
             del arr
+        stop_point()  # a stop that arrived unseen (zjax.runtime.stop) still leaves nothing
         write_npy_meta(out, {**meta, "tokens": total, "dtype": dtype.name})
         os.replace(tmp, out)
     except OSError as e:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 __all__ = ["Stopped", "deferred", "interruptible", "stop_point", "stoppable", "worker_start"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state = {"defer": 0, "pending": None}
+_state = {"defer": 0, "pending": None, "raised": None}
 
 
 class Stopped(BaseException):
@@ -44,6 +44,10 @@ def _handle(signum, frame) -> None:
 def _raise(signum: int) -> None:
     for s in _SIGNALS:  # the clean-up that follows is not cut short by a second signal
         signal.signal(s, signal.SIG_IGN)
+    # kept: Python swallows an exception a signal handler raises inside a garbage
+    # collector's callback or a __del__ ("Exception ignored in ..."), and the command
+    # would run on to its end; the next stop_point raises it again
+    _state["raised"] = signum
     raise Stopped(signum)
 
 
@@ -55,11 +59,11 @@ def stoppable() -> Iterator[None]:
         yield
         return
     previous = {s: signal.signal(s, _handle) for s in _SIGNALS}
-    _state.update(defer=0, pending=None)
+    _state.update(defer=0, pending=None, raised=None)
     try:
         yield
     finally:
-        _state.update(defer=0, pending=None)
+        _state.update(defer=0, pending=None, raised=None)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -83,9 +87,12 @@ def deferred() -> Iterator[None]:
 
 
 def stop_point() -> None:
-    """Raise a held-back signal now (inside a :func:`deferred` block too): the last point
-    where stopping still leaves nothing behind."""
+    """Raise a held-back signal now (inside a :func:`deferred` block too), or one whose
+    :class:`Stopped` was swallowed on the way (raised in a garbage collector's callback): the
+    last point where stopping still leaves nothing behind (before an output is committed)."""
     signum, _state["pending"] = _state["pending"], None
+    if signum is None:
+        signum = _state["raised"]
     if signum is not None:
         _raise(signum)
 
