@@ -41,9 +41,10 @@ def _steps(file: str, overrides: list[str], *, rows: int, steps: int = 5):
 @pytest.mark.parametrize("file, extra, rows", [
     ("configs/tiny.yaml", [], 8),
     # the Llama block (rotary, grouped-query attention, SwiGLU), a dense first layer before
-    # a mixture's (two Stack calls: the second segment takes the first call's output; the
-    # router statistics ride the residual stream), two micro-batches
-    pytest.param("configs/llama-tiny.yaml", ["train.grad_accum=2", "model.n_layers=3",
+    # three of a mixture (two Stack calls: the second segment takes the first call's output;
+    # the router statistics ride the residual stream, past the host's two layers ahead), two
+    # micro-batches
+    pytest.param("configs/llama-tiny.yaml", ["train.grad_accum=2", "model.n_layers=4",
                                              "model.n_experts=4", "model.first_k_dense=1"],
                  16, marks=pytest.mark.slow),
     # tensor parallelism: data 4 x model 2

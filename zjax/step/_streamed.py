@@ -180,7 +180,7 @@ class StreamedStep:
                 x = programs.layer_fwd(c)(next(layers), x, context, np.int32(i))
                 running.append(x)
                 if len(running) > AHEAD:
-                    running.popleft().block_until_ready()
+                    jax.block_until_ready(running.popleft())
             outputs.append(x)
             saved.append(inputs)
             contexts.append(context)
