@@ -79,6 +79,12 @@ class StreamEngine(NvmeOptimizer):
         super().__init__(plan, tx, abstract_master, param_shardings)
         self.grads: GradFiles | None = None
 
+    def start(self, master: Any, step: int = 0) -> TrainState:
+        """:meth:`NvmeOptimizer.start` (a fine-tune's given params: whole leaves sliced on the
+        devices, so each shard must be addressable by int32 offsets)."""
+        self.check_shards()
+        return super().start(master, step)
+
     def open(self):
         opt = super().open()
         self.grads = GradFiles(self, self.section.nvme_path, threads=self.section.buffer_count,
