@@ -189,19 +189,23 @@ def test_hpz_with_a_node_per_process_trains_like_one(runs):
     assert 0 < links["inter_host"]["all_gather"] < links["intra_host"]["all_gather"] / 3
 
 
-def test_nvme_optimizer_across_processes_trains_like_one(runs, tmp_path):
-    """2 processes x 4 devices with the optimizer on NVMe, both in one directory (each
-    process's swap files carry its index): the 5 steps, and the checkpoint both processes
-    wrote leaf by leaf, match 1 x 8 in memory; the swap files are removed at the end."""
+@pytest.mark.parametrize("where", [[], ["zero.offload_param.device=nvme"]],
+                         ids=["optimizer", "params"])
+def test_nvme_optimizer_across_processes_trains_like_one(runs, tmp_path, where):
+    """2 processes x 4 devices with the optimizer on NVMe (and the parameters: the streamed
+    step, each process reading its own shards, the norms agreed between them), both in one
+    directory (each process's swap files carry its index): the 5 steps, and the checkpoint
+    both processes wrote leaf by leaf, match 1 x 8 in memory; the swap files are removed at
+    the end."""
     tmp = runs[0]
     nv = tmp_path / "nvme"
     nv.mkdir()
     # subprocess: 2 processes of one jax.distributed job (`zjax launch`)
     two = _run(_launch(2, 4, *TRAIN, "zero.offload_optimizer.device=nvme",
                        f"zero.offload_optimizer.nvme_path={nv}", "zero.sub_group_size=4096",
-                       "--run-dir", str(tmp / "nvme")))
+                       *where, "--run-dir", str(tmp_path / "run")))
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = _restore(tmp / "one", 5), _restore(tmp / "nvme", 5)
+    a, b = _restore(tmp / "one", 5), _restore(tmp_path / "run", 5)
     assert_trees_close(b["params"], a["params"], **FP32, what="params")
     assert_trees_close(b["opt_state"], a["opt_state"], rtol=FP32["rtol"], atol=1e-9,
                        what="optimizer state")
