@@ -43,8 +43,8 @@ from zjax.step._nvme_engine import (
 )
 from zjax.step._state import TrainState
 
-__all__ = ["NvmeOptimizer", "NvmeParts", "NvmeStep", "StateMap", "clip_scale", "nvme_layout",
-           "nvme_parts"]
+__all__ = ["NvmeOptimizer", "NvmeParts", "NvmeStep", "StateMap", "clip_scale", "nvme_abstract",
+           "nvme_layout", "nvme_parts"]
 
 KEY = "zero.offload_optimizer.nvme_path"
 
@@ -332,16 +332,27 @@ class NvmeParts(NamedTuple):
     engine: NvmeOptimizer
 
 
+def nvme_abstract(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
+                  plan: ShardPlan) -> tuple[Any, Any, Any]:
+    """``(own shardings, float32 master, optax state)``, abstract, laid out as the swap files
+    and a checkpoint hold them (each device's own shard)."""
+    own = plan.shardings(plan.state_specs)
+    master = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
+                          jax.eval_shape(init_params, jax.random.key(0)), own)
+    opt = jax.eval_shape(tx.init, master)
+    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       opt, plan.shardings(plan.opt_specs(tx, opt)))
+    return own, master, opt
+
+
 def nvme_parts(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
                plan: ShardPlan, grads_fn: Callable, param_shardings: Any, batch_sharding, *,
                clip_norm: float | None, skip_nonfinite: bool) -> NvmeParts:
     """The state layout, init, step and checkpoint form of a step whose optimizer is on
     NVMe."""
     mesh = plan.mesh
-    own = plan.shardings(plan.state_specs)
+    own, master, opt = nvme_abstract(init_params, tx, plan)
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-    master = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
-                          jax.eval_shape(init_params, jax.random.key(0)), own)
     engine = NvmeOptimizer(plan, tx, master, param_shardings)
     scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params = jax.tree.map(lambda a, s, leaf: jax.ShapeDtypeStruct(a.shape, leaf.stored,
@@ -350,9 +361,6 @@ def nvme_parts(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransf
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar), params, None,
                           None)
     shardings = TrainState(scalar, param_shardings, None, None)
-    opt = jax.eval_shape(tx.init, master)
-    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                       opt, plan.shardings(plan.opt_specs(tx, opt)))
     make_master = jax.jit(lambda rng: f32(init_params(rng)), out_shardings=own)
     return NvmeParts(
         abstract, shardings, lambda rng: engine.start(make_master(rng)),

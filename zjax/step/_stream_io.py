@@ -47,10 +47,14 @@ def read_leaf(engine: NvmeOptimizer, j: int) -> jax.Array:
     return _assemble(leaf, leaf.param, leaf.shape, hosts)
 
 
+def _elements(engine: NvmeOptimizer, call) -> int:
+    """Elements of this process's shards of one layer of ``call``."""
+    return sum(s // call.n_layers for j in call.leaves for s in engine.leaves[j].sizes)
+
+
 def layer_elements(engine: NvmeOptimizer, programs: Programs) -> int:
     """Elements of this process's shards of the largest layer (what one buffer holds)."""
-    return max((sum(s // call.n_layers for j in call.leaves for s in engine.leaves[j].sizes)
-                for call in programs.calls), default=0)
+    return max((_elements(engine, call) for call in programs.calls), default=0)
 
 
 def check_buffer(engine: NvmeOptimizer, programs: Programs, buffer_size: int) -> None:
@@ -60,8 +64,7 @@ def check_buffer(engine: NvmeOptimizer, programs: Programs, buffer_size: int) ->
       ConfigError: naming ``zero.offload_param.buffer_size`` and the size needed.
     """
     for call in programs.calls:
-        n = sum(s // call.n_layers for j in call.leaves for s in engine.leaves[j].sizes)
-        if n > buffer_size:
+        if (n := _elements(engine, call)) > buffer_size:
             raise ConfigError(
                 f"{BUFFER_KEY}: one layer of {call.path} is {n:,} elements on this process, "
                 f"over the buffer's {buffer_size:,}; raise it to at least {n:,} (or use "
@@ -83,7 +86,6 @@ class LayerReader:
         self.shardings = [[NamedSharding(plan.mesh, layer_spec(plan.leaves[j]))
                            for j in call.leaves] for call in programs.calls]
         check_buffer(engine, programs, buffer_size)
-        self.read_bytes = 0
 
     def _submit(self, c: int, i: int) -> list[list[Any]]:
         call, store = self.programs.calls[c], self.engine.opt.store
@@ -107,7 +109,6 @@ class LayerReader:
             call, out = self.programs.calls[c], []
             for j, sharding, fs in zip(call.leaves, self.shardings[c], futures, strict=True):
                 hosts = [f.result() for f in fs]
-                self.read_bytes += sum(h.nbytes for h in hosts)
                 out.append(_assemble(self.engine.leaves[j], sharding,
                                      self.engine.leaves[j].shape[1:], hosts))
             yield out

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from zjax.models.trainable import Trainable
 from zjax.nn import layer_only
 from zjax.partition.plan import ShardPlan
+from zjax.step._nvme import nvme_abstract
 from zjax.step._state import TrainState
 from zjax.step._streamed import StreamedStep, StreamEngine, check_streamable
 
@@ -28,17 +29,12 @@ def streamed_parts(trainable: Trainable, tx: optax.GradientTransformation, plan:
     """The :class:`~zjax.step.ZeroStep` fields of the streamed step: no params in the state
     (they are read from the master in the swap files as the layers run)."""
     check_streamable(trainable, plan)
-    own = plan.shardings(plan.state_specs)
+    own, master, opt = nvme_abstract(trainable.init, tx, plan)
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-    master = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=s),
-                          jax.eval_shape(trainable.init, jax.random.key(0)), own)
     engine = StreamEngine(plan, tx, master, own)
     scalar = NamedSharding(plan.mesh, P())
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar), None, None,
                           None)
-    opt = jax.eval_shape(tx.init, master)
-    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                       opt, plan.shardings(plan.opt_specs(tx, opt)))
     init = _init_by_layers(trainable, plan, own, engine)
     step = StreamedStep(engine, trainable, plan, micro_batches=micro_batches,
                         clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)

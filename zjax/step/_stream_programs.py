@@ -76,8 +76,8 @@ class Programs:
         find = find_calls(trainable, plan)
         abstract = [jax.ShapeDtypeStruct(leaf.shape, plan.stored_param_dtype(leaf))
                     for leaf in self.nonstack]
-        self.out_shape = jax.eval_shape(self._map(find, (self.ns_specs, self.rows), P()),
-                                        abstract, batch)
+        # tracing the loss once finds its Stack calls (the shapes are not needed)
+        jax.eval_shape(self._map(find, (self.ns_specs, self.rows), P()), abstract, batch)
         self.calls: list[StackCall] = list(find.calls)
 
     def _map(self, fn: Callable, in_specs, out_specs) -> Callable:

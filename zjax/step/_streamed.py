@@ -249,7 +249,8 @@ class StreamedStep:
         if step != engine.step:
             raise RuntimeError(f"this state is at step {step}, but the NVMe swap files hold "
                                f"step {engine.step}: only the newest state can step")
-        sums, read0 = self._gradients(batch)
+        t0, moved0 = time.perf_counter(), self._moved()
+        sums = self._gradients(batch)
         loss_sum, count = float(sums[0]), float(sums[1])
         sumsq = engine.grads.sumsq
         if jax.process_count() > 1:
@@ -264,14 +265,14 @@ class StreamedStep:
         metrics = {"loss": loss_sum / count, "grad_norm": norm,
                    "param_norm": engine.param_norm, "finite": finite, "count": count,
                    **metric_values({k: float(v) for k, v in sums[2].items()}, count),
-                   **self._traffic(read0, stats)}
+                   **self._traffic(time.perf_counter() - t0, moved0, stats)}
         return (engine.started(None, step + 1),
                 {k: jnp.asarray(v) for k, v in metrics.items()})
 
-    def _gradients(self, batch: Any) -> tuple[tuple, tuple[int, float]]:
+    def _gradients(self, batch: Any) -> tuple:
         """Every micro-batch's forward and backward: the summed ``(loss_sum, count, extra)``
         (host floats), the gradients in the swap files."""
-        t0, programs = time.perf_counter(), self.programs(batch)
+        programs = self.programs(batch)
         reader, grads = self._reader(programs), self.engine.grads
         grads.sumsq = 0.0
         layers = reader.layers(self._schedule(programs))
@@ -286,7 +287,7 @@ class StreamedStep:
         for j, g in zip(self.nonstack, g_total, strict=True):
             grads.put(j, g, layer=None, first=True, last=True)
         grads.flush()
-        return totals, (reader.read_bytes, time.perf_counter() - t0)
+        return totals
 
     def _update(self, grad_scale: float):
         engine, owned = self.engine, {}
@@ -307,15 +308,16 @@ class StreamedStep:
         engine.param_norm = math.sqrt(total)
         return stats
 
-    def _traffic(self, read: tuple[int, float], stats) -> dict:
-        layer_bytes, seconds = read
-        grads = self.engine.grads.store
-        t = seconds + (stats.seconds if stats else 0.0)
-        read_bytes = layer_bytes + (stats.read_bytes if stats else 0)
-        written = grads.written_bytes + (stats.written_bytes if stats else 0)
-        grads.written_bytes = grads.read_bytes = 0
-        return {"nvme_read_gbs": read_bytes / max(t, 1e-9) / 1e9,
-                "nvme_write_gbs": written / max(t, 1e-9) / 1e9,
+    def _moved(self) -> tuple[int, int]:
+        """Bytes read from and written to all the swap files so far (master and moments,
+        gradients)."""
+        stores = (self.engine.opt.store, self.engine.grads.store)
+        return sum(s.read_bytes for s in stores), sum(s.written_bytes for s in stores)
+
+    def _traffic(self, seconds: float, moved0: tuple[int, int], stats) -> dict:
+        read, written = (b - a for a, b in zip(moved0, self._moved(), strict=True))
+        t = max(seconds, 1e-9)
+        return {"nvme_read_gbs": read / t / 1e9, "nvme_write_gbs": written / t / 1e9,
                 "nvme_update_s": stats.seconds if stats else 0.0}
 
     def evaluate_metrics(self, params: Any, batch: Any, frozen: Any = None) -> tuple:
