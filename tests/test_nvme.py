@@ -5,7 +5,9 @@ memory bounded by the buffers while the state on disk is many times larger."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import select
 import shutil
 import subprocess
@@ -21,6 +23,7 @@ from helpers import FP32, ROOT, assert_trees_close, cli_env
 
 import zjax
 from zjax.config import OptimizerConfig
+from zjax.offload import NvmeStore
 from zjax.offload.nvme import StreamingOptimizer
 from zjax.step.optim import make_optimizer
 
@@ -248,3 +251,73 @@ def test_host_memory_depends_on_the_buffers_not_the_state(tmp_path):
     in_flight = 2 * 4 * 3 * (1 << 18) * 4
     assert abs(grew[40_000_000] - grew[10_000_000]) < 40_000_000 * 12 / 10, grew
     assert grew[40_000_000] < 4 * in_flight, (grew, in_flight)
+
+
+def _direct_io_here(path: Path) -> bool:
+    probe = path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def test_ranges_round_trip_through_direct_and_cached_pages(tmp_path):
+    """Ranges at every alignment, written and read concurrently (pages whole by O_DIRECT,
+    partial pages and unaligned memory through the page cache), read back as written; the
+    whole pages moved by O_DIRECT where the filesystem has it."""
+    rng = np.random.default_rng(0)
+    size = 300_000
+    store = NvmeStore(tmp_path, {"a": size, "b": 1}, threads=3)
+    ref = np.zeros(size, np.float32)
+    cuts = np.unique(np.concatenate([[0, size], rng.integers(0, size, 40),
+                                     np.arange(0, size, 1024)[::37]]))  # some page-aligned
+    pending = []
+    for start, stop in itertools.pairwise(cuts):
+        values = rng.standard_normal(stop - start + 1).astype(np.float32)
+        values = values[1:] if start % 2 else values[:-1]  # memory off the page, or not
+        ref[start:stop] = values
+        pending.append(store.write("a", int(start), values))
+    for f in pending:
+        f.result()
+    store.write_now("b", 0, np.float32([7.0]))
+    reads = [(int(a), int(rng.integers(a, size + 1))) for a in rng.integers(0, size, 30)]
+    futures = [store.read("a", a, b - a) for a, b in reads]
+    for (a, b), f in zip(reads, futures, strict=True):
+        np.testing.assert_array_equal(f.result(), ref[a:b])
+        np.testing.assert_array_equal(store.read_now("a", a, b - a), ref[a:b])
+    assert store.read_now("b", 0, 1)[0] == 7.0
+    if _direct_io_here(tmp_path):
+        assert store.direct_bytes > (size * 4 + sum(b - a for a, b in reads) * 8) // 2
+    store.close()
+
+
+def test_an_update_taken_range_by_range_equals_the_whole_one(tmp_path):
+    """The streamed step hands the update each layer's gradients as the backward makes them:
+    ranges in any order, split anywhere, give the master, moments and counts of one whole
+    update, bit for bit."""
+    rng = np.random.default_rng(1)
+    sizes = {"w": 1000, "b": 37}
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    params, grads = _arrays(rng, sizes), _arrays(rng, sizes)
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "parts").mkdir()
+    whole = StreamingOptimizer(tx, sizes, tmp_path / "whole", sub_group_size=64)
+    parts = StreamingOptimizer(tx, sizes, tmp_path / "parts", sub_group_size=64)
+    for opt in (whole, parts):
+        opt.write_initial(params)
+    whole.update(grads, grad_scale=0.5)
+    run = parts.begin(grad_scale=0.5)
+    for name, a, b in [("w", 700, 1000), ("b", 0, 37), ("w", 0, 333), ("w", 333, 700)]:
+        run.ranges([(name, a, b - a)], lambda n, s, k: grads[n][s:s + k])
+    assert run.finish().finite
+    for name in sizes:
+        for part in whole.parts:
+            np.testing.assert_array_equal(parts.read(name, part), whole.read(name, part))
+    assert [int(c) for c in parts.scalars] == [int(c) for c in whole.scalars] == [1]
+    whole.close()
+    parts.close()
+

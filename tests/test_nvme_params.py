@@ -24,14 +24,26 @@ PARAMS = ["zero.offload_param.device=nvme"]
 
 
 def _steps(file: str, overrides: list[str], *, rows: int, steps: int = 5):
-    """``(metrics per step, canonical state as numpy)`` of ``steps`` steps from seed 0."""
+    """``(metrics per step, canonical state as numpy)`` of ``steps`` steps from seed 0; a
+    streamed step's metrics add the bytes its gradients' files read and wrote, as a
+    multiple of the Stacks' part of the files, and that part's share."""
     zstep = zjax.build_step(load_config(ROOT / file, overrides))
     try:
         state, rng, out = zstep.init(jax.random.key(0)), np.random.default_rng(0), []
+        grads = getattr(zstep.nvme, "grads", None)  # the files are opened by init
+        if grads:
+            stacked = 4 * sum(sum(leaf.sizes) for leaf, p in zip(zstep.nvme.leaves,
+                                                                  zstep.plan.leaves,
+                                                                  strict=True) if p.stacked)
         for _ in range(steps):
             batch = zstep.put_batch(rng.integers(0, 256, (rows, 33), dtype=np.int32))
+            moved = (grads.store.read_bytes, grads.store.written_bytes) if grads else None
             state, m = zstep.step(state, batch)
             out.append({k: float(m[k]) for k in ("loss", "grad_norm", "param_norm")})
+            if grads:
+                out[-1]["grad_files"] = ((grads.store.read_bytes - moved[0]) / stacked,
+                                         (grads.store.written_bytes - moved[1]) / stacked,
+                                         stacked / grads.store.nbytes)
         out.append({"eval": float(zstep.evaluate(state.params, batch))})
         return out, jax.tree.map(np.asarray, to_canonical(state, zstep))
     finally:
@@ -40,6 +52,9 @@ def _steps(file: str, overrides: list[str], *, rows: int, steps: int = 5):
 
 @pytest.mark.parametrize("file, extra, rows", [
     ("configs/tiny.yaml", [], 8),
+    # no clipping: each layer's gradients go straight into the update during the backward
+    # (the first micro-batch's through the gradient files)
+    ("configs/tiny.yaml", ["optimizer.clip_norm=", "train.grad_accum=2"], 16),
     # the Llama block (rotary, grouped-query attention, SwiGLU), a dense first layer before
     # three of a mixture (two Stack calls: the second segment takes the first call's output;
     # the router statistics ride the residual stream, past the host's two layers ahead), two
@@ -49,7 +64,7 @@ def _steps(file: str, overrides: list[str], *, rows: int, steps: int = 5):
                  16, marks=pytest.mark.slow),
     # tensor parallelism: data 4 x model 2
     pytest.param("configs/tiny-tp.yaml", [], 8, marks=pytest.mark.slow),
-], ids=["gpt", "llama-moe-accum", "tp"])
+], ids=["gpt", "gpt-overlap-accum", "llama-moe-accum", "tp"])
 def test_five_steps_equal_the_in_memory_run(tmp_path, file, extra, rows):
     """Five steps with parameters and optimizer state on NVMe: the losses, norms, the
     evaluation after them, and the final master params and Adam moments equal the in-memory
@@ -58,6 +73,14 @@ def test_five_steps_equal_the_in_memory_run(tmp_path, file, extra, rows):
     ref, ref_state = _steps(file, overrides, rows=rows)
     got, state = _steps(file, [*overrides, *nvme_overrides(tmp_path, 4096), *PARAMS],
                         rows=rows)
+    # the gradients' files: each micro-batch's sums of the Stacks' layers written and read
+    # back (by the next micro-batch, by the update), the rest summed on the devices and
+    # written once; without a clip the last micro-batch's go straight into the update
+    micro = int(next((o.split("=")[1] for o in extra if o.startswith("train.grad_accum=")), 1))
+    share = got[0]["grad_files"][2]
+    through = (micro - 1 if "optimizer.clip_norm=" in extra else micro + (1 - share) / share)
+    for m in got[:-1]:
+        assert m["grad_files"][:2] == (pytest.approx(through),) * 2, got
     for a, e in zip(got, ref, strict=True):
         for k in e:
             assert a[k] == pytest.approx(e[k], rel=1e-5), (k, got, ref)

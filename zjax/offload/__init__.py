@@ -16,18 +16,27 @@ from zjax.offload.host import (
     to_device,
     to_host,
 )
-from zjax.offload.nvme import StreamingOptimizer, check_elementwise
+from zjax.offload.nvme import (
+    StreamingOptimizer,
+    StreamStats,
+    Update,
+    check_elementwise,
+    sum_squares,
+)
 
 __all__ = [
     "NvmeStore",
     "OffloadConfig",
     "OptimizerOffloadConfig",
+    "StreamStats",
     "StreamingOptimizer",
+    "Update",
     "check_elementwise",
     "check_memory_kind",
     "global_norm",
     "on_host",
     "on_host_compute",
+    "sum_squares",
     "to_device",
     "to_host",
 ]

@@ -1,5 +1,5 @@
 """Swap files under ``nvme_path``: named flat float32 arrays read and written by element range,
-asynchronously, for the NVMe tier (ZeRO-Infinity) of the optimizer state.
+asynchronously, for the NVMe tier (ZeRO-Infinity) of the optimizer state and parameters.
 
 Each array is one preallocated file (``NAME.swp``) in the store's own locked directory under
 ``nvme_path`` (:mod:`zjax.offload._swap_dir`: runs sharing a path never share a file, and a dead
@@ -7,13 +7,22 @@ run's directory is removed by the next store opened there). Reads fill fresh buf
 ``os.preadv`` and writes use ``os.pwrite`` from a thread pool (the file descriptors are shared:
 positional I/O needs no lock). Swap files are a working area, not checkpoints: a kill may tear
 them.
+
+The whole pages of a range move with ``O_DIRECT`` (as DeepSpeed's aio does): no copy through
+the page cache and no writeback after it, which on a machine of few cores costs as much CPU
+as the training itself. Read buffers are allocated at the file offset's page alignment, a
+write's values copied to such a buffer when they are not; the partial pages at a range's ends
+go through the page cache (the kernel keeps the two coherent: a direct write writes back and
+drops the cached pages it covers). A filesystem without ``O_DIRECT`` (tmpfs) gets buffered I/O.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import shutil
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,6 +34,23 @@ from zjax.offload._swap_dir import SwapDir, remove_stale, swap_dirs
 __all__ = ["NvmeStore", "check_nvme_path"]
 
 _ITEM = 4  # float32
+_PAGE = 4096  # O_DIRECT's alignment of offsets, lengths and memory (any block size up to it)
+_BOUNCE = 1 << 16  # a write smaller than this is not worth copying to an aligned buffer
+
+
+def _aligned(nbytes: int, offset: int) -> np.ndarray:
+    """An uninitialised byte buffer whose address is ``offset`` modulo the page size: the
+    whole pages of a range at file ``offset`` can move by ``O_DIRECT`` straight into it."""
+    raw = np.empty(nbytes + _PAGE, np.uint8)
+    shift = (offset - raw.ctypes.data) % _PAGE
+    return raw[shift:shift + nbytes]
+
+
+def _open_direct(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT)
+    except (OSError, AttributeError):  # EINVAL: no O_DIRECT on this filesystem
+        return None
 
 
 def check_nvme_path(path: str | os.PathLike, nbytes: int, *, key: str) -> Path:
@@ -60,14 +86,17 @@ class NvmeStore:
       sizes: elements of each array, by name (a name is a file name: no ``/``).
       threads: I/O threads (reads and writes in flight at once).
       key: the config key that named ``path`` (for errors).
+      keep_bytes: at most this many bytes of buffers kept for reuse (:meth:`recycle`).
     """
 
     def __init__(self, path: str | os.PathLike, sizes: Mapping[str, int], *, threads: int = 4,
-                 key: str = "nvme_path"):
+                 key: str = "nvme_path", keep_bytes: int = 1 << 30):
         self.sizes = dict(sizes)
         self.nbytes = sum(self.sizes.values()) * _ITEM
         self.key = key
         self._fds: dict[str, int] = {}
+        self._direct: dict[str, int] = {}
+        self._all_direct: list[int] = []
         self._dir: SwapDir | None = None
         root = check_nvme_path(path, 0, key=key)
         remove_stale(root, key=key)
@@ -82,12 +111,19 @@ class NvmeStore:
                 self._fds[name] = fd
                 if size:  # reserve the space now: a full disk fails here, not mid-run
                     os.posix_fallocate(fd, 0, size * _ITEM)
+                if (direct := _open_direct(self.file(name))) is not None:
+                    self._direct[name] = direct
+                    self._all_direct.append(direct)
         except OSError as e:
             self.close()
             raise ConfigError(f"{key}: cannot create swap files in {str(self.root)!r}: {e}; "
                               f"they need {self.nbytes / 2**30:.2f} GiB") from None
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "zjax-nvme")
         self.read_bytes = self.written_bytes = 0
+        self.direct_bytes = 0  # of those, moved by O_DIRECT (the rest through the page cache)
+        self._lock = threading.Lock()
+        self._free: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._kept, self.keep_bytes = 0, keep_bytes
 
     def file(self, name: str) -> Path:
         return self.path / f"{name}.swp"
@@ -98,42 +134,97 @@ class NvmeStore:
                              f"{self.sizes[name]} elements")
         return start * _ITEM
 
+    def _piece(self, name: str, pos: int, address: int, left: int) -> tuple[int, int]:
+        """``(fd, bytes)`` of the next piece of a transfer at file byte ``pos`` and memory
+        ``address`` with ``left`` bytes to go: whole pages by ``O_DIRECT`` where both are
+        page-aligned, else through the page cache up to the next page boundary."""
+        direct = self._direct.get(name)
+        if direct is None or address % _PAGE != pos % _PAGE:
+            return self._fds[name], left
+        if pos % _PAGE == 0 and left >= _PAGE:
+            return direct, left - left % _PAGE
+        return self._fds[name], min(left, _PAGE - pos % _PAGE)
+
+    def _transfer(self, name: str, offset: int, buf: np.ndarray, *, write: bool) -> None:
+        view, done, base = memoryview(buf).cast("B"), 0, buf.ctypes.data
+        while done < buf.nbytes:
+            fd, n = self._piece(name, offset + done, base + done, buf.nbytes - done)
+            try:
+                k = (os.pwrite(fd, view[done:done + n], offset + done) if write
+                     else os.preadv(fd, [view[done:done + n]], offset + done))
+            except OSError as e:
+                if fd != self._fds[name] and e.errno == errno.EINVAL:
+                    # O_DIRECT refused after all: buffered from now on (the descriptor
+                    # closed with the rest: another thread may be using it)
+                    self._direct.pop(name, None)
+                    continue
+                raise
+            if k == 0 and not write:
+                raise NvmeError(f"{self.key}: {self.file(name)}: unexpected end of file at "
+                                f"byte {offset + done} (was it removed or cut while in use?)")
+            done += k
+            if fd != self._fds[name]:
+                self.direct_bytes += k
+
     def read_now(self, name: str, start: int, count: int,
                  out: np.ndarray | None = None) -> np.ndarray:
         """Elements ``start .. start + count`` of ``name``, read synchronously (into ``out``,
         a float32 buffer of ``count`` elements, if given)."""
         offset = self._range(name, start, count)
-        out = np.empty(count, np.float32) if out is None else out
-        view, done = memoryview(out).cast("B"), 0
-        while done < out.nbytes:
-            try:
-                n = os.preadv(self._fds[name], [view[done:]], offset + done)
-            except OSError as e:
-                raise NvmeError(f"{self.key}: reading {self.file(name)} failed ({e})") from e
-            if n == 0:
-                raise NvmeError(f"{self.key}: {self.file(name)}: unexpected end of file at "
-                                f"byte {offset + done} (was it removed or cut while in use?)")
-            done += n
+        if out is None:
+            out = self._take(count * _ITEM, offset).view(np.float32)
+        try:
+            self._transfer(name, offset, out, write=False)
+        except OSError as e:
+            raise NvmeError(f"{self.key}: reading {self.file(name)} failed ({e})") from e
         self.read_bytes += out.nbytes
         return out
 
     def write_now(self, name: str, start: int, values: np.ndarray) -> None:
         """Write ``values`` (float32) at element ``start`` of ``name``, synchronously."""
-        values = np.ascontiguousarray(values, np.float32)
-        offset = self._range(name, start, values.size)
-        view, done = memoryview(values).cast("B"), 0
-        while done < values.nbytes:
-            try:
-                done += os.pwrite(self._fds[name], view[done:], offset + done)
-            except OSError as e:  # ENOSPC: a disk that filled under another writer
-                raise NvmeError(f"{self.key}: writing {self.file(name)} failed ({e}); the "
-                                f"swap files need {self.nbytes / 2**30:.2f} GiB") from e
+        values = np.ascontiguousarray(values, np.float32).reshape(-1)
+        offset, bounce = self._range(name, start, values.size), None
+        if (name in self._direct and values.nbytes >= _BOUNCE
+                and values.ctypes.data % _PAGE != offset % _PAGE):
+            bounce = self._take(values.nbytes, offset)
+            bounce[:] = values.view(np.uint8)
+            values = bounce.view(np.float32)
+        try:
+            self._transfer(name, offset, values, write=True)
+        except OSError as e:  # ENOSPC: a disk that filled under another writer
+            raise NvmeError(f"{self.key}: writing {self.file(name)} failed ({e}); the "
+                            f"swap files need {self.nbytes / 2**30:.2f} GiB") from e
+        finally:
+            if bounce is not None:
+                self.recycle(bounce)
         self.written_bytes += values.nbytes
+
+    def _take(self, nbytes: int, offset: int) -> np.ndarray:
+        """A byte buffer for a transfer at file ``offset``: a recycled one of that size and
+        alignment, or a fresh one."""
+        with self._lock:
+            kept = self._free.get((nbytes, offset % _PAGE))
+            if kept:
+                self._kept -= nbytes
+                return kept.pop()
+        return _aligned(nbytes, offset)
+
+    def recycle(self, *buffers: np.ndarray) -> None:
+        """Give back buffers this store's reads returned, once nothing reads them (a device
+        transfer from them complete): later reads of the same size reuse them instead of
+        faulting in fresh pages, up to :attr:`keep_bytes` kept."""
+        with self._lock:
+            for b in buffers:
+                if self._kept + b.nbytes > self.keep_bytes:
+                    continue
+                b = b.reshape(-1).view(np.uint8)
+                self._free.setdefault((b.nbytes, b.ctypes.data % _PAGE), []).append(b)
+                self._kept += b.nbytes
 
     def read(self, name: str, start: int, count: int) -> concurrent.futures.Future:
         # the buffer is allocated here, not in the I/O thread: each thread allocating would
         # grow (and keep) a malloc arena of its own
-        out = np.empty(count, np.float32)
+        out = self._take(count * _ITEM, self._range(name, start, count)).view(np.float32)
         return self._pool.submit(self.read_now, name, start, count, out)
 
     def write(self, name: str, start: int, values: np.ndarray) -> concurrent.futures.Future:
@@ -146,9 +237,9 @@ class NvmeStore:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
-        for fd in self._fds.values():
+        for fd in {*self._fds.values(), *self._direct.values(), *self._all_direct}:
             os.close(fd)
-        self._fds = {}
+        self._fds, self._direct, self._all_direct = {}, {}, []
         if self._dir is not None:
             self._dir.close(remove=remove)
             self._dir = None

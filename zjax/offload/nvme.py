@@ -17,6 +17,7 @@ gradients are whole, and passed as ``grad_scale``.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -30,9 +31,21 @@ import optax
 from zjax.errors import ConfigError
 from zjax.offload._nvme_store import NvmeStore
 
-__all__ = ["StreamStats", "StreamingOptimizer", "check_elementwise"]
+__all__ = ["StreamStats", "StreamingOptimizer", "Update", "check_elementwise", "sum_squares"]
 
 Sliceable = object  # anything with ``x[a:b]`` convertible by ``np.asarray``: numpy, jax, memmap
+_SQUARES_CHUNK = 1 << 16
+
+
+def sum_squares(values: np.ndarray) -> float:
+    """The sum of squares of a float32 vector: float32 dot products of 65,536-element pieces
+    summed in float64 (relative error ~1e-7 at billions of elements; a whole float64 copy
+    costs ten times the time, and the streamed step does this for every gradient and
+    parameter each step)."""
+    v = np.ascontiguousarray(values, np.float32).reshape(-1)
+    return math.fsum(float(np.dot(v[a:a + _SQUARES_CHUNK], v[a:a + _SQUARES_CHUNK]))
+                     for a in range(0, v.size, _SQUARES_CHUNK))
+
 
 
 def check_elementwise(tx: optax.GradientTransformation) -> None:
@@ -89,9 +102,13 @@ class _Chunk:
                                                       for m in self.moment])
             updates, state = tx.update(grad * scale, state, master)
             leaves = jax.tree.leaves(state)
-            return (optax.apply_updates(master, updates),
-                    [x for x, m in zip(leaves, self.moment, strict=True) if m],
-                    [x for x, m in zip(leaves, self.moment, strict=True) if not m])
+            master = optax.apply_updates(master, updates)
+            moments = [x for x, m in zip(leaves, self.moment, strict=True) if m]
+            # finiteness here, fused with the update: a pass over the host arrays per part
+            # would cost as much as the update itself
+            finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in [master, *moments]]))
+            return (master, moments, [x for x, m in zip(leaves, self.moment, strict=True)
+                                      if not m], finite)
 
         def init(master):
             leaves = jax.tree.leaves(tx.init(master))
@@ -218,35 +235,18 @@ class StreamingOptimizer:
         Returns:
           :class:`StreamStats`.
         """
-        t0, read0, written0 = time.perf_counter(), self.store.read_bytes, self.store.written_bytes
-        finite = True
-        groups = list(self._groups())
-        reads = collections.deque(self._read(*g) for g in groups[:self.buffer_count])
-        writes: collections.deque = collections.deque()
-        scalars_out = self.scalars
-        scale = np.float32(grad_scale)
-        for j, (name, start, n) in enumerate(groups):
-            master, *moments = (f.result() for f in reads.popleft())
-            if j + self.buffer_count < len(groups):
-                reads.append(self._read(*groups[j + self.buffer_count]))
-            grad = np.asarray(grads[name][start:start + n], np.float32)
-            # a short last sub-group is updated as it is (one more compiled shape), not padded
-            new_master, new_moments, scalars_out = self._chunk.fn(
-                grad, master, moments, self.scalars, scale)
-            new_master = np.asarray(new_master)[:n]
-            for part, values in zip(self.parts, [new_master, *new_moments], strict=True):
-                values = np.asarray(values)[:n]
-                finite = finite and bool(np.isfinite(values).all())
-                writes.append(self.store.write(f"{name}.{part}", start, values))
-            while len(writes) > self.buffer_count * len(self.parts):
-                writes.popleft().result()
-            if sink is not None:
-                sink(name, start, new_master)
-        for f in writes:
-            f.result()
-        self.scalars = [np.asarray(x) for x in scalars_out]
-        return StreamStats(finite, time.perf_counter() - t0, self.store.read_bytes - read0,
-                           self.store.written_bytes - written0)
+        run = self.begin(grad_scale=grad_scale)
+        run.ranges([(name, 0, size) for name, size in self.sizes.items()],
+                   lambda name, start, n: np.asarray(grads[name][start:start + n], np.float32),
+                   sink)
+        return run.finish()
+
+    def begin(self, *, grad_scale: float = 1.0) -> Update:
+        """An optimizer step taken range by range as the gradients arrive
+        (:meth:`Update.ranges`; every element of every array exactly once), ended by
+        :meth:`Update.finish`. Every range is updated with the state's scalars (step counts)
+        as they were at ``begin``."""
+        return Update(self, grad_scale)
 
     def write(self, name: str, part: str, values: Sliceable) -> None:
         """Set one array's ``part`` from ``values`` (sliced by sub-group: a checkpoint's
@@ -268,3 +268,60 @@ class StreamingOptimizer:
     def close(self, *, remove: bool = True) -> None:
         """Close (and by default delete) the swap files."""
         self.store.close(remove=remove)
+
+
+class Update:
+    """One optimizer step of a :class:`StreamingOptimizer` in progress: ranges of its arrays
+    updated as their gradients arrive, each read ``buffer_count`` sub-groups ahead and
+    written behind (writes stay in flight from one call to the next)."""
+
+    def __init__(self, opt: StreamingOptimizer, grad_scale: float):
+        self.opt, self.scale = opt, np.float32(grad_scale)
+        store = opt.store
+        self._t0, self._read0, self._written0 = (time.perf_counter(), store.read_bytes,
+                                                 store.written_bytes)
+        self._writes: collections.deque = collections.deque()
+        self._scalars = opt.scalars
+        self.finite = True
+
+    def ranges(self, ranges: list[tuple[str, int, int]],
+               grad: Callable[[str, int, int], np.ndarray],
+               sink: Callable[[str, int, np.ndarray], None] | None = None) -> None:
+        """Update elements ``start .. start + count`` of array ``name`` for each
+        ``(name, start, count)``: ``grad(name, start, n)`` gives a sub-group's float32
+        gradient, ``sink`` receives its new master values (as in
+        :meth:`StreamingOptimizer.update`)."""
+        opt, sub = self.opt, self.opt.sub
+        groups = [(name, a, min(sub, start + count - a)) for name, start, count in ranges
+                  for a in range(start, start + count, sub)]
+        reads = collections.deque(opt._read(*g) for g in groups[:opt.buffer_count])
+        for j, (name, start, n) in enumerate(groups):
+            master, *moments = (f.result() for f in reads.popleft())
+            if j + opt.buffer_count < len(groups):
+                reads.append(opt._read(*groups[j + opt.buffer_count]))
+            # a short last sub-group is updated as it is (one more compiled shape), not padded
+            new_master, new_moments, scalars, ok = opt._chunk.fn(
+                grad(name, start, n), master, moments, opt.scalars, self.scale)
+            self._scalars, self.finite = scalars, self.finite and bool(ok)
+            new = [np.asarray(x)[:n] for x in [new_master, *new_moments]]
+            for part, values in zip(opt.parts, new, strict=True):
+                self._writes.append(opt.store.write(f"{name}.{part}", start, values))
+            while len(self._writes) > opt.buffer_count * len(opt.parts):
+                self._writes.popleft().result()
+            # the update has run (its outputs are on the host), so the read buffers can be
+            # reused, unless an output is one of them (jit forwards an unchanged input; on
+            # the CPU an input's aligned host memory is the device buffer itself)
+            opt.store.recycle(*(b for b in [master, *moments]
+                                if not any(np.may_share_memory(b, x) for x in new)))
+            new_master = new[0]
+            if sink is not None:
+                sink(name, start, new_master)
+
+    def finish(self) -> StreamStats:
+        """Wait for the writes, keep the new scalars: what the step did."""
+        while self._writes:
+            self._writes.popleft().result()
+        self.opt.scalars = [np.asarray(x) for x in self._scalars]
+        store = self.opt.store
+        return StreamStats(self.finite, time.perf_counter() - self._t0,
+                           store.read_bytes - self._read0, store.written_bytes - self._written0)

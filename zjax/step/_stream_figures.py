@@ -27,7 +27,7 @@ from zjax.step._nvme import NvmeOptimizer
 from zjax.step._stream_io import check_buffer, layer_elements
 from zjax.step._stream_programs import Programs
 
-__all__ = ["StreamFigures", "stream_figures"]
+__all__ = ["StreamCompiled", "StreamFigures", "StreamLowered", "stream_figures"]
 
 
 def _device_bytes(tree: Any, n_devices: int) -> int:
@@ -112,9 +112,12 @@ class StreamFigures:
 
 
 def stream_figures(programs: Programs, batch: Any, compile: Callable[[Any], Any], *,
-                   engine: NvmeOptimizer, micro_batches: int, ahead: int) -> StreamFigures:
+                   engine: NvmeOptimizer, micro_batches: int, ahead: int,
+                   overlap: bool = False) -> StreamFigures:
     """Compile every program of a step on ``batch`` (its micro-batch's shape) with
     ``compile(lowered)``; see the module docstring for what is held beside each.
+    ``overlap``: the last micro-batch's gradients go straight into the update (no clip),
+    not through the gradients' files.
 
     Raises:
       ConfigError: a layer does not fit ``zero.offload_param.buffer_size``.
@@ -150,10 +153,11 @@ def stream_figures(programs: Programs, batch: Any, compile: Callable[[Any], Any]
         (name, compile(fn.lower(*args)), runs * micro_batches,
          beside + (0 if takes_nonstack else held["nonstack_params"]))
         for name, fn, args, runs, takes_nonstack in entries)
-    return StreamFigures(compiled, held, _traffic(programs, engine, micro_batches))
+    return StreamFigures(compiled, held, _traffic(programs, engine, micro_batches, overlap))
 
 
-def _traffic(programs: Programs, engine: NvmeOptimizer, micro_batches: int) -> dict[str, int]:
+def _traffic(programs: Programs, engine: NvmeOptimizer, micro_batches: int,
+             overlap: bool) -> dict[str, int]:
     """Per device: NVMe bytes a step reads and writes, and the stream's host buffers."""
     plan = programs.plan
     own = lambda leaf: int(np.prod(NamedSharding(plan.mesh, leaf.spec).shard_shape(leaf.shape),
@@ -167,10 +171,13 @@ def _traffic(programs: Programs, engine: NvmeOptimizer, micro_batches: int) -> d
     sub = min(plan.zero.sub_group_size, max(engine.sizes.values(), default=1))  # the stream's
     buffers = (section.buffer_count * layer_elements(engine, programs) * 4
                + 2 * engine.section.buffer_count * sub * 4 * (parts + 1))
+    # the gradients' files: each micro-batch's sums of the Stacks' layers written, read back
+    # by the next one and by the update; the rest summed on the devices, written once and
+    # read by the update; with overlap the last micro-batch's go straight into the update
+    grad_io = (mb - 1) * stacked if overlap else mb * stacked + (total - stacked)
     return {"grad_file_bytes": total,
-            "nvme_read_bytes": 2 * mb * stacked + (total - stacked) + parts * total + total
-            + (mb - 1) * total,
-            "nvme_written_bytes": parts * total + mb * total,
+            "nvme_read_bytes": 2 * mb * stacked + (total - stacked) + parts * total + grad_io,
+            "nvme_written_bytes": parts * total + grad_io,
             "stream_host_bytes": buffers // local}
 
 
@@ -178,3 +185,53 @@ def _nonstack(plan: ShardPlan, programs: Programs) -> list[jax.ShapeDtypeStruct]
     return [jax.ShapeDtypeStruct(leaf.shape, plan.stored_param_dtype(leaf),
                                  sharding=NamedSharding(plan.mesh, leaf.spec))
             for leaf in programs.nonstack]
+
+
+class StreamLowered:
+    """The streamed step for a batch shape: ``compile`` makes it callable, ``compile_each``
+    gives a plan its figures (:class:`StreamFigures`).
+
+    Args:
+      step: the streamed step (called by the compiled step).
+      figures: ``figures(compile)``: every program compiled by ``compile(lowered)``, with
+        the step's figures (:func:`stream_figures` with the rest bound).
+    """
+
+    def __init__(self, step: Callable, figures: Callable[[Callable], StreamFigures]):
+        self._step, self._figures = step, figures
+
+    def compile_each(self, compile: Callable[[Any], Any]) -> StreamFigures:
+        """Every program of a step compiled by ``compile(lowered)``, with its figures."""
+        return self._figures(compile)
+
+    def compile(self, compiler_options: dict | None = None) -> StreamCompiled:
+        return StreamCompiled(self, compiler_options)
+
+
+class StreamCompiled:
+    """A streamed step: callable as the step; ``memory_analysis()``, ``as_text()`` and
+    ``weighted_texts()`` are the whole step's (its programs compiled when first asked)."""
+
+    def __init__(self, lowered: StreamLowered, compiler_options: dict | None):
+        self._lowered, self._options, self._figures = lowered, compiler_options, None
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        return self._lowered._step(state, batch)
+
+    def figures(self) -> StreamFigures:
+        if self._figures is None:
+            self._figures = self._lowered.compile_each(
+                lambda lowered: lowered.compile(self._options))
+        return self._figures
+
+    def memory_analysis(self) -> Any:
+        return self.figures().memory_analysis()
+
+    def as_text(self) -> str:
+        return self.figures().as_text()
+
+    def weighted_texts(self) -> list[tuple[str, int]]:
+        return self.figures().weighted_texts()
+
+    def stream_bytes(self, state_nvme: int) -> dict[str, int]:
+        return self.figures().stream_bytes(state_nvme)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from zjax.errors import ConfigError
-from zjax.offload import NvmeStore
+from zjax.offload import NvmeStore, sum_squares
 from zjax.step._nvme import NvmeOptimizer
 from zjax.step._nvme_engine import LeafShards
 from zjax.step._stream_programs import Programs, layer_spec
@@ -33,7 +33,7 @@ def _assemble(leaf: LeafShards, sharding: NamedSharding, shape: tuple[int, ...],
     """A global array laid out as ``sharding`` from each distinct shard's host values."""
     on: dict = {}
     for host, devices in zip(hosts, leaf.devices, strict=True):
-        host = host.astype(leaf.stored).reshape(sharding.shard_shape(shape))
+        host = host.astype(leaf.stored, copy=False).reshape(sharding.shard_shape(shape))
         on.update({d: jax.device_put(host, d) for d in devices})
     order = list(sharding.addressable_devices_indices_map(shape))
     return jax.make_array_from_single_device_arrays(shape, sharding, [on[d] for d in order])
@@ -102,6 +102,8 @@ class LayerReader:
         pending: collections.deque = collections.deque()
         for c, i in schedule[:self.ahead]:
             pending.append(self._submit(c, i))
+        # the read buffers are not recycled: XLA:CPU's device_put takes page-aligned host
+        # memory as the device array's own (no copy), for as long as the array lives
         for n, (c, _) in enumerate(schedule):
             futures = pending.popleft()
             if n + self.ahead < len(schedule):
@@ -136,6 +138,16 @@ class GradFiles:
         """Write leaf ``j``'s gradient ``g`` (own shards; ``layer``: ``(i, n_layers)`` of a
         stacked leaf's layer ``i``), added to what is there unless ``first``; ``last``: the
         micro-batch whose sums are final (counted in :attr:`sumsq`)."""
+        for name, start, values in self.summed(j, g, layer=layer, first=first, last=last):
+            self.pending.append(self.store.write(name, start, values))
+            while len(self.pending) > self.threads:
+                self.pending.popleft().result()
+
+    def summed(self, j: int, g: jax.Array, *, layer: tuple[int, int] | None, first: bool,
+               last: bool) -> Iterator[tuple[str, int, np.ndarray]]:
+        """``(name, start, float32 values)`` of each of leaf ``j``'s shards of ``g`` plus what
+        the files hold unless ``first``; counted in :attr:`sumsq` if ``last`` (the
+        arguments as in :meth:`put`)."""
         leaf = self.engine.leaves[j]
         on = {s.device: s.data for s in g.addressable_shards}
         for name, size, devices, owned in zip(leaf.names, leaf.sizes, leaf.devices,
@@ -147,11 +159,8 @@ class GradFiles:
                 self.flush()  # an earlier micro-batch's write of this range must have landed
                 values = values + self.store.read_now(name, start, n)
             if last and owned:
-                wide = values.astype(np.float64)
-                self.sumsq += float(np.dot(wide, wide))
-            self.pending.append(self.store.write(name, start, values))
-            while len(self.pending) > self.threads:
-                self.pending.popleft().result()
+                self.sumsq += sum_squares(values)
+            yield name, start, values
 
     def flush(self) -> None:
         """Wait for every write in flight."""

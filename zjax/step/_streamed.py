@@ -22,6 +22,7 @@ host memory the read-ahead buffers and the update's sub-groups, whatever the mod
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -36,15 +37,17 @@ from jax.sharding import PartitionSpec as P
 
 from zjax.errors import ConfigError
 from zjax.models.trainable import Trainable
+from zjax.offload import Update, sum_squares
 from zjax.partition.plan import ShardPlan
 from zjax.runtime.mesh import batch_axes
 from zjax.step._grads import _check_micro_batches, metric_values
 from zjax.step._nvme import NvmeOptimizer, clip_scale
 from zjax.step._nvme_engine import local_value, shard_data
 from zjax.step._state import TrainState
-from zjax.step._stream_figures import StreamFigures, stream_figures
+from zjax.step._stream_figures import StreamLowered, stream_figures
 from zjax.step._stream_io import GradFiles, LayerReader, read_leaf
 from zjax.step._stream_programs import Programs
+from zjax.step._stream_update import Handoff, ParamNorm
 
 __all__ = ["StreamEngine", "StreamedStep", "check_streamable"]
 
@@ -109,8 +112,7 @@ class StreamEngine(NvmeOptimizer):
                 for (name, data), owned in zip(shard_data(x, leaf), leaf.owned, strict=True):
                     values = np.asarray(data, np.float32).reshape(-1)
                     opt.write_initial_at(name, max(i, 0) * values.size, values)
-                    wide = values.astype(np.float64)
-                    sumsq += float(np.dot(wide, wide)) if owned else 0.0
+                    sumsq += sum_squares(values) if owned else 0.0
             del arrays
         if jax.process_count() > 1:
             sumsq = float(multihost_utils.process_allgather(np.float64(sumsq)).sum())
@@ -140,6 +142,9 @@ class StreamedStep:
         self.engine, self.trainable, self.plan = engine, trainable, plan
         self.micro_batches, self.clip_norm = micro_batches, clip_norm
         self.skip_nonfinite = skip_nonfinite
+        # nothing global between the backward and the update: each layer's gradients go
+        # straight into it (zjax.step._stream_update)
+        self.overlap = clip_norm is None and not skip_nonfinite
         self.section = plan.zero.offload_param
         self._programs: dict = {}
         self.nonstack = [j for j, leaf in enumerate(plan.leaves) if not leaf.stacked]
@@ -204,12 +209,14 @@ class StreamedStep:
                             x)
 
     def _pass(self, programs: Programs, nonstack: list, batch: Any, layers, *,
-              first: bool, last: bool) -> tuple[Any, list]:
-        """One micro-batch forward and backward: ``(sums, non-Stack leaves' gradients)``; the
-        layers' gradients go to the swap files, each written while the devices run the next
-        layer's backward."""
+              handoff: Callable[[Any], Handoff]) -> tuple[Any, list, Handoff]:
+        """One micro-batch forward and backward: ``(sums, non-Stack leaves' gradients, the
+        handoff)``; each layer's gradients handed over (:mod:`zjax.step._stream_update`)
+        while the devices run the next layer's backward. ``handoff(sums)`` is where they
+        go, given this micro-batch's loss sums."""
         outputs, saved, contexts = self._forward(programs, nonstack, batch, layers)
         g_ns, ct_out, sums = programs.tail(grads=True)(nonstack, batch, outputs)
+        hand = handoff(sums)
         ct_out, pending = list(ct_out), None
         for c in reversed(range(len(programs.calls))):
             call, ct = programs.calls[c], ct_out[c]
@@ -218,18 +225,19 @@ class StreamedStep:
                                               contexts[c], np.int32(i), ct)
                 saved[c][i] = None
                 if pending is not None:
-                    self._write(*pending, first=first, last=last)
+                    self._hand(hand, *pending)
                 pending = (call, i, g)
             g_c, ct_prev = programs.cut_bwd(c)(nonstack, batch, outputs[:c], ct)
             g_ns = _add(g_ns, g_c)
             ct_out[:c] = [_add(a, b) for a, b in zip(ct_out[:c], ct_prev, strict=True)]
         if pending is not None:
-            self._write(*pending, first=first, last=last)
-        return sums, g_ns
+            self._hand(hand, *pending)
+        return sums, g_ns, hand
 
-    def _write(self, call, i: int, g: list, *, first: bool, last: bool) -> None:
+    @staticmethod
+    def _hand(hand: Handoff, call, i: int, g: list) -> None:
         for j, gj in zip(call.leaves, g, strict=True):
-            self.engine.grads.put(j, gj, layer=(i, call.n_layers), first=first, last=last)
+            hand.put(j, gj, layer=(i, call.n_layers))
 
     def _schedule(self, programs: Programs) -> list[tuple[int, int]]:
         forward = [(c, i) for c, call in enumerate(programs.calls)
@@ -239,9 +247,14 @@ class StreamedStep:
     def _nonstack(self) -> list[jax.Array]:
         return [read_leaf(self.engine, j) for j in self.nonstack]
 
-    def lower(self, abstract_state: TrainState, batch: Any) -> _Lowered:
+    def lower(self, abstract_state: TrainState, batch: Any) -> StreamLowered:
         del abstract_state  # the state holds no params: the programs take layers
-        return _Lowered(self, self.programs(batch), batch)
+        n = self.micro_batches
+        micro = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n, *b.shape[1:]),
+                                                            b.dtype), batch)
+        return StreamLowered(self, functools.partial(
+            stream_figures, self.programs(batch), micro, engine=self.engine, micro_batches=n,
+            ahead=AHEAD, overlap=self.overlap))
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         engine = self.engine
@@ -250,7 +263,8 @@ class StreamedStep:
             raise RuntimeError(f"this state is at step {step}, but the NVMe swap files hold "
                                f"step {engine.step}: only the newest state can step")
         t0, moved0 = time.perf_counter(), self._moved()
-        sums = self._gradients(batch)
+        sink = ParamNorm(engine.leaves)
+        sums, run = self._gradients(batch, sink)
         loss_sum, count = float(sums[0]), float(sums[1])
         sumsq = engine.grads.sumsq
         if jax.process_count() > 1:
@@ -258,9 +272,14 @@ class StreamedStep:
         norm = math.sqrt(sumsq) / count
         finite = bool(np.isfinite(loss_sum) and np.isfinite(norm))
         stats = None
-        if finite or not self.skip_nonfinite:
-            stats = self._update(clip_scale(norm, self.clip_norm) / count)
+        if run is not None:  # applied layer by layer during the backward
+            stats = run.finish()
+        elif finite or not self.skip_nonfinite:
+            stats = engine.opt.update({name: engine.grads.source(name) for name in engine.sizes},
+                                      sink, grad_scale=clip_scale(norm, self.clip_norm) / count)
+        if stats is not None:
             finite = finite and stats.finite
+            self._param_norm(sink)
         engine.step = step + 1
         metrics = {"loss": loss_sum / count, "grad_norm": norm,
                    "param_norm": engine.param_norm, "finite": finite, "count": count,
@@ -269,44 +288,42 @@ class StreamedStep:
         return (engine.started(None, step + 1),
                 {k: jnp.asarray(v) for k, v in metrics.items()})
 
-    def _gradients(self, batch: Any) -> tuple:
+    def _gradients(self, batch: Any, sink: ParamNorm) -> tuple[Any, Update | None]:
         """Every micro-batch's forward and backward: the summed ``(loss_sum, count, extra)``
-        (host floats), the gradients in the swap files."""
+        (host floats), and the optimizer step the last one's gradients went into (``overlap``)
+        or None (they are in the swap files)."""
         programs = self.programs(batch)
-        reader, grads = self._reader(programs), self.engine.grads
+        reader, grads, opt = self._reader(programs), self.engine.grads, self.engine.opt
         grads.sumsq = 0.0
         layers = reader.layers(self._schedule(programs))
         nonstack, g_total, totals = self._nonstack(), None, None
         parts = self._split(batch)
         for m, part in enumerate(parts):
-            sums, g_ns = self._pass(programs, nonstack, part, layers, first=m == 0,
-                                    last=m == len(parts) - 1)
+            first, last = m == 0, m == len(parts) - 1
+            prior = 0.0 if totals is None else float(totals[1])
+
+            def handoff(sums, first=first, last=last, prior=prior) -> Handoff:
+                if not (last and self.overlap):
+                    return Handoff(grads, first=first, last=last)
+                count = prior + float(local_value(sums[1]))  # every micro-batch's tokens
+                return Handoff(grads, first=first, last=True, sink=sink,
+                               run=opt.begin(grad_scale=1.0 / count))
+
+            sums, g_ns, hand = self._pass(programs, nonstack, part, layers, handoff=handoff)
             sums = jax.tree.map(lambda x: np.float64(local_value(x)), sums)
             totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
             g_total = _add(g_total, g_ns)
+        whole = Handoff(grads, first=True, last=True, run=hand.run, sink=sink)
         for j, g in zip(self.nonstack, g_total, strict=True):
-            grads.put(j, g, layer=None, first=True, last=True)
+            whole.put(j, g, layer=None)
         grads.flush()
-        return totals
+        return totals, hand.run
 
-    def _update(self, grad_scale: float):
-        engine, owned = self.engine, {}
-        for leaf in engine.leaves:
-            owned.update(zip(leaf.names, leaf.owned, strict=True))
-        sumsq = [0.0]
-
-        def sink(name: str, start: int, values: np.ndarray) -> None:
-            if owned[name]:
-                wide = values.astype(np.float64)
-                sumsq[0] += float(np.dot(wide, wide))
-
-        sources = {name: engine.grads.source(name) for name in engine.sizes}
-        stats = engine.opt.update(sources, sink, grad_scale=grad_scale)
-        total = sumsq[0]
+    def _param_norm(self, sink: ParamNorm) -> None:
+        total = sink.sumsq
         if jax.process_count() > 1:
             total = float(multihost_utils.process_allgather(np.float64(total)).sum())
-        engine.param_norm = math.sqrt(total)
-        return stats
+        self.engine.param_norm = math.sqrt(total)
 
     def _moved(self) -> tuple[int, int]:
         """Bytes read from and written to all the swap files so far (master and moments,
@@ -348,51 +365,3 @@ def _add(a, b):
 
 def _batch_rows(batch: Any) -> int:
     return int(jax.tree.leaves(batch)[0].shape[0])
-
-
-class _Lowered:
-    """The streamed step for a batch shape: ``compile`` makes it callable, ``compile_each``
-    gives a plan its figures (:class:`~zjax.step._stream_figures.StreamFigures`)."""
-
-    def __init__(self, step: StreamedStep, programs: Programs, batch: Any):
-        self._step, self._programs, self._batch = step, programs, batch
-
-    def compile_each(self, compile: Callable[[Any], Any]) -> StreamFigures:
-        """Every program of a step compiled by ``compile(lowered)``, with its figures."""
-        n = self._step.micro_batches
-        micro = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n, *b.shape[1:]),
-                                                            b.dtype), self._batch)
-        return stream_figures(self._programs, micro, compile, engine=self._step.engine,
-                              micro_batches=n, ahead=AHEAD)
-
-    def compile(self, compiler_options: dict | None = None) -> _Compiled:
-        return _Compiled(self, compiler_options)
-
-
-class _Compiled:
-    """A streamed step: callable as the step; ``memory_analysis()``, ``as_text()`` and
-    ``weighted_texts()`` are the whole step's (its programs compiled when first asked)."""
-
-    def __init__(self, lowered: _Lowered, compiler_options: dict | None):
-        self._lowered, self._options, self._figures = lowered, compiler_options, None
-
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        return self._lowered._step(state, batch)
-
-    def figures(self) -> StreamFigures:
-        if self._figures is None:
-            self._figures = self._lowered.compile_each(
-                lambda lowered: lowered.compile(self._options))
-        return self._figures
-
-    def memory_analysis(self) -> Any:
-        return self.figures().memory_analysis()
-
-    def as_text(self) -> str:
-        return self.figures().as_text()
-
-    def weighted_texts(self) -> list[tuple[str, int]]:
-        return self.figures().weighted_texts()
-
-    def stream_bytes(self, state_nvme: int) -> dict[str, int]:
-        return self.figures().stream_bytes(state_nvme)
