@@ -211,3 +211,38 @@ def test_cli_exits_2_naming_the_path_before_any_state(tmp_path):
                      proc.stderr), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list((run / "checkpoints").glob("[0-9]*")) and not list(tmp_path.rglob("*.swp"))
+
+
+def test_a_step_stopped_mid_update_leaves_files_no_step_or_save_reads(tmp_path, monkeypatch):
+    """Without a clip the update writes master and moments during the backward: a step
+    stopped there leaves the swap files holding neither step. The next step and any save
+    refuse them, naming why, instead of training or saving a half-stepped model."""
+    from zjax.errors import NvmeError
+    from zjax.step import _stream_update
+
+    config = load_config(ROOT / "configs/tiny.yaml", [
+        *BASE, "optimizer.clip_norm=", "data.batch_size=8", *nvme_overrides(tmp_path, 4096),
+        *PARAMS])
+    zstep = zjax.build_step(config)
+    try:
+        state = zstep.init(jax.random.key(0))
+        batch = zstep.put_batch(np.random.default_rng(0).integers(0, 256, (8, 33),
+                                                                    dtype=np.int32))
+        put, calls = _stream_update.Handoff.put, []
+
+        def failing(self, *args, **kwargs):
+            calls.append(self.run is not None)
+            if self.run is not None and calls.count(True) == 3:
+                raise OSError(28, "No space left on device")
+            return put(self, *args, **kwargs)
+
+        monkeypatch.setattr(_stream_update.Handoff, "put", failing)
+        with pytest.raises(OSError, match="No space"):
+            zstep.step(state, batch)
+        monkeypatch.setattr(_stream_update.Handoff, "put", put)
+        with pytest.raises(NvmeError, match=r"mid-update .*No space"):
+            zstep.step(state, batch)
+        with pytest.raises(NvmeError, match="mid-update"):
+            dict(zstep.storage.leaves(state))
+    finally:
+        zstep.close()

@@ -3,8 +3,9 @@ asynchronously, for the NVMe tier (ZeRO-Infinity) of the optimizer state and par
 
 Each array is one preallocated file (``NAME.swp``) in the store's own locked directory under
 ``nvme_path`` (:mod:`zjax.offload._swap_dir`: runs sharing a path never share a file, and a dead
-run's directory is removed by the next store opened there). Reads fill fresh buffers with
-``os.preadv`` and writes use ``os.pwrite`` from a thread pool (the file descriptors are shared:
+run's directory is removed by the next store opened there). Reads fill page-aligned buffers
+(fresh, or given back by :meth:`NvmeStore.recycle`) with ``os.preadv`` and writes use
+``os.pwrite`` from a thread pool (the file descriptors are shared:
 positional I/O needs no lock). Swap files are a working area, not checkpoints: a kill may tear
 them.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import mmap
 import os
 import shutil
 import threading
@@ -34,7 +36,10 @@ from zjax.offload._swap_dir import SwapDir, remove_stale, swap_dirs
 __all__ = ["NvmeStore", "check_nvme_path"]
 
 _ITEM = 4  # float32
-_PAGE = 4096  # O_DIRECT's alignment of offsets, lengths and memory (any block size up to it)
+# O_DIRECT's alignment of offsets, lengths and memory (any block size up to it), and the unit
+# the partial pieces go through the page cache in: the kernel's page, so that no cached page is
+# ever written beside a direct transfer (64 KiB on some aarch64 kernels)
+_PAGE = max(4096, mmap.PAGESIZE)
 _BOUNCE = 1 << 16  # a write smaller than this is not worth copying to an aligned buffer
 
 
@@ -164,7 +169,8 @@ class NvmeStore:
                                 f"byte {offset + done} (was it removed or cut while in use?)")
             done += k
             if fd != self._fds[name]:
-                self.direct_bytes += k
+                with self._lock:
+                    self.direct_bytes += k
 
     def read_now(self, name: str, start: int, count: int,
                  out: np.ndarray | None = None) -> np.ndarray:
@@ -177,7 +183,8 @@ class NvmeStore:
             self._transfer(name, offset, out, write=False)
         except OSError as e:
             raise NvmeError(f"{self.key}: reading {self.file(name)} failed ({e})") from e
-        self.read_bytes += out.nbytes
+        with self._lock:
+            self.read_bytes += out.nbytes
         return out
 
     def write_now(self, name: str, start: int, values: np.ndarray) -> None:
@@ -197,7 +204,8 @@ class NvmeStore:
         finally:
             if bounce is not None:
                 self.recycle(bounce)
-        self.written_bytes += values.nbytes
+        with self._lock:
+            self.written_bytes += values.nbytes
 
     def _take(self, nbytes: int, offset: int) -> np.ndarray:
         """A byte buffer for a transfer at file ``offset``: a recycled one of that size and
@@ -210,9 +218,10 @@ class NvmeStore:
         return _aligned(nbytes, offset)
 
     def recycle(self, *buffers: np.ndarray) -> None:
-        """Give back buffers this store's reads returned, once nothing reads them (a device
-        transfer from them complete): later reads of the same size reuse them instead of
-        faulting in fresh pages, up to :attr:`keep_bytes` kept."""
+        """Give back buffers this store's reads returned, once nothing holds them: not after
+        ``jax.device_put`` (XLA:CPU takes page-aligned host memory as the device array's
+        own), only once a computation that read them has finished. Later reads of the same
+        size reuse them instead of faulting in fresh pages, up to :attr:`keep_bytes` kept."""
         with self._lock:
             for b in buffers:
                 if self._kept + b.nbytes > self.keep_bytes:

@@ -47,7 +47,6 @@ def sum_squares(values: np.ndarray) -> float:
                      for a in range(0, v.size, _SQUARES_CHUNK))
 
 
-
 def check_elementwise(tx: optax.GradientTransformation) -> None:
     """Raise if ``tx`` is not elementwise: its update of a vector must equal the updates of
     the vector's halves (a global-norm clip, for one, scales by the norm of what it sees).
@@ -281,7 +280,8 @@ class Update:
         self._t0, self._read0, self._written0 = (time.perf_counter(), store.read_bytes,
                                                  store.written_bytes)
         self._writes: collections.deque = collections.deque()
-        self._scalars = opt.scalars
+        self._before = list(opt.scalars)  # every range steps from these
+        self._scalars = self._before
         self.finite = True
 
     def ranges(self, ranges: list[tuple[str, int, int]],
@@ -301,7 +301,7 @@ class Update:
                 reads.append(opt._read(*groups[j + opt.buffer_count]))
             # a short last sub-group is updated as it is (one more compiled shape), not padded
             new_master, new_moments, scalars, ok = opt._chunk.fn(
-                grad(name, start, n), master, moments, opt.scalars, self.scale)
+                grad(name, start, n), master, moments, self._before, self.scale)
             self._scalars, self.finite = scalars, self.finite and bool(ok)
             new = [np.asarray(x)[:n] for x in [new_master, *new_moments]]
             for part, values in zip(opt.parts, new, strict=True):

@@ -123,6 +123,9 @@ class NvmeOptimizer:
         self.treedef = jax.tree.structure(abstract_master)
         self.opt: StreamingOptimizer | None = None
         self.step, self.param_norm = -1, float("nan")
+        # why the swap files are mid-update (a step stopped after writing some master and
+        # moments): no step or save may read them again
+        self.torn: str | None = None
 
     def check_shards(self) -> None:
         """Raise unless every device shard is addressable by the stream's int32 offsets (a

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zjax.errors import NvmeError
 from zjax.step._nvme import NvmeOptimizer
 from zjax.step._nvme_engine import LeafShards, Slices, local_value, shard_data
 from zjax.step._state import TrainState
@@ -65,6 +66,9 @@ def canonical_leaves(engine: NvmeOptimizer, state: TrainState, canonical: dict
     """``(keys, global array)`` of every canonical leaf of ``state``, each built when asked
     for (the master and moments from the swap files, the counts from the host)."""
     step = int(local_value(state.step))
+    if engine.torn:
+        raise NvmeError(f"saving step {step}: the NVMe swap files were left mid-update "
+                        f"({engine.torn}); resume from the last checkpoint")
     if step != engine.step:
         raise RuntimeError(f"saving step {step}, but the NVMe swap files hold step "
                            f"{engine.step}")

@@ -14,6 +14,11 @@ per-layer programs driven from the host, as DeepSpeed's hooks do (:mod:`zjax.ste
    behind into gradient swap files (summed over micro-batches).
 3. the NVMe optimizer's streamed update (:class:`~zjax.offload.nvme.StreamingOptimizer`) over
    master, moments and those gradients, clipped by their global norm, divided by the count.
+   Without a clip (or ``skip_nonfinite``) the last micro-batch's layer gradients go straight
+   into that update during the backward instead (:mod:`zjax.step._stream_update`).
+
+A step stopped once the update has begun marks the swap files torn (``engine.torn``): no
+later step or save reads them.
 
 Device memory holds a few layers' weights and the saved layer inputs, whatever the depth;
 host memory the read-ahead buffers and the update's sub-groups, whatever the model's size.
@@ -35,7 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zjax.errors import ConfigError
+from zjax.errors import ConfigError, NvmeError
 from zjax.models.trainable import Trainable
 from zjax.offload import Update, sum_squares
 from zjax.partition.plan import ShardPlan
@@ -145,6 +150,7 @@ class StreamedStep:
         # nothing global between the backward and the update: each layer's gradients go
         # straight into it (zjax.step._stream_update)
         self.overlap = clip_norm is None and not skip_nonfinite
+        self._updating = False
         self.section = plan.zero.offload_param
         self._programs: dict = {}
         self.nonstack = [j for j, leaf in enumerate(plan.leaves) if not leaf.stacked]
@@ -259,9 +265,25 @@ class StreamedStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         engine = self.engine
         step = int(local_value(state.step))
+        if engine.torn:
+            raise NvmeError(f"step {step}: the NVMe swap files were left mid-update "
+                            f"({engine.torn}); resume from the last checkpoint")
         if step != engine.step:
             raise RuntimeError(f"this state is at step {step}, but the NVMe swap files hold "
                                f"step {engine.step}: only the newest state can step")
+        try:
+            return self._step(step, batch)
+        except BaseException as e:
+            # the update writes master and moments (during the last backward with overlap):
+            # stopped once it has begun, the files hold neither step
+            if self._updating:
+                engine.torn = f"{type(e).__name__}: {e}"[:200]
+            raise
+        finally:
+            self._updating = False
+
+    def _step(self, step: int, batch: Any) -> tuple[TrainState, dict]:
+        engine = self.engine
         t0, moved0 = time.perf_counter(), self._moved()
         sink = ParamNorm(engine.leaves)
         sums, run = self._gradients(batch, sink)
@@ -275,6 +297,7 @@ class StreamedStep:
         if run is not None:  # applied layer by layer during the backward
             stats = run.finish()
         elif finite or not self.skip_nonfinite:
+            self._updating = True
             stats = engine.opt.update({name: engine.grads.source(name) for name in engine.sizes},
                                       sink, grad_scale=clip_scale(norm, self.clip_norm) / count)
         if stats is not None:
@@ -306,6 +329,7 @@ class StreamedStep:
                 if not (last and self.overlap):
                     return Handoff(grads, first=first, last=last)
                 count = prior + float(local_value(sums[1]))  # every micro-batch's tokens
+                self._updating = True
                 return Handoff(grads, first=first, last=True, sink=sink,
                                run=opt.begin(grad_scale=1.0 / count))
 
