@@ -303,7 +303,7 @@ RUNTIME = {"remat": "false", "max_seq_len": "512", "attention": "dense",
            "moe_matmul": "tiled", "router_aux_loss_coef": "0.01",
            "router_z_loss_coef": "0.001", "capacity_factor": "1.5", "moe_exchange": "chunked",
            "moe_chunks": "2", "router_bias_update_speed": "0.001",
-           "router_seq_aux_loss_coef": "0.0001", "mtp_loss_coef": "0.1"}
+           "router_seq_aux_loss_coef": "0.0001", "mtp_loss_coef": "0.1", "fp8": "tensorwise"}
 WEIGHTS = {"vocab_size": 264, "d_model": 128, "n_layers": 1, "d_ff": 96, "n_heads": 8,
            "n_kv_heads": 1, "head_dim": 32, "sliding_window": 7, "global_every": 2,
            "rope_theta": 12345.0, "local_rope_theta": 50.0, "rope_scaling": "llama3",

@@ -46,11 +46,11 @@ LLAMA_PINNED = {
     "rope_short_factor": _ROPE, "rope_long_factor": _ROPE, "mtp_layers": _SHAPE,
 }
 # the run's: kernels (attention, context_attention, moe_matmul, moe_exchange), memory for compute
-# (loss_chunk, mlp_chunk, remat), the data's bound (max_seq_len: rotary has no table), and the
-# mixture's training terms (the losses' weights, the capacity that drops tokens in training,
-# the balancing bias's speed)
+# (loss_chunk, mlp_chunk, remat), the matmuls' precision (fp8), the data's bound (max_seq_len:
+# rotary has no table), and the mixture's training terms (the losses' weights, the capacity
+# that drops tokens in training, the balancing bias's speed)
 LLAMA_FREE = ("remat", "max_seq_len", "attention", "context_attention", "loss_chunk",
-              "mlp_chunk", "moe_matmul", "moe_exchange", "moe_chunks",
+              "mlp_chunk", "fp8", "moe_matmul", "moe_exchange", "moe_chunks",
               "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
               "router_bias_update_speed", "router_seq_aux_loss_coef", "mtp_loss_coef")
 
@@ -62,4 +62,4 @@ GPT2_PINNED = {
     "norm": "it chooses the norms' tensors and function", "bias": "it adds the bias tensors",
     "norm_eps": _FUNCTION,
 }
-GPT2_FREE = ("remat", "attention", "context_attention", "loss_chunk", "mlp_chunk")
+GPT2_FREE = ("remat", "attention", "context_attention", "loss_chunk", "mlp_chunk", "fp8")

@@ -29,7 +29,7 @@ from zjax.lora import (
     quantize,
 )
 from zjax.models._batch import Packing
-from zjax.nn import model_axis_size
+from zjax.nn import fp8_matmul, model_axis_size
 from zjax.nn.mlp import choose_tiling, tiled, tiled_hidden
 
 __all__ = ["AdaptedLinears", "Modules", "adapted_weights", "adapters_off"]
@@ -85,10 +85,17 @@ class AdaptedLinears:
     """Mixin for an ``nnx.Module`` block whose linear weights may carry adapters."""
 
     def _init_adapters(self, lora: LoraConfig | None, rngs: nnx.Rngs, *, modules: Modules,
-                       axes: dict[str, tuple], model: str, mlp_chunk: int = 0):
+                       axes: dict[str, tuple], model: str, mlp_chunk: int = 0,
+                       fp8: str = "none"):
         """``lora.targets``' adapters, drawn after the base weights (whose values are then
-        those of the model without adapters); ``axes``: each linear weight's logical axes."""
+        those of the model without adapters); ``axes``: each linear weight's logical axes;
+        ``fp8``: ``model.fp8`` (the projections' matmuls)."""
         enabled = lora is not None and lora.enabled
+        if enabled and fp8 != "none":
+            raise ConfigError(f"model.fp8: {fp8} with adapters (lora.rank {lora.rank}"
+                              f"{', lora.base_dtype ' + lora.base_dtype if lora.quantized else ''}"
+                              ") is not built yet; use model.fp8: none")
+        self.fp8 = fp8 != "none"
         if enabled and lora.dropout and mlp_chunk:  # a chunk's tokens have lost their rows
             raise ConfigError(f"lora.dropout: {lora.dropout} with model.mlp_chunk "
                               f"{mlp_chunk} (a tiled MLP) is not built yet; set one of them "
@@ -170,10 +177,13 @@ class AdaptedLinears:
         of slices of the weights ``ins``, then ``down``), or whole, whichever
         :func:`~zjax.nn.mlp.choose_tiling` finds holds the least."""
         ws = [getattr(self, n)[...] for n in (*ins, down)]
+        # FP8 scales each weight whole: never sliced over its hidden units
         how, _ = choose_tiling(
             tokens=y.size // y.shape[-1], d_model=y.shape[-1], d_ff=ws[-1].shape[0],
             chunk=chunk, weight_bytes=sum(w.size * w.dtype.itemsize for w in ws),
             act_bytes=y.dtype.itemsize, trainable=self.lora_scale is None and self.quant is None)
+        if how == "hidden" and self.fp8:
+            how = "tokens"
         if how == "hidden":
             return tiled_hidden(hidden, y, tuple(ws[:-1]), ws[-1], chunk=chunk)
         return tiled(mlp, y, chunk=chunk if how == "tokens" else 0)
@@ -184,7 +194,7 @@ class AdaptedLinears:
         w = self._base(name, row_parallel=row_parallel, dtype=y.dtype)
         entry = dict(self.lora_of).get(name)
         if entry is None:
-            return y @ w
+            return fp8_matmul(y, w) if self.fp8 else y @ w
         adapter, part, module = entry
         a, b = (getattr(self, f"{adapter}{s}")[...] for s in ("_lora_a", "_lora_b"))
         if part >= 0:  # this weight's part of a fused module's b

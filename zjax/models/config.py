@@ -120,6 +120,13 @@ class LlamaConfig:
         are sliced instead (as many at a time; :func:`zjax.nn.mlp.tiled_hidden`), and where
         neither would hold less than the whole MLP it runs whole
         (:func:`zjax.nn.mlp.choose_tiling`).
+      fp8: ``none`` (default) or ``tensorwise``: every linear projection of the decoder
+        layers (attention's q/k/v/o, the MLP's) runs as FP8 GEMMs (:func:`zjax.nn.fp8_matmul`:
+        inputs and weights in ``float8_e4m3fn``, the output's gradient in ``float8_e5m2``,
+        each scaled by its current absolute maximum over the whole tensor, float32
+        accumulation); embeddings, the LM head, norms, the router, attention's own products
+        and a mixture's experts stay in ``zero.gather_dtype``. Hopper GPUs run it as FP8
+        GEMMs; TPUs have no FP8 matrix unit (refused).
       remat: recompute each layer in the backward pass (ZeRO stages 0-2; the stage-3 schedule
         always keeps only the layer inputs).
       n_experts: routed experts in every layer's MLP (a mixture of experts, Mixtral's and
@@ -220,6 +227,7 @@ class LlamaConfig:
     context_attention: str = choices("auto", "ulysses", "ring", default="auto")
     loss_chunk: int = positive(1024)
     mlp_chunk: int = non_negative(0)
+    fp8: str = choices("none", "tensorwise", default="none")
     n_experts: int = non_negative(0)
     experts_per_token: int = positive(2)
     n_shared_experts: int = non_negative(0)

@@ -73,7 +73,7 @@ class Block(AdaptedLinears, nnx.Module):
         self.attention, self.mlp_chunk = cfg.attention, cfg.mlp_chunk
         self.context_attention = cfg.context_attention
         self._init_adapters(lora, rngs, modules=MODULES, axes=LINEAR_AXES, model="a GPT",
-                            mlp_chunk=cfg.mlp_chunk)
+                            mlp_chunk=cfg.mlp_chunk, fp8=cfg.fp8)
 
     def _plus(self, x, name: str):
         return x + getattr(self, name)[...] if self.bias else x

@@ -112,7 +112,7 @@ class LlamaBlock(AdaptedLinears, nnx.Module):
                     "to 0 or list the attention projections (q_proj, k_proj, v_proj, o_proj)")
             axes = {**LINEAR_AXES, **EXPERT_AXES}
         self._init_adapters(lora, rngs, modules=MODULES, axes=axes, model="a Llama",
-                            mlp_chunk=cfg.mlp_chunk)
+                            mlp_chunk=cfg.mlp_chunk, fp8=cfg.fp8)
 
     def _init_experts(self, cfg: LlamaConfig, rngs: nnx.Rngs, out_std: float):
         """The router ``[D, E]`` (whole on every device), the routed experts' weights

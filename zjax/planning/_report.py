@@ -20,6 +20,7 @@ from zjax.partition import nbytes
 from zjax.planning._experts import expert_all_to_all, expert_figures
 from zjax.planning._flops import flops_per_token, peak_flops
 from zjax.planning._hlo import collective_bytes
+from zjax.planning._matmuls import matmul_figures, matmul_lines
 from zjax.planning._memory import (
     compiled_bytes,
     compiled_memory,
@@ -94,6 +95,8 @@ class PlanReport:
       rollout: an RL run's generation phase (:func:`zjax.planning._rollout
         .rollout_figures`: the model gathered once, the cache, the state beside them, its
         peak and whether it fits); empty for other runs.
+      matmuls: the compiled step's ``matmuls`` and ``fp8_matmuls`` per step (loops by trip
+        count) and their ``matmul_flops`` / ``fp8_flops`` (:mod:`zjax.planning._matmuls`).
     """
 
     n_params: int
@@ -116,6 +119,7 @@ class PlanReport:
     experts: dict[str, Any] = dataclasses.field(default_factory=dict)
     frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
     rollout: dict[str, Any] = dataclasses.field(default_factory=dict)
+    matmuls: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -201,6 +205,7 @@ class PlanReport:
                        if f_.get("step_s_at_peak") else "")
             lines.append(f"  model FLOPs per step: {f_['per_step'] / 1e12:.3g} TFLOP "
                          f"({f_['per_token'] / 1e9:.3g} GFLOP per token){at_peak}")
+        lines += matmul_lines(self.matmuls)
         if self.overlap:
             lines.append("  overlapped with compute: " + ", ".join(
                 f"{k.replace('_', '-')} {v:.0%}" for k, v in self.overlap.items()))
@@ -302,6 +307,7 @@ def report(zstep: ZeroStep, compiled: Any, *, grad_accum: int = 1,
         else None,
         experts=expert_figures(plan, coll.by_axis, n_experts=n_experts, n_layers=moe_layers),
         frozen=frozen_figures(zstep, trained),
+        matmuls=matmul_figures(texts),
     )
 
 

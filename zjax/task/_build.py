@@ -64,6 +64,7 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
         devices = devices.devices
     _check_experts(config)
     mesh = make_mesh(config.mesh, devices=None if devices is None else list(devices))
+    _check_fp8(config, mesh.devices.flat[0])
     # the NVMe optimizer updates sub-groups apart: the step clips, by the norm of the whole
     nvme = config.zero.offload_optimizer.nvme
     tx = make_optimizer(config.optimizer, total_steps=config.train.steps, clip_in_step=nvme)
@@ -74,6 +75,14 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
                          micro_batches=config.train.grad_accum,
                          skip_nonfinite=config.train.on_nonfinite == "skip",
                          clip_norm=config.optimizer.clip_norm if nvme else None)
+
+
+def _check_fp8(config: Config, device: jax.Device) -> None:
+    """``model.fp8`` where the matrix units have no FP8: refused, by key."""
+    fp8 = getattr(config.model, "fp8", "none")
+    if fp8 != "none" and device.platform == "tpu":
+        raise ConfigError(f"model.fp8: {fp8} on {device.device_kind}: TPUs have no FP8 matrix "
+                          "unit (MaxText trains with int8 there); use model.fp8: none")
 
 
 def _trainable(loop: Loop, config: Config):
