@@ -67,12 +67,19 @@ def _losses(overrides: list[str], devices: int, steps: int = 3) -> list[float]:
     return out
 
 
-def test_zero3_over_8_devices_scales_as_one_device():
+@pytest.fixture(scope="module")
+def one_device():
+    return _losses([], 1)
+
+
+@pytest.mark.parametrize("gather", [[], ["zero.fp8_gather=true"]], ids=["bf16", "fp8-gather"])
+def test_zero3_over_8_devices_scales_as_one_device(one_device, gather):
     """Each scale comes from the whole tensor's amax (a maximum over the mesh), not each
-    shard's: ZeRO-3 over 8 devices trains the losses of one device (the issue asks 1e-3;
-    with float32 gathers only the sums' order differs: 2e-7 measured, 1e-4 with per-shard
-    scales)."""
-    one, eight = _losses([], 1), _losses([], 8)
+    shard's: ZeRO-3 over 8 devices trains the losses of one device, with the weights
+    gathered in FP8 too (their e4m3 values scaled by the whole weight's amax are the ones
+    the matmul makes of the whole weight). The issue asks 1e-3; with float32 gathers only
+    the sums' order differs: 2e-7 measured, 1e-4 with per-shard scales."""
+    one, eight = one_device, _losses(gather, 8)
     assert eight == pytest.approx(one, rel=1e-5)
     assert eight[-1] < eight[0]
 
@@ -98,14 +105,32 @@ def test_every_decoder_projection_runs_fp8_gemms_on_h100_and_the_head_does_not()
     assert "FP8 matmuls:" in report.table()
 
 
+def test_fp8_gathers_move_about_half_the_bytes_of_bf16_ones_on_h100():
+    """``zero.fp8_gather``: the step's weight all-gathers move at most 0.55x the bf16 step's
+    bytes (each FP8 weight one byte an element; embeddings, head and norms stay bf16), the
+    same FP8 GEMMs run, the gradients' reduce-scatters are unchanged."""
+    file = "configs/llama-tiny.yaml"
+    _, compiled, fp8 = compiled_for("h100:8", *FP8, "zero.fp8_gather=true", file=file)
+    _, _, bf16 = compiled_for("h100:8", *FP8, file=file)
+    gathered, base = (r.collectives["all_gather_bytes"] for r in (fp8, bf16))
+    assert gathered <= 0.55 * base, (gathered, base)
+    assert fp8.collectives["reduce_scatter_bytes"] == bf16.collectives["reduce_scatter_bytes"]
+    assert fp8.matmuls == bf16.matmuls
+    assert "f8e4m3fn" in compiled.as_text()
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["lora.rank=4"], r"^model\.fp8: tensorwise with adapters"),
     (["lora.rank=4", "lora.base_dtype=nf4"], r"^model\.fp8: .*lora\.base_dtype nf4"),
-], ids=["lora", "nf4"])
+    (["model.fp8=none", "zero.fp8_gather=true"], r"^zero\.fp8_gather: .*model\.fp8 is none"),
+    (["zero.fp8_gather=true", "zero.quantized_weights=true"],
+     r"^zero\.fp8_gather: .*quantized_weights"),
+    (["zero.fp8_gather=true", "zero.stage=2"], r"^zero\.fp8_gather: .*zero\.stage is 2"),
+], ids=["lora", "nf4", "gather-without-fp8", "with-qwz", "stage-2"])
 def test_combinations_not_built_are_refused_by_key(overrides, match):
-    config = load_config(ROOT / "configs/llama-tiny.yaml", [*FP8, "data.path=", *overrides])
-    with pytest.raises(ConfigError, match=match):
-        zjax.build_step(config)
+    with pytest.raises(ConfigError, match=match):  # when the config loads, or builds
+        zjax.build_step(load_config(ROOT / "configs/llama-tiny.yaml",
+                                    [*FP8, "data.path=", *overrides]))
 
 
 def test_a_tpu_target_is_refused_naming_the_key():
@@ -114,10 +139,11 @@ def test_a_tpu_target_is_refused_naming_the_key():
                   target="v5p:2x2x2")
 
 
-@pytest.mark.slow  # two runs of 300 steps
+@pytest.mark.slow  # three runs of 300 steps
 def test_300_steps_in_fp8_end_within_2_percent_of_bf16():
-    """The tiny Llama on real text (the standard library's source), 300 steps: FP8 ends
-    within 2% of the bf16 run's held-out loss, every step finite."""
+    """The tiny Llama on real text (the standard library's source), 300 steps: FP8, and FP8
+    with the weights gathered in FP8, end within 2% of the bf16 run's held-out loss, every
+    step finite."""
     from optimized import optimized_cpu_steps
 
     def final(overrides):
@@ -129,6 +155,7 @@ def test_300_steps_in_fp8_end_within_2_percent_of_bf16():
         assert all(np.isfinite(r["loss"]) for r in history)
         return history[-1]["eval_loss"]
 
-    bf16, fp8 = final([]), final(FP8)
+    bf16, fp8, gathered = final([]), final(FP8), final([*FP8, "zero.fp8_gather=true"])
     assert abs(fp8 - bf16) <= 0.02 * bf16, (fp8, bf16)
+    assert abs(gathered - bf16) <= 0.02 * bf16, (gathered, bf16)
     assert bf16 < 2.5  # both learned the text (untrained: ln 256 = 5.5)

@@ -96,6 +96,10 @@ class AdaptedLinears:
                               f"{', lora.base_dtype ' + lora.base_dtype if lora.quantized else ''}"
                               ") is not built yet; use model.fp8: none")
         self.fp8 = fp8 != "none"
+        for name in axes if self.fp8 else ():  # what zero.fp8_gather gathers in FP8
+            weight = getattr(self, name, None)
+            if isinstance(weight, nnx.Param) and weight[...].ndim == 2:  # not the experts'
+                weight.set_metadata(fp8=True)
         if enabled and lora.dropout and mlp_chunk:  # a chunk's tokens have lost their rows
             raise ConfigError(f"lora.dropout: {lora.dropout} with model.mlp_chunk "
                               f"{mlp_chunk} (a tiled MLP) is not built yet; set one of them "

@@ -191,6 +191,10 @@ def from_nnx(
         for path, var in nnx.iter_graph(abstract) if isinstance(var, nnx.Param)
     }
 
+    fp8 = frozenset(  # the weights an FP8 matmul reads (metadata fp8=True)
+        "/".join(map(str, path)) for path, var in nnx.iter_graph(abstract)
+        if isinstance(var, nnx.Param) and var.get_metadata().get("fp8"))
+
     def stacked(path: str) -> bool:
         return path.startswith(prefixes)
 
@@ -206,7 +210,8 @@ def from_nnx(
                     kept_scan, offload=keeping["offload_inputs"],
                     partition_axis=keeping["partition_inputs"]))
             return loss_fn(model, batch)
-        run = lambda shards, batch: _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan)
+        run = lambda shards, batch: _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan,
+                                                     fp8)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     def run_stacks(shards, batch, plan: ShardPlan, make_runner):
@@ -247,8 +252,9 @@ def _kept_inputs(loss_fn, plan: ShardPlan):
                          **_input_keeping(plan))
 
 
-def _stack_runner(plan: ShardPlan):
-    """``runner(path, stack)``: the scheduled scan that runs the Stack at ``path``."""
+def _stack_runner(plan: ShardPlan, fp8: frozenset[str] = frozenset()):
+    """``runner(path, stack)``: the scheduled scan that runs the Stack at ``path``; the leaves
+    in ``fp8`` gathered in FP8 with ``zero.fp8_gather``."""
     by_path = {leaf.path: leaf for leaf in plan.leaves}
 
     def runner(path: str, stack: Stack):
@@ -267,6 +273,7 @@ def _stack_runner(plan: ShardPlan):
             comm=plan.comm,
             axes=tuple(plan.comm_of(leaf).axis_name for leaf in layer_leaves),
             frozen=tuple(leaf.frozen for leaf in layer_leaves),
+            fp8=tuple(plan.zero.fp8_gather and leaf.path in fp8 for leaf in layer_leaves),
             **_input_keeping(plan),
         )
         return functools.partial(scheduled_scan, spec=spec)
@@ -274,8 +281,8 @@ def _stack_runner(plan: ShardPlan):
     return runner
 
 
-def _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan: ShardPlan):
+def _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan: ShardPlan, fp8=frozenset()):
     """The NNX model's loss at stage 3: its Stacks run as scheduled scans."""
     model = nnx.merge(graphdef, _gather_non_stacked(shards, plan))
-    bind_runners(model, _stack_runner(plan))
+    bind_runners(model, _stack_runner(plan, fp8))
     return loss_fn(model, batch)

@@ -2,7 +2,9 @@
 and the layer scan that keeps saved inputs as ZeRO-R does over whole params (stages 0-2).
 
 It owns the ``zero`` section (``zjax.partition.config``) and imports only the runtime (mesh
-axes, the backend's record) and ``zjax.errors``: nothing about models, steps or files."""
+axes, the backend's record), ``zjax.errors`` and the FP8 scaling of ``zjax.nn.fp8`` (which
+``zero.fp8_gather``'s gathers share with the FP8 matmuls): nothing about models, steps or
+files."""
 
 from zjax.partition._bytes import nbytes
 from zjax.partition._frozen import (

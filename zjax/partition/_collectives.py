@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from zjax.nn.fp8 import E4M3, quantize
 from zjax.partition._quantized import (
     dequantize_rows,
     gather_rows,
@@ -228,6 +229,9 @@ class Comm:
         of the layer loop and converts the whole stack up front).
       prefetch_before_vjp: the scheduled scan's backward waits for its prefetched weights
         before it starts the layer's VJP (``Backend.prefetch_before_vjp``).
+      fp8: gather floating shards as ``float8_e4m3fn`` scaled by the whole weight's absolute
+        maximum (``zero.fp8_gather``; :func:`zjax.nn.fp8.quantize`), brought back to
+        ``gather_dtype`` after the gather.
     """
 
     axis_name: str = "data"
@@ -241,6 +245,7 @@ class Comm:
     scale_dtype: Any = np.float32
     keep_casts_in_loops: bool = False
     prefetch_before_vjp: bool = False
+    fp8: bool = False
 
     def cast(self, w: jax.Array) -> jax.Array:
         """A floating ``w`` in ``gather_dtype``.
@@ -290,6 +295,8 @@ def gather_levels(x: jax.Array, comm: Comm, *, axis: int, name: str | None = Non
     primitive's remat sees one call and runs both levels again.
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
+    if comm.fp8 and jnp.issubdtype(x.dtype, jnp.floating):
+        return _fp8_gather(x, comm, axis=axis, name=name), None
     if comm.quantize:
         parts = quantize_shard(x, comm.block, comm.scale_dtype)
         secondary = None
@@ -306,6 +313,15 @@ def gather_levels(x: jax.Array, comm: Comm, *, axis: int, name: str | None = Non
     secondary = lax.all_gather(bits, comm.node_axis, axis=axis, tiled=True)
     full = tag(lax.all_gather(secondary, comm.axis_name, axis=axis, tiled=True))
     return lax.bitcast_convert_type(full, x.dtype), secondary
+
+
+def _fp8_gather(x: jax.Array, comm: Comm, *, axis: int, name: str | None) -> jax.Array:
+    """Shard ``x`` gathered in e4m3, scaled by the whole weight's amax (the maximum over every
+    bound mesh axis), back in ``comm.gather_dtype``."""
+    tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
+    q = quantize(x, E4M3)  # the bits move as bytes: no convert can slip in front of them
+    full = all_gather(q.data, comm.axis_name, axis=axis, name=name)
+    return tag((full.astype(jnp.float32) * q.scale).astype(comm.gather_dtype))
 
 
 def gather_within(secondary: Any, comm: Comm, *, axis: int, shard_shape: tuple[int, ...],

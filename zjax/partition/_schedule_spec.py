@@ -83,6 +83,8 @@ class ScheduleSpec:
         experts), else None; empty: every leaf over ``comm.axis_name``.
       frozen: per flattened leaf, whether it is frozen (not trained: no weight gradient is
         computed or reduce-scattered for it, its cotangent is zero); empty: none is.
+      fp8: per flattened leaf, whether it is gathered in FP8 (``zero.fp8_gather``: a weight
+        an FP8 matmul reads); empty: none is.
     """
 
     dims: tuple[int | None, ...]
@@ -93,6 +95,7 @@ class ScheduleSpec:
     partition_inputs: str | None = None
     axes: tuple = ()
     frozen: tuple[bool, ...] = ()
+    fp8: tuple[bool, ...] = ()
 
     def is_frozen(self, i: int) -> bool:
         return bool(self.frozen) and self.frozen[i]
@@ -100,5 +103,8 @@ class ScheduleSpec:
     def comms(self, comm: Comm) -> list[Comm]:
         """``comm`` per leaf, over the leaf's own axes."""
         axes = self.axes or (None,) * len(self.dims)
-        return [comm if a is None or a == comm.axis_name
-                else dataclasses.replace(comm, axis_name=a) for a in axes]
+        fp8 = self.fp8 or (False,) * len(self.dims)
+        out = [comm if a is None or a == comm.axis_name
+               else dataclasses.replace(comm, axis_name=a) for a in axes]
+        return [dataclasses.replace(c, fp8=True) if f else c
+                for c, f in zip(out, fp8, strict=True)]

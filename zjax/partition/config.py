@@ -58,6 +58,13 @@ class ZeroConfig:
         dequantized to ``gather_dtype`` after the gather; gradients are unchanged (the
         backward reduce-scatters the full-precision cotangent). About half a bf16 gather's
         bytes, a quarter of a float32 one's.
+      fp8_gather: with ``model.fp8``, stage 3 gathers the weights of the FP8 projections in
+        ``float8_e4m3fn``: each weight's shard scaled by the weight's global absolute maximum
+        (a scalar maximum over the mesh as it is gathered), gathered as one byte an element,
+        and brought back to ``gather_dtype`` with that scale, which the FP8 matmul's own
+        scaling then turns into the same e4m3 values. About half a bf16 gather's bytes;
+        gradients are unchanged. Other leaves (embeddings, head, norms, router, experts)
+        gather as before.
       quantized_gradients: ZeRO++'s qgZ (DeepSpeed ``zero_quantized_gradients``): gradients
         of sharded leaves reduce-scattered as blockwise int8 through an all-to-all, summed
         in float32 on arrival (stages 2-3): about a quarter of a float32 reduce-scatter's bytes.
@@ -97,6 +104,7 @@ class ZeroConfig:
         default_factory=OptimizerOffloadConfig)
     offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     quantized_weights: bool = False
+    fp8_gather: bool = False
     quantized_gradients: bool = False
     hpz_partition_size: int = positive(1)
     sub_group_size: int = positive(1 << 24)
@@ -119,6 +127,7 @@ class ZeroConfig:
         if self.quantized_weights and self.stage < 3:
             raise ConfigError(f"zero.quantized_weights: quantizes stage 3's weight gathers, "
                               f"but zero.stage is {self.stage}; set zero.stage: 3")
+        self._check_fp8_gather()
         if self.quantized_gradients and self.stage < 2:
             raise ConfigError(f"zero.quantized_gradients: quantizes the gradients' "
                               f"reduce-scatter (stages 2-3), but zero.stage is {self.stage}; "
@@ -132,6 +141,22 @@ class ZeroConfig:
                 "zero.prefetch_layers and zero.prefetch_bucket_size both set "
                 f"({self.prefetch_layers}, {self.prefetch_bucket_size}); set only one"
             )
+
+    def _check_fp8_gather(self) -> None:
+        """FP8 gathers: stage 3's scheduled gathers, none of the other gather formats."""
+        if not self.fp8_gather:
+            return
+        for bad, why in ((self.stage < 3, f"zero.stage is {self.stage}; set zero.stage: 3"),
+                         (self.quantized_weights, "zero.quantized_weights (int8 gathers) is "
+                                                  "set too; choose one"),
+                         (self.hpz_partition_size > 1, "zero.hpz_partition_size "
+                                                       f"{self.hpz_partition_size} is not "
+                                                       "built with it; set it to 1"),
+                         (self.offload_param.nvme, "zero.offload_param.device: nvme streams "
+                                                   "its own layers; not built with it")):
+            if bad:
+                raise ConfigError(f"zero.fp8_gather: gathers stage 3's FP8 weights in FP8, "
+                                  f"but {why}")
 
     def _check_nvme_params(self) -> None:
         """Parameters on NVMe: stage 3's streamed step, over the NVMe optimizer's files."""

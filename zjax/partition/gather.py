@@ -97,7 +97,7 @@ def _zjax_gather(x, dim: int, comm: Comm):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
     # the gathered value itself (the custom call's output would otherwise be saved). With hpZ
     # the remat runs both levels again (measured: the tied head's weight crosses nodes twice)
-    shard = x if comm.quantize else x.astype(comm.gather_dtype)
+    shard = x if comm.quantize or comm.fp8 else x.astype(comm.gather_dtype)
     return gather_levels(shard, comm, axis=dim, name=GATHERED)[0]
 
 

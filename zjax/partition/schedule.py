@@ -172,7 +172,7 @@ def scheduled_loop(
         for leaf, dim, b, lc in zip(leaves, spec.dims, bucketed, comms, strict=True):
             w, sec = to_device(slice_layer(leaf, i)), None
             floating = jnp.issubdtype(w.dtype, jnp.floating)
-            if floating and not (comm.quantize and dim is not None):
+            if floating and not ((comm.quantize or lc.fp8) and dim is not None):
                 w = comm.cast(w)  # (quantized from the float32 shard itself)
             if dim is not None and not b:
                 c = lc if floating else dataclasses.replace(lc, quantize=False)

@@ -80,6 +80,9 @@ def build_step(config: Config, devices: Sequence[jax.Device] | Target | None = N
 def _check_fp8(config: Config, device: jax.Device) -> None:
     """``model.fp8`` where the matrix units have no FP8: refused, by key."""
     fp8 = getattr(config.model, "fp8", "none")
+    if config.zero.fp8_gather and fp8 == "none":
+        raise ConfigError("zero.fp8_gather: true gathers the weights of FP8 matmuls, but "
+                          "model.fp8 is none; set model.fp8: tensorwise")
     if fp8 != "none" and device.platform == "tpu":
         raise ConfigError(f"model.fp8: {fp8} on {device.device_kind}: TPUs have no FP8 matrix "
                           "unit (MaxText trains with int8 there); use model.fp8: none")
