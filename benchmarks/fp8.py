@@ -1,10 +1,12 @@
-"""Train-step time with ``model.fp8`` against bf16, as ratios in one run.
+"""Train-step time with ``model.fp8`` (and ``zero.fp8_gather``) against bf16, as ratios in one
+run.
 
-Builds the same Llama step twice on this process's devices, ``model.fp8: none`` (bf16 GEMMs,
-``zero.gather_dtype: bfloat16``) and ``model.fp8: tensorwise`` (every decoder projection as
-FP8 GEMMs), and times ``--steps`` steps of each after two warm-up steps, on one fixed batch
-of random tokens; medians, and FP8's time over bf16's. Interleaves the runs (bf16, FP8, bf16,
-FP8, ...) so drift in the machine's speed hits both.
+Builds the same Llama step three times on this process's devices: ``model.fp8: none`` (bf16
+GEMMs and gathers), ``model.fp8: tensorwise`` (every decoder projection as FP8 GEMMs) and that
+with ``zero.fp8_gather`` (their weights gathered in FP8), and times ``--steps`` steps of each
+after two warm-up steps, on one fixed batch of random tokens; medians, and each one's time
+over bf16's. Interleaves the runs (bf16, FP8, FP8 + gathers, bf16, ...) so drift in the
+machine's speed hits all three.
 
 On an H100 this is the figure to report (Hopper's FP8 GEMMs); on XLA:CPU the FP8 dots are
 float32 arithmetic on rounded values, so it only shows that the program runs (and is slower).
@@ -40,7 +42,11 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _step(a: argparse.Namespace, fp8: str):
+RUNS = {"bf16": ["model.fp8=none"], "fp8": ["model.fp8=tensorwise"],
+        "fp8_gather": ["model.fp8=tensorwise", "zero.fp8_gather=true"]}
+
+
+def _step(a: argparse.Namespace, overrides: list[str]):
     import jax
 
     import zjax
@@ -50,7 +56,7 @@ def _step(a: argparse.Namespace, fp8: str):
         f"model.d_model={d}", f"model.n_heads={max(1, d // 64)}",
         f"model.n_kv_heads={max(1, d // 256)}", f"model.d_ff={int(d * 8 / 3) // 64 * 64}",
         f"model.n_layers={a.layers}", f"model.max_seq_len={a.seq}", f"data.seq_len={a.seq}",
-        f"data.batch_size={a.batch}", "data.path=", f"model.fp8={fp8}"])
+        f"data.batch_size={a.batch}", "data.path=", *overrides])
     zstep = zjax.build_step(config)
     state = zstep.init(jax.random.key(0))
     return zstep, state
@@ -76,7 +82,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    runs = {fp8: list(_step(a, fp8)) for fp8 in ("none", "tensorwise")}
+    runs = {name: list(_step(a, overrides)) for name, overrides in RUNS.items()}
     tokens = np.random.default_rng(0).integers(0, 256, (a.batch, a.seq + 1)).astype(np.int32)
     batch = {k: runs[k][0].put_batch(tokens) for k in runs}
     for k, run in runs.items():  # compile and warm up
@@ -86,14 +92,13 @@ def main() -> None:
         for k, run in runs.items():
             run[1], seconds = _time(run[0], run[1], batch[k], a.steps)
             medians[k].append(seconds)
-    bf16, fp8 = (statistics.median(medians[k]) for k in ("none", "tensorwise"))
+    step = {k: statistics.median(v) for k, v in medians.items()}
     print(json.dumps({
         "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
         "shape": {"d_model": a.d_model, "layers": a.layers, "seq": a.seq, "batch": a.batch},
-        "step_s": {"bf16": round(bf16, 4), "fp8": round(fp8, 4)},
-        "fp8_over_bf16": round(fp8 / bf16, 3),
-        "tokens_per_s": {"bf16": round(a.batch * a.seq / bf16),
-                         "fp8": round(a.batch * a.seq / fp8)}}, indent=1))
+        "step_s": {k: round(v, 4) for k, v in step.items()},
+        "over_bf16": {k: round(v / step["bf16"], 3) for k, v in step.items() if k != "bf16"},
+        "tokens_per_s": {k: round(a.batch * a.seq / v) for k, v in step.items()}}, indent=1))
     for run in runs.values():
         run[0].close()
 

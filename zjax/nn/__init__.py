@@ -2,8 +2,8 @@
 layer ``Stack``, one attention function for every backend, the tiled MLP, the chunked loss,
 FP8 matmuls and Megatron's tensor-parallel operators.
 
-It imports only the runtime (mesh axes, the traced platform) and ``zjax.errors``; models and
-any user's model import it."""
+It imports only the runtime (mesh axes, the traced platform), ``zjax.errors`` and the FP8
+scaling of ``zjax.partition.fp8``; models and any user's model import it."""
 
 from zjax.nn.fp8 import fp8_matmul
 from zjax.nn.mlp import tiled

@@ -1,10 +1,10 @@
 """ZeRO partitioning: placement plan, gather primitive, scheduled layer scan, gather on use,
 and the layer scan that keeps saved inputs as ZeRO-R does over whole params (stages 0-2).
 
-It owns the ``zero`` section (``zjax.partition.config``) and imports only the runtime (mesh
-axes, the backend's record), ``zjax.errors`` and the FP8 scaling of ``zjax.nn.fp8`` (which
-``zero.fp8_gather``'s gathers share with the FP8 matmuls): nothing about models, steps or
-files."""
+It owns the ``zero`` section (``zjax.partition.config``) and the FP8 scaling that
+``zero.fp8_gather``'s gathers share with ``zjax.nn``'s FP8 matmuls (``zjax.partition.fp8``),
+and imports only the runtime (mesh axes, the backend's record) and ``zjax.errors``: nothing
+about models, steps or files."""
 
 from zjax.partition._bytes import nbytes
 from zjax.partition._frozen import (

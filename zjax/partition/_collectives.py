@@ -21,7 +21,6 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from zjax.nn.fp8 import E4M3, quantize
 from zjax.partition._quantized import (
     dequantize_rows,
     gather_rows,
@@ -30,6 +29,7 @@ from zjax.partition._quantized import (
     quantized_reduce_scatter,
 )
 from zjax.partition._rows import from_rows, to_rows
+from zjax.partition.fp8 import E4M3, quantize
 
 __all__ = [
     "RING_LONGEST",
@@ -230,7 +230,7 @@ class Comm:
       prefetch_before_vjp: the scheduled scan's backward waits for its prefetched weights
         before it starts the layer's VJP (``Backend.prefetch_before_vjp``).
       fp8: gather floating shards as ``float8_e4m3fn`` scaled by the whole weight's absolute
-        maximum (``zero.fp8_gather``; :func:`zjax.nn.fp8.quantize`), brought back to
+        maximum (``zero.fp8_gather``; :func:`zjax.partition.fp8.quantize`), brought back to
         ``gather_dtype`` after the gather.
     """
 
