@@ -4,6 +4,8 @@ decoder projection as FP8 GEMMs and nothing else, and where FP8 cannot run it is
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from helpers import ROOT, compiled_for
 import zjax
 from zjax.config import load_config
 from zjax.errors import ConfigError
-from zjax.nn.fp8 import E4M3, E5M2, fp8_matmul, quantize
+from zjax.nn.fp8 import E4M3, E5M2, Fp8Weight, dequantized, fp8_matmul, quantize
 from zjax.planning._matmuls import matmuls
 
 FP8 = ["model.fp8=tensorwise"]
@@ -51,6 +53,31 @@ def test_the_matmul_is_the_rounded_operands_product_and_its_gradients_follow():
     for g, r in zip(got, ref, strict=True):
         assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.12
         assert g.shape == r.shape and g.dtype == r.dtype
+
+
+def test_a_weight_gathered_in_fp8_feeds_the_gemms_as_it_is_and_its_gradient_reaches_grad():
+    """``zero.fp8_gather``'s weights (:class:`Fp8Weight`): the GEMMs take their bytes and
+    scale as they are (the same products as quantizing the weight inside the matmul), the
+    weight's gradient comes back as ``grad``'s cotangent, in its dtype; used elsewhere
+    (:func:`dequantized`) its gradient reaches ``grad`` too."""
+    k = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(k[0], (2, 16, 64), jnp.float32)
+    w = jax.random.normal(k[1], (64, 32), jnp.float32) * 0.1
+    wq = quantize(w)
+    gathered = lambda g: Fp8Weight(wq.data, wq.scale, g)
+    zero = jnp.zeros(w.shape, jnp.bfloat16)
+    assert gathered(zero).shape == w.shape and gathered(zero).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(fp8_matmul(x, gathered(zero)), fp8_matmul(x, w))
+    loss = lambda y: jnp.sum(jnp.sin(y))
+    dx, dw = jax.grad(lambda x, g: loss(fp8_matmul(x, gathered(g))), (0, 1))(x, zero)
+    ref_dx, ref_dw = jax.grad(lambda x, w: loss(fp8_matmul(x, w)), (0, 1))(x, w)
+    np.testing.assert_array_equal(dx, ref_dx)
+    assert dw.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(dw, ref_dw.astype(jnp.bfloat16))
+    whole = (wq.data.astype(jnp.float32) * wq.scale).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(dequantized(gathered(zero)), whole)
+    g = jax.grad(lambda g: jnp.sum(dequantized(gathered(g)) * 3))(zero)
+    np.testing.assert_array_equal(g, jnp.full(w.shape, 3, jnp.bfloat16))
 
 
 def _losses(overrides: list[str], devices: int, steps: int = 3) -> list[float]:
@@ -116,7 +143,19 @@ def test_fp8_gathers_move_about_half_the_bytes_of_bf16_ones_on_h100():
     assert gathered <= 0.55 * base, (gathered, base)
     assert fp8.collectives["reduce_scatter_bytes"] == bf16.collectives["reduce_scatter_bytes"]
     assert fp8.matmuls == bf16.matmuls
-    assert "f8e4m3fn" in compiled.as_text()
+    text = compiled.as_text()
+    assert "f8e4m3fn" in text
+    # fed to the GEMMs as gathered: no FP8 value is widened (a dequantize-requantize pair
+    # around the gather would convert each gathered weight to f32)
+    assert not _widened_fp8(text)
+
+
+def _widened_fp8(hlo: str) -> list[str]:
+    """The HLO lines converting an FP8 value to a wider type."""
+    types = dict(re.findall(r"^\s*(?:ROOT )?%(\S+) = (\S+) ", hlo, re.M))
+    return [line for line in hlo.splitlines()
+            if (m := re.search(r"= \S+ convert\(%([^)\s]+)\)", line))
+            and types.get(m.group(1), "").startswith("f8")]
 
 
 @pytest.mark.parametrize("overrides, match", [

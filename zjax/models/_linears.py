@@ -30,6 +30,7 @@ from zjax.lora import (
 )
 from zjax.models._batch import Packing
 from zjax.nn import fp8_matmul, model_axis_size
+from zjax.nn.fp8 import dequantized
 from zjax.nn.mlp import choose_tiling, tiled, tiled_hidden
 
 __all__ = ["AdaptedLinears", "Modules", "adapted_weights", "adapters_off"]
@@ -155,7 +156,7 @@ class AdaptedLinears:
     def _base(self, name: str, *, row_parallel: bool = False, dtype=None) -> jax.Array:
         """Weight ``name`` as the base holds it, dequantized (to ``dtype``: the activations',
         or bfloat16) where the base is quantized."""
-        w = getattr(self, name)[...]
+        w = getattr(self, name).get_value()  # an array, or an FP8-gathered Fp8Weight
         if self.quant is None:
             return w
         if row_parallel and model_axis_size() > 1:
@@ -167,7 +168,7 @@ class AdaptedLinears:
     def _weight(self, name: str, *, row_parallel: bool = False, dtype=None) -> jax.Array:
         """Weight ``name`` with its adapters' update merged in (a mixture's experts, whose
         grouped matmuls take whole weights); the weight itself where it has none."""
-        w = self._base(name, row_parallel=row_parallel, dtype=dtype)
+        w = dequantized(self._base(name, row_parallel=row_parallel, dtype=dtype))
         entry = dict(self.lora_of).get(name)
         if entry is None:
             return w
@@ -180,7 +181,7 @@ class AdaptedLinears:
         time (``model.mlp_chunk``): over tokens, or sliced over its hidden units (``hidden``
         of slices of the weights ``ins``, then ``down``), or whole, whichever
         :func:`~zjax.nn.mlp.choose_tiling` finds holds the least."""
-        ws = [getattr(self, n)[...] for n in (*ins, down)]
+        ws = [getattr(self, n).get_value() for n in (*ins, down)]
         # FP8 scales each weight whole: never sliced over its hidden units
         how, _ = choose_tiling(
             tokens=y.size // y.shape[-1], d_model=y.shape[-1], d_ff=ws[-1].shape[0],

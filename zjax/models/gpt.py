@@ -96,7 +96,7 @@ class Block(AdaptedLinears, nnx.Module):
         if self.n_heads % m:
             raise ArgumentError("mesh", f"the model axis ({m}) does not divide the "
                                 f"{self.n_heads} attention heads (model.n_heads), which it splits")
-        h = self.wq[...].shape[-1] // hd  # this device's heads
+        h = self.wq.get_value().shape[-1] // hd  # this device's heads
         drop = self._dropout(context, layer)
         y = column_parallel_input(self.ln1(x))
         q, k, v = (self._plus(self._linear(y, f"w{n}", drop=drop), f"b{n}").reshape(b, t, h, hd)

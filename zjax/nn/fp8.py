@@ -20,9 +20,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zjax.partition.fp8 import E4M3, E5M2, Scaled, global_amax, quantize
+from zjax.partition.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Weight,
+    Scaled,
+    dequantized,
+    global_amax,
+    quantize,
+)
 
-__all__ = ["E4M3", "E5M2", "RECIPES", "Scaled", "fp8_matmul", "global_amax", "quantize"]
+__all__ = ["E4M3", "E5M2", "RECIPES", "Fp8Weight", "Scaled", "dequantized", "fp8_matmul",
+           "global_amax", "quantize"]
 
 RECIPES = ("none", "tensorwise")
 
@@ -56,11 +65,42 @@ def _matmul(x_dtype, w_dtype):
     return matmul
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.cache
+def _prescaled(x_dtype):
+    """The FP8 matmul of a weight gathered in FP8 (:class:`Fp8Weight`): its bytes and scale
+    go to the GEMMs as they are; its gradient is ``grad``'s cotangent."""
+
+    @jax.custom_vjp
+    def matmul(x, data, scale, grad):
+        return forward(x, data, scale, grad)[0]
+
+    def forward(x, data, scale, grad):
+        xq = quantize(x)
+        y = _dot(xq, Scaled(data, scale), (((x.ndim - 1,), (0,)), ((), ())), x_dtype)
+        return y, (xq, data, scale, jnp.zeros((0,), grad.dtype))
+
+    def backward(res, g):
+        xq, data, scale, like = res
+        gq = quantize(g, E5M2)
+        dx = _dot(gq, Scaled(data, scale), (((g.ndim - 1,), (1,)), ((), ())), x_dtype)
+        lead = tuple(range(g.ndim - 1))
+        dw = _dot(xq, gq, ((lead, lead), ((), ())), like.dtype)
+        return dx, jnp.zeros_like(data), jnp.zeros_like(scale), dw
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array | Fp8Weight) -> jax.Array:
     """``x @ w`` (``x``: ``[..., K]``, ``w``: ``[K, N]``) as FP8 GEMMs with tensorwise
     current scaling, forward and backward; the result and ``x``'s gradient in ``x``'s dtype,
-    ``w``'s gradient in ``w``'s."""
+    ``w``'s gradient in ``w``'s.
+
+    ``w`` may be an :class:`Fp8Weight` (a weight ``zero.fp8_gather`` gathered in FP8): its
+    bytes and scale feed the GEMMs directly, and its gradient is ``w.grad``'s cotangent."""
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"fp8_matmul: x {x.shape} @ w {w.shape}: w must be [K, N] with K "
                          "x's last dimension")
+    if isinstance(w, Fp8Weight):
+        return _prescaled(jnp.dtype(x.dtype))(x, w.data, w.scale, w.grad)
     return _matmul(jnp.dtype(x.dtype), jnp.dtype(w.dtype))(x, w)

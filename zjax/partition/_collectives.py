@@ -29,7 +29,7 @@ from zjax.partition._quantized import (
     quantized_reduce_scatter,
 )
 from zjax.partition._rows import from_rows, to_rows
-from zjax.partition.fp8 import E4M3, quantize
+from zjax.partition.fp8 import E4M3, Scaled, quantize
 
 __all__ = [
     "RING_LONGEST",
@@ -39,6 +39,7 @@ __all__ = [
     "Comm",
     "all_gather",
     "all_gather_bucket",
+    "gather_fp8",
     "gather_levels",
     "gather_within",
     "quantized_all_gather",
@@ -230,8 +231,8 @@ class Comm:
       prefetch_before_vjp: the scheduled scan's backward waits for its prefetched weights
         before it starts the layer's VJP (``Backend.prefetch_before_vjp``).
       fp8: gather floating shards as ``float8_e4m3fn`` scaled by the whole weight's absolute
-        maximum (``zero.fp8_gather``; :func:`zjax.partition.fp8.quantize`), brought back to
-        ``gather_dtype`` after the gather.
+        maximum (``zero.fp8_gather``; :func:`gather_fp8`), handed to the FP8 matmuls as
+        those bytes and their scale (never brought back to ``gather_dtype``).
     """
 
     axis_name: str = "data"
@@ -295,8 +296,6 @@ def gather_levels(x: jax.Array, comm: Comm, *, axis: int, name: str | None = Non
     primitive's remat sees one call and runs both levels again.
     """
     tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
-    if comm.fp8 and jnp.issubdtype(x.dtype, jnp.floating):
-        return _fp8_gather(x, comm, axis=axis, name=name), None
     if comm.quantize:
         parts = quantize_shard(x, comm.block, comm.scale_dtype)
         secondary = None
@@ -315,13 +314,13 @@ def gather_levels(x: jax.Array, comm: Comm, *, axis: int, name: str | None = Non
     return lax.bitcast_convert_type(full, x.dtype), secondary
 
 
-def _fp8_gather(x: jax.Array, comm: Comm, *, axis: int, name: str | None) -> jax.Array:
-    """Shard ``x`` gathered in e4m3, scaled by the whole weight's amax (the maximum over every
-    bound mesh axis), back in ``comm.gather_dtype``."""
-    tag = (lambda v: checkpoint_name(v, name)) if name else (lambda v: v)
+def gather_fp8(x: jax.Array, comm: Comm, *, axis: int, name: str | None = None) -> Scaled:
+    """Float shard ``x`` gathered along ``axis`` as ``float8_e4m3fn`` bytes scaled by the
+    whole weight's absolute maximum (the maximum over every bound mesh axis): the
+    :class:`~zjax.partition.fp8.Scaled` an FP8 matmul reads without a round trip through
+    the gather dtype (``zero.fp8_gather``)."""
     q = quantize(x, E4M3)  # the bits move as bytes: no convert can slip in front of them
-    full = all_gather(q.data, comm.axis_name, axis=axis, name=name)
-    return tag((full.astype(jnp.float32) * q.scale).astype(comm.gather_dtype))
+    return Scaled(all_gather(q.data, comm.axis_name, axis=axis, name=name), q.scale)
 
 
 def gather_within(secondary: Any, comm: Comm, *, axis: int, shard_shape: tuple[int, ...],

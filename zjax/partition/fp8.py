@@ -18,7 +18,8 @@ from jax import lax
 
 from zjax.runtime.mesh import CONTEXT, DATA, EXPERT, MODEL, NODE, REPLICA
 
-__all__ = ["E4M3", "E5M2", "Scaled", "global_amax", "quantize"]
+__all__ = ["E4M3", "E5M2", "Fp8Weight", "Scaled", "as_operand", "dequantized", "global_amax",
+           "quantize", "weight_grad"]
 
 E4M3 = jnp.float8_e4m3fn  # inputs and weights: more precision
 E5M2 = jnp.float8_e5m2  # gradients: more range
@@ -31,6 +32,73 @@ class Scaled(NamedTuple):
 
     data: jax.Array
     scale: jax.Array
+
+
+class Fp8Weight(NamedTuple):
+    """A weight gathered in FP8 (``zero.fp8_gather``), as an FP8 matmul takes it: its e4m3
+    ``data`` and ``scale``, and ``grad``, zeros of the weight's shape in the gather dtype.
+
+    ``grad`` is never read (XLA drops it): it is what the layer's VJP differentiates, so its
+    cotangent is the weight's gradient, in the dtype a gathered weight's gradient has.
+    ``shape``, ``ndim``, ``size`` and ``dtype`` are the weight's, as an array's would be.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    grad: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.grad.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.grad.ndim
+
+    @property
+    def size(self) -> int:
+        return self.grad.size
+
+    @property
+    def dtype(self):
+        return self.grad.dtype
+
+
+def as_operand(w, dtype):
+    """A gathered :class:`Scaled` weight as the :class:`Fp8Weight` a layer reads (its
+    gradient in ``dtype``); anything else as it is."""
+    if isinstance(w, Scaled):
+        return Fp8Weight(w.data, w.scale, jnp.zeros(w.data.shape, dtype))
+    return w
+
+
+@jax.custom_vjp
+def _restored(data, scale, grad):
+    return (data.astype(jnp.float32) * scale).astype(grad.dtype)
+
+
+def _restored_fwd(data, scale, grad):
+    return _restored(data, scale, grad), (data, scale)
+
+
+def _restored_bwd(res, g):
+    data, scale = res
+    return jnp.zeros_like(data), jnp.zeros_like(scale), g
+
+
+_restored.defvjp(_restored_fwd, _restored_bwd)
+
+
+def dequantized(w):
+    """An :class:`Fp8Weight` as an array in its gather dtype, its gradient flowing to
+    ``grad`` (for a use other than an FP8 matmul); anything else as it is."""
+    return _restored(*w) if isinstance(w, Fp8Weight) else w
+
+
+def weight_grad(ct):
+    """The weight's gradient from an :class:`Fp8Weight`'s cotangent; anything else as it
+    is."""
+    return ct.grad if isinstance(ct, Fp8Weight) else ct
 
 
 def _bound_axes() -> tuple[str, ...]:

@@ -29,6 +29,7 @@ from zjax.partition._collectives import (
     Comm,
     all_gather,
     all_gather_bucket,
+    gather_fp8,
     gather_levels,
     gather_within,
     quantized_all_gather,
@@ -49,6 +50,7 @@ __all__ = [
     "all_gather",
     "all_gather_bucket",
     "gather",
+    "gather_fp8",
     "gather_levels",
     "gather_on_access",
     "gather_tree",
@@ -97,7 +99,7 @@ def _zjax_gather(x, dim: int, comm: Comm):
     # tagged inside the custom_vjp: under remat its forward is inlined, and the policy must see
     # the gathered value itself (the custom call's output would otherwise be saved). With hpZ
     # the remat runs both levels again (measured: the tied head's weight crosses nodes twice)
-    shard = x if comm.quantize or comm.fp8 else x.astype(comm.gather_dtype)
+    shard = x if comm.quantize else x.astype(comm.gather_dtype)
     return gather_levels(shard, comm, axis=dim, name=GATHERED)[0]
 
 

@@ -56,9 +56,11 @@ from zjax.partition._layer_io import (
     slice_layer,
 )
 from zjax.partition._schedule_spec import ScheduleSpec, bucket_groups, over_cap
+from zjax.partition.fp8 import as_operand, weight_grad
 from zjax.partition.gather import (
     UINT,
     all_gather_bucket,
+    gather_fp8,
     gather_levels,
     gather_within,
     reduce_scatter,
@@ -174,7 +176,9 @@ def scheduled_loop(
             floating = jnp.issubdtype(w.dtype, jnp.floating)
             if floating and not ((comm.quantize or lc.fp8) and dim is not None):
                 w = comm.cast(w)  # (quantized from the float32 shard itself)
-            if dim is not None and not b:
+            if dim is not None and floating and lc.fp8:  # bytes and a scale, for the GEMM
+                w = gather_fp8(w, lc, axis=dim - 1)
+            elif dim is not None and not b:
                 c = lc if floating else dataclasses.replace(lc, quantize=False)
                 w, sec = gather_levels(w, c, axis=dim - 1)
             out.append(w)
@@ -220,6 +224,10 @@ def scheduled_loop(
     def apply(ws, consts, h, x_i):
         return body(jax.tree.unflatten(treedef, list(ws)), consts, h, x_i)
 
+    def operands(ws):
+        """The layer's weights as it reads them: FP8-gathered ones as FP8 operands."""
+        return tuple(as_operand(w, gather_dtype) for w in ws)
+
     def with_trained(ws, trained):
         """``ws`` with its trained leaves (those not frozen, in order) replaced."""
         it = iter(trained)
@@ -241,7 +249,7 @@ def scheduled_loop(
                 (ws, sec), buf = buf[0], (*buf[1:], gather_layer(leaves, prefetch_index(i + k)))
             else:
                 ws, sec = gather_layer(leaves, i)
-            h_next, y = apply(ws, consts, h, x_i)
+            h_next, y = apply(operands(ws), consts, h, x_i)
             kept = keep(h) if save else None
             return (h_next, buf), (y, kept, sec if save and hpz else None)
 
@@ -282,6 +290,7 @@ def scheduled_loop(
         def layer_vjp(ws, h_i, dy, x_i, dy_i, dconsts, nxt):
             """The layer's carry cotangent, its weights' gradient shards, its xs cotangent,
             and ``nxt`` (the prefetched weights), complete before the gradient leaves."""
+            ws = operands(ws)
             out, vjp = jax.vjp(lambda wt, *a: apply(with_trained(ws, wt), *a),
                                [w for w, f in zip(ws, frozen, strict=True) if not f],
                                consts, h_i, x_i)  # frozen weights: no gradient computed
@@ -291,6 +300,7 @@ def scheduled_loop(
                 # the VJP, where the step peaks (Backend.prefetch_before_vjp: TPU)
                 ct, nxt = lax.optimization_barrier((ct, nxt))
             dwt, dc, dh, dx_i = vjp(ct)
+            dwt = [weight_grad(d) for d in dwt]
             dws = with_trained([None] * len(ws), dwt)
             if nxt is not None:
                 # the prefetch is done before the reduce-scatter starts: libtpu runs one
