@@ -27,6 +27,7 @@ from zjax.models._lm import lm_loss
 from zjax.models.config import GPTConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 from zjax.nn.attention import attention
+from zjax.partition.rows import take_rows
 
 __all__ = ["GPT", "LINEAR_WEIGHTS", "GPTConfig", "lm_loss"]
 
@@ -136,6 +137,8 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
+        if not cfg.tie_embeddings:  # read by take_rows alone: looked up where its rows live
+            self.embed.set_metadata(rows=True)
         self.pos = param(rngs, (cfg.max_seq_len, cfg.d_model), 0.01, (None, "embed"))
         dropout = lora is not None and lora.enabled and lora.dropout > 0  # a mask per layer
         self.blocks = Stack(lambda r: Block(cfg, rngs=r, lora=lora), cfg.n_layers, rngs=rngs,
@@ -159,7 +162,6 @@ class GPT(nnx.Module):
         return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
     def _embed(self, tokens, start, positions=None):
-        embed = self.embed[...]
         t = tokens.shape[1]
         if positions is not None:  # packed documents (each restarts at 0), left-padded rows
             pos = jnp.take(self.pos[...], positions, axis=0)
@@ -167,7 +169,8 @@ class GPT(nnx.Module):
             pos = self.pos[...][start:start + t]
         else:
             pos = jax.lax.dynamic_slice_in_dim(self.pos[...], start, t)
-        return jnp.take(embed, tokens, axis=0) + pos.astype(embed.dtype)
+        x = take_rows(self.embed.get_value(), tokens)
+        return x + pos.astype(x.dtype)
 
     def _logits(self, h):
         return (self.ln_f(h) @ self.head_weight()).astype(jnp.float32)

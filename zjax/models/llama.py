@@ -39,6 +39,7 @@ from zjax.models.config import LlamaConfig
 from zjax.nn import Stack, column_parallel_input, model_axis_size, row_parallel_output
 from zjax.nn.attention import attention
 from zjax.nn.moe import Experts, RouterStats, Scoring, moe_ffn
+from zjax.partition.rows import take_rows
 
 __all__ = ["LINEAR_WEIGHTS", "Llama", "LlamaConfig", "llama3_frequencies", "rotary",
            "yarn_frequencies"]
@@ -284,6 +285,8 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), 0.02, ("vocab", "embed"))
+        if not cfg.tie_embeddings:  # read by take_rows alone: looked up where its rows live
+            self.embed.set_metadata(rows=True)
         dropout = lora is not None and lora.enabled and lora.dropout > 0  # a mask per layer
         indexed, k = cfg.global_every is not None or dropout, cfg.first_k_dense
         if k:  # DeepSeek's first dense layers: a stack of their own, before the mixture's
@@ -341,7 +344,7 @@ class Llama(nnx.Module):
         return self.mtp_norm(out if self.cfg.moe is None else out[0])
 
     def _embed(self, tokens):
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = take_rows(self.embed.get_value(), tokens)
         if self.cfg.embed_scale:  # Gemma's sqrt(d_model), rounded to the activations' dtype
             x = x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)
         return x

@@ -29,6 +29,7 @@ from zjax.nn import Stack, bind_runners, iter_stacks
 from zjax.partition import Comm, kept_scan
 from zjax.partition.gather import REMAT_POLICY, gather_tree, join_gathers
 from zjax.partition.plan import ShardPlan, path_str
+from zjax.partition.rows import Rows
 from zjax.partition.schedule import ScheduleSpec, scheduled_scan
 from zjax.partition.transform import LeafSpec, gather_on_use
 from zjax.runtime.mesh import MODEL
@@ -195,6 +196,10 @@ def from_nnx(
         "/".join(map(str, path)) for path, var in nnx.iter_graph(abstract)
         if isinstance(var, nnx.Param) and var.get_metadata().get("fp8"))
 
+    rows = frozenset(  # the embedding tables only take_rows reads (metadata rows=True)
+        "/".join(map(str, path)) for path, var in nnx.iter_graph(abstract)
+        if isinstance(var, nnx.Param) and var.get_metadata().get("rows"))
+
     def stacked(path: str) -> bool:
         return path.startswith(prefixes)
 
@@ -211,7 +216,7 @@ def from_nnx(
                     partition_axis=keeping["partition_inputs"]))
             return loss_fn(model, batch)
         run = lambda shards, batch: _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan,
-                                                     fp8)
+                                                     fp8, rows)
         return jax.checkpoint(_shape_guard(run, plan), policy=REMAT_POLICY)(params, batch)
 
     def run_stacks(shards, batch, plan: ShardPlan, make_runner):
@@ -224,14 +229,31 @@ def from_nnx(
                      decoder=decoder, run_stacks=run_stacks)
 
 
-def _gather_non_stacked(shards, plan: ShardPlan):
-    """Every leaf outside a Stack gathered once; stack leaves stay shards for the schedule."""
-    out = [x if leaf.stacked else gather_tree(x, leaf.dim, comm=plan.comm_of(leaf))
-           for x, leaf in zip(jax.tree.leaves(shards), plan.leaves, strict=True)]
+def _gather_non_stacked(shards, plan: ShardPlan, rows: frozenset[str] = frozenset()):
+    """Every leaf outside a Stack gathered once; stack leaves stay shards for the schedule;
+    the embedding tables in ``rows`` (metadata ``rows=True``) handed over as :class:`Rows`
+    where their gather is a plain one along the rows."""
+    xs = jax.tree.leaves(shards)
+    looked_up = [leaf.path in rows and _plain_rows(leaf, plan.comm_of(leaf))
+                 for leaf in plan.leaves]
+    # XLA:CPU gathers a looked-up table too, joined (a gather made where a lookup falls
+    # back would run beside the stack's loops); elsewhere a lookup that falls back gathers
+    out = [x if leaf.stacked or (r and not plan.join_gathers)
+           else gather_tree(x, leaf.dim, comm=plan.comm_of(leaf))
+           for x, leaf, r in zip(xs, plan.leaves, looked_up, strict=True)]
     if plan.join_gathers:  # XLA:CPU: none may overlap the stack's loops
         out = join_gathers(out, [not leaf.stacked and leaf.dim is not None
                                  for leaf in plan.leaves])
+    out = [Rows(x, plan.comm_of(leaf), leaf.shape[0], o if plan.join_gathers else None)
+           if r else o for x, o, leaf, r in zip(xs, out, plan.leaves, looked_up, strict=True)]
     return plan.tree(out)
+
+
+def _plain_rows(leaf, comm: Comm) -> bool:
+    """Whether a table's rows can be looked up where they live: sharded along its rows over
+    one level of devices, in device memory, not quantized nor split by tensor parallelism."""
+    return (leaf.dim == 0 and leaf.model_dim is None and comm.node_axis is None
+            and not comm.quantize and not comm.from_host)
 
 
 def _input_keeping(plan: ShardPlan) -> dict:
@@ -281,8 +303,10 @@ def _stack_runner(plan: ShardPlan, fp8: frozenset[str] = frozenset()):
     return runner
 
 
-def _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan: ShardPlan, fp8=frozenset()):
-    """The NNX model's loss at stage 3: its Stacks run as scheduled scans."""
-    model = nnx.merge(graphdef, _gather_non_stacked(shards, plan))
+def _nnx_stage3_loss(graphdef, loss_fn, shards, batch, plan: ShardPlan, fp8=frozenset(),
+                     rows=frozenset()):
+    """The NNX model's loss at stage 3: its Stacks run as scheduled scans, the tables in
+    ``rows`` looked up where their rows live."""
+    model = nnx.merge(graphdef, _gather_non_stacked(shards, plan, rows))
     bind_runners(model, _stack_runner(plan, fp8))
     return loss_fn(model, batch)

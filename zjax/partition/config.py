@@ -61,8 +61,8 @@ class ZeroConfig:
       fp8_gather: with ``model.fp8``, stage 3 gathers the weights of the FP8 projections in
         ``float8_e4m3fn``: each weight's shard scaled by the weight's global absolute maximum
         (a scalar maximum over the mesh as it is gathered), gathered as one byte an element,
-        and brought back to ``gather_dtype`` with that scale, which the FP8 matmul's own
-        scaling then turns into the same e4m3 values. About half a bf16 gather's bytes;
+        and fed with that scale to the FP8 GEMMs as it is (never widened to
+        ``gather_dtype``). About half a bf16 gather's bytes;
         gradients are unchanged. Other leaves (embeddings, head, norms, router, experts)
         gather as before.
       quantized_gradients: ZeRO++'s qgZ (DeepSpeed ``zero_quantized_gradients``): gradients

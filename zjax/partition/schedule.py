@@ -221,12 +221,9 @@ def scheduled_loop(
                 out[j] = w
         return tuple(out)
 
-    def apply(ws, consts, h, x_i):
-        return body(jax.tree.unflatten(treedef, list(ws)), consts, h, x_i)
-
-    def operands(ws):
-        """The layer's weights as it reads them: FP8-gathered ones as FP8 operands."""
-        return tuple(as_operand(w, gather_dtype) for w in ws)
+    def apply(ws, consts, h, x_i):  # FP8-gathered weights read as FP8 operands
+        ws = [as_operand(w, gather_dtype) for w in ws]
+        return body(jax.tree.unflatten(treedef, ws), consts, h, x_i)
 
     def with_trained(ws, trained):
         """``ws`` with its trained leaves (those not frozen, in order) replaced."""
@@ -249,7 +246,7 @@ def scheduled_loop(
                 (ws, sec), buf = buf[0], (*buf[1:], gather_layer(leaves, prefetch_index(i + k)))
             else:
                 ws, sec = gather_layer(leaves, i)
-            h_next, y = apply(operands(ws), consts, h, x_i)
+            h_next, y = apply(ws, consts, h, x_i)
             kept = keep(h) if save else None
             return (h_next, buf), (y, kept, sec if save and hpz else None)
 
@@ -290,7 +287,7 @@ def scheduled_loop(
         def layer_vjp(ws, h_i, dy, x_i, dy_i, dconsts, nxt):
             """The layer's carry cotangent, its weights' gradient shards, its xs cotangent,
             and ``nxt`` (the prefetched weights), complete before the gradient leaves."""
-            ws = operands(ws)
+            ws = tuple(as_operand(w, gather_dtype) for w in ws)
             out, vjp = jax.vjp(lambda wt, *a: apply(with_trained(ws, wt), *a),
                                [w for w, f in zip(ws, frozen, strict=True) if not f],
                                consts, h_i, x_i)  # frozen weights: no gradient computed
@@ -300,8 +297,7 @@ def scheduled_loop(
                 # the VJP, where the step peaks (Backend.prefetch_before_vjp: TPU)
                 ct, nxt = lax.optimization_barrier((ct, nxt))
             dwt, dc, dh, dx_i = vjp(ct)
-            dwt = [weight_grad(d) for d in dwt]
-            dws = with_trained([None] * len(ws), dwt)
+            dws = with_trained([None] * len(ws), [weight_grad(d) for d in dwt])
             if nxt is not None:
                 # the prefetch is done before the reduce-scatter starts: libtpu runs one
                 # asynchronous collective at a time and otherwise leaves the gather
