@@ -41,6 +41,19 @@ def _dot(a: Scaled, b: Scaled, dims, dtype) -> jax.Array:
     return (y * (a.scale * b.scale)).astype(dtype)
 
 
+def _product(xq: Scaled, wq: Scaled, dtype) -> jax.Array:
+    """``x @ w`` (``x``: ``[..., K]``, ``w``: ``[K, N]``) from their FP8 forms."""
+    return _dot(xq, wq, (((xq.data.ndim - 1,), (0,)), ((), ())), dtype)
+
+
+def _gradients(xq: Scaled, wq: Scaled, g: jax.Array, x_dtype, w_dtype):
+    """``x``'s and ``w``'s gradients from the output's ``g`` (quantized to e5m2)."""
+    gq = quantize(g, E5M2)
+    dx = _dot(gq, wq, (((g.ndim - 1,), (1,)), ((), ())), x_dtype)
+    lead = tuple(range(g.ndim - 1))  # the weight's gradient sums over every token
+    return dx, _dot(xq, gq, ((lead, lead), ((), ())), w_dtype)
+
+
 @functools.cache
 def _matmul(x_dtype, w_dtype):
     """The custom-gradient FP8 matmul for these input dtypes (the cotangents' dtypes)."""
@@ -51,15 +64,10 @@ def _matmul(x_dtype, w_dtype):
 
     def forward(x, w):
         xq, wq = quantize(x), quantize(w)
-        return _dot(xq, wq, (((x.ndim - 1,), (0,)), ((), ())), x_dtype), (xq, wq)
+        return _product(xq, wq, x_dtype), (xq, wq)
 
     def backward(res, g):
-        xq, wq = res
-        gq = quantize(g, E5M2)
-        dx = _dot(gq, wq, (((g.ndim - 1,), (1,)), ((), ())), x_dtype)
-        lead = tuple(range(g.ndim - 1))  # the weight's gradient sums over every token
-        dw = _dot(xq, gq, ((lead, lead), ((), ())), w_dtype)
-        return dx, dw
+        return _gradients(*res, g, x_dtype, w_dtype)
 
     matmul.defvjp(forward, backward)
     return matmul
@@ -76,15 +84,12 @@ def _prescaled(x_dtype):
 
     def forward(x, data, scale, grad):
         xq = quantize(x)
-        y = _dot(xq, Scaled(data, scale), (((x.ndim - 1,), (0,)), ((), ())), x_dtype)
-        return y, (xq, data, scale, jnp.zeros((0,), grad.dtype))
+        return _product(xq, Scaled(data, scale), x_dtype), (xq, data, scale,
+                                                            jnp.zeros((0,), grad.dtype))
 
     def backward(res, g):
         xq, data, scale, like = res
-        gq = quantize(g, E5M2)
-        dx = _dot(gq, Scaled(data, scale), (((g.ndim - 1,), (1,)), ((), ())), x_dtype)
-        lead = tuple(range(g.ndim - 1))
-        dw = _dot(xq, gq, ((lead, lead), ((), ())), like.dtype)
+        dx, dw = _gradients(xq, Scaled(data, scale), g, x_dtype, like.dtype)
         return dx, jnp.zeros_like(data), jnp.zeros_like(scale), dw
 
     matmul.defvjp(forward, backward)
